@@ -1,0 +1,1 @@
+"""Encoder service: Qwen3-VL's vision tower behind ``qwenvl.encoder.v1.EncoderService``."""

@@ -1,0 +1,144 @@
+"""The vision engine: Qwen3-VL's vision tower only, loaded without the language model.
+
+Usage::
+
+    engine = VisionEngine.load("path/or/hub-id", device="cpu", dtype="float32")
+    pixel_values, grid = engine.preprocess(rgb_uint8_hwc, plan)
+    [embeddings] = engine.encode([(pixel_values, grid)])   # [tokens, out_hidden*(1+n_deepstack)]
+
+Only the ``model.visual.*`` tensors are read from the checkpoint's safetensors files
+(``safe_open`` with a key filter) into a ``Qwen3VLVisionModel`` built from the vision
+config, so a 2B checkpoint's language weights never reach memory (FACTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlcommon.imaging import ResizePlan, resize_to_plan
+from vlcommon.model_info import VisionSpec, load_vision_spec, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+VISUAL_PREFIXES = ("model.visual.", "visual.")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Preprocessed:
+    """One image ready for the ViT.
+
+    Attributes:
+        pixel_values: float [grid_t*grid_h*grid_w, 3*temporal_patch*patch*patch] patches.
+        grid: (t, h, w) in patches.
+        tokens: Merged tokens the image yields.
+    """
+
+    pixel_values: torch.Tensor
+    grid: tuple[int, int, int]
+    tokens: int
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted({f for k, f in weight_map.items() if k.startswith(VISUAL_PREFIXES)})
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+class VisionEngine:
+    """Qwen3-VL vision tower (ViT, patch merger, deepstack mergers) on one device."""
+
+    def __init__(self, model_dir: Path, visual: Any, image_processor: Any, spec: VisionSpec,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model_dir = model_dir
+        self.visual = visual
+        self.image_processor = image_processor
+        self.spec = spec
+        self.device = device
+        self.dtype = dtype
+
+    @classmethod
+    def load(cls, model: str, *, device: str = "auto", dtype: str = "float32") -> VisionEngine:
+        """Load the vision tower and image processor of a checkpoint.
+
+        Args:
+            model: Local directory or hub id.
+            device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available).
+            dtype: ``float32``, ``bfloat16`` or ``float16``.
+        """
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoImageProcessor
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        model_dir = resolve_model_dir(model)
+        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                           ("cpu" if device == "auto" else device))
+        torch_dtype = DTYPES[dtype]
+        config = AutoConfig.from_pretrained(model_dir)
+        vision_config = config.vision_config
+        vision_config._attn_implementation = "sdpa"
+        visual = Qwen3VLVisionModel._from_config(vision_config, dtype=torch_dtype)
+        state: dict[str, torch.Tensor] = {}
+        for path in _weight_files(model_dir):
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    for prefix in VISUAL_PREFIXES:
+                        if key.startswith(prefix):
+                            state[key[len(prefix):]] = f.get_tensor(key)
+        missing, unexpected = visual.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise RuntimeError(
+                f"{model_dir}: vision weights do not match the config "
+                f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
+        visual = visual.to(device=dev, dtype=torch_dtype).eval()
+        image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        spec = load_vision_spec(model_dir)
+        log.info("vision tower loaded from %s: %d tensors on %s %s", model_dir, len(state), dev,
+                 dtype)
+        return cls(model_dir, visual, image_processor, spec, dev, torch_dtype)
+
+    def preprocess(self, pixels: np.ndarray, plan: ResizePlan) -> Preprocessed:
+        """Resize (the shared plan), rescale, normalise and patchify one image.
+
+        Args:
+            pixels: uint8 [height, width, 3] upright RGB.
+            plan: The gateway's resize plan.
+
+        Raises:
+            ValueError: the processor's grid differs from the plan's (a bug, not bad input).
+        """
+        resized = resize_to_plan(pixels, plan)
+        out = self.image_processor(images=[resized], do_resize=False, return_tensors="pt")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
+        if grid != plan.grid:
+            raise ValueError(f"processor grid {grid} != planned grid {plan.grid}")
+        return Preprocessed(out["pixel_values"], grid, plan.tokens)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def encode(self, images: list[Preprocessed]) -> list[torch.Tensor]:
+        """Run the vision tower once over all images (packed along the patch axis).
+
+        Returns:
+            Per image, ``[tokens, out_hidden * (1 + n_deepstack)]`` in the engine dtype on
+            the CPU: the merged tokens, then each deepstack level, concatenated on dim 1.
+        """
+        pixel_values = torch.cat([im.pixel_values for im in images]).to(self.device, self.dtype)
+        grid_thw = torch.tensor([im.grid for im in images], dtype=torch.long, device=self.device)
+        out = self.visual(pixel_values, grid_thw=grid_thw)
+        full = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
+        sizes = [im.tokens for im in images]
+        return [t.to("cpu") for t in torch.split(full, sizes, dim=0)]

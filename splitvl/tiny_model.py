@@ -1,0 +1,197 @@
+"""Build a tiny random-weight Qwen3-VL checkpoint offline, deterministically.
+
+``splitvl make-tiny-model DIR`` writes a checkpoint that loads with
+``from_pretrained(DIR)`` in transformers and in vLLM (``HF_HUB_OFFLINE=1``): a
+``Qwen3VLForConditionalGeneration`` with random weights from a fixed seed, a byte-level
+BPE tokenizer trained here on text that ships with Python (Qwen2's normaliser, split
+regex and ByteLevel pre-tokenizer, Qwen3-VL's special tokens in Qwen's order), a
+Qwen3-VL-style chat template and processor configs. The configuration is the one
+measured in ../shared/FACTS.md. The same seed gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+SEED = 1234
+# Qwen2/Qwen3 tokenizer pre-tokenisation regex (tokenizer.json of Qwen2-VL).
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen3-VL's added tokens, in the order of Qwen's vocabulary (151643 onwards).
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+ADDED_NON_SPECIAL = [
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+]
+BPE_VOCAB = 2000
+VOCAB_PADDED = 2048
+
+# Qwen3-VL's chat template, reduced to what splitvl uses: text, images and videos in
+# ordered content parts; one <|image_pad|> per image (the processor or vLLM expands it).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for content in message['content'] %}"
+    "{%- if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif content['type'] == 'video' or 'video' in content %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in content %}{{- content['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_CORPUS_MODULES = [
+    "this", "os", "json", "re", "argparse", "asyncio", "collections", "functools",
+    "itertools", "logging", "pathlib", "subprocess", "textwrap", "typing", "unittest",
+    "csv", "datetime", "decimal", "fractions", "statistics", "random", "string", "difflib",
+    "pickle", "socket", "threading", "email", "http", "urllib", "zipfile", "tarfile",
+    "shutil", "tempfile", "inspect", "dataclasses", "enum", "heapq", "bisect", "math",
+    "colorsys", "calendar", "locale", "gettext", "pprint", "contextlib", "abc", "io",
+]
+_EXTRA_TEXT = (
+    "Describe this image. What is in the picture? A photo of an astronaut, a cat, a cup "
+    "of coffee, a rocket, a motorcycle, the sky, a person, a dog, a car, a street, a tree. "
+    "The image shows colors: red, green, blue, yellow, black, white. Answer the question.\n"
+)
+
+
+def _corpus() -> list[str]:
+    import codecs
+    import contextlib
+    import io
+
+    texts = [_EXTRA_TEXT] * 20
+    for name in _CORPUS_MODULES:
+        if name == "this":
+            with contextlib.redirect_stdout(io.StringIO()):
+                mod = importlib.import_module("this")
+            texts.append(codecs.decode(mod.s, "rot13"))
+            continue
+        mod = importlib.import_module(name)
+        texts.append(mod.__doc__ or "")
+        for attr in sorted(dir(mod)):
+            doc = getattr(getattr(mod, attr, None), "__doc__", None)
+            if isinstance(doc, str) and not attr.startswith("_"):
+                texts.append(doc)
+    return texts
+
+
+def build_tokenizer() -> Any:
+    """Train the byte-level BPE and wrap it as a Qwen2Tokenizer with Qwen3-VL's tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, min_frequency=2, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    qwen = Qwen2Tokenizer(
+        vocab=model["vocab"], merges=merges, unk_token=None, bos_token=None,
+        eos_token=None, pad_token=None, add_prefix_space=False,
+    )
+    # Specials first, in Qwen's order; eos/pad are named afterwards so they keep that order.
+    qwen.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    qwen.add_tokens(ADDED_NON_SPECIAL)
+    qwen.eos_token = "<|im_end|>"
+    qwen.pad_token = "<|endoftext|>"
+    qwen.chat_template = CHAT_TEMPLATE
+    return qwen
+
+
+def tiny_config(tokenizer: Any, **overrides: Any) -> Any:
+    """The tiny Qwen3VLConfig of FACTS.md, with token ids from ``tokenizer``."""
+    from transformers import Qwen3VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    assert len(tokenizer) <= VOCAB_PADDED, len(tokenizer)
+    text = {
+        "vocab_size": VOCAB_PADDED, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 64, "max_position_embeddings": 4096, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0,
+                            "mrope_section": [12, 10, 10], "mrope_interleaved": True},
+        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+    vision = {
+        "depth": 4, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128,
+        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "out_hidden_size": 128, "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [1, 2], "hidden_act": "gelu_pytorch_tanh",
+    }
+    text.update(overrides.pop("text", {}))
+    vision.update(overrides.pop("vision", {}))
+    return Qwen3VLConfig(
+        text_config=text, vision_config=vision,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False, **overrides,
+    )
+
+
+def build_processor(tokenizer: Any, *, patch_size: int = 16, merge_size: int = 2,
+                    min_pixels: int = 4096, max_pixels: int = 65536) -> Any:
+    """Qwen3VLProcessor with the fast (torchvision) image processor and mean/std 0.5."""
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    common = {"patch_size": patch_size, "merge_size": merge_size, "temporal_patch_size": 2,
+              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    image_processor = Qwen2VLImageProcessor(
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, **common
+    )
+    video_processor = Qwen3VLVideoProcessor(
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 4}, **common
+    )
+    return Qwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer,
+        video_processor=video_processor, chat_template=CHAT_TEMPLATE,
+    )
+
+
+def make_tiny_model(out_dir: str | Path, *, seed: int = SEED) -> Path:
+    """Write the tiny checkpoint to ``out_dir`` and return its path.
+
+    Args:
+        out_dir: Target directory (created).
+        seed: Seed of torch's generator for the random weights.
+    """
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = tiny_config(tokenizer)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    model.save_pretrained(out)
+    build_processor(tokenizer).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "SPLITVL_TINY_MODEL").write_text(f"seed={seed}\n")
+    return out

@@ -1,0 +1,123 @@
+"""Errors that travel in the gRPC status, with google.rpc.ErrorInfo details.
+
+Every service raises :class:`ServiceError` (or a subclass) from its domain code; the
+thin servicers turn it into a status with :func:`abort`. The status carries a
+``google.rpc.ErrorInfo`` (reason in UPPER_SNAKE, metadata naming the field and the
+limit), packed with grpcio-status as in grpc's ``examples/python/errors/``.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+ERROR_DOMAIN = "splitvl.qwenvl"
+
+
+class ServiceError(Exception):
+    """A failure with the gRPC status it must produce.
+
+    Args:
+        code: The gRPC status code.
+        reason: UPPER_SNAKE reason for ErrorInfo, e.g. ``IMAGE_DECODE_FAILED``.
+        message: Human-readable message naming the field and, where one applies, the limit.
+        metadata: ErrorInfo metadata, e.g. ``{"field": "images[1]", "limit": "200"}``.
+    """
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        reason: str,
+        message: str,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+def invalid_argument(
+    reason: str, message: str, *, field: str, **metadata: object
+) -> ServiceError:
+    """A ServiceError with INVALID_ARGUMENT naming ``field``."""
+    return ServiceError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        reason,
+        message,
+        {"field": field, **{k: str(v) for k, v in metadata.items()}},
+    )
+
+
+def resource_exhausted(
+    reason: str, message: str, *, field: str, limit: object, **metadata: object
+) -> ServiceError:
+    """A ServiceError with RESOURCE_EXHAUSTED naming ``field`` and ``limit``."""
+    return ServiceError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        reason,
+        message,
+        {"field": field, "limit": str(limit), **{k: str(v) for k, v in metadata.items()}},
+    )
+
+
+def to_status(err: ServiceError) -> grpc.Status:
+    """Pack ``err`` as a grpc.Status whose trailing metadata holds google.rpc.Status."""
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(
+        code=getattr(code_pb2, err.code.name, code_pb2.UNKNOWN),
+        message=err.message,
+        details=[detail],
+    )
+    return rpc_status.to_status(status)
+
+
+async def abort(context: grpc.aio.ServicerContext, err: ServiceError) -> NoReturn:
+    """Abort the RPC with ``err``'s code, message and ErrorInfo details."""
+    status = to_status(err)
+    await context.abort(status.code, status.details, status.trailing_metadata)
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+def error_info(error: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ErrorInfo carried by a failed call, or None."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError, *, dependency: str) -> ServiceError:
+    """Re-raise a downstream failure with its own code, message and ErrorInfo.
+
+    Bad input found downstream stays INVALID_ARGUMENT; a dependency that cannot be
+    reached is UNAVAILABLE naming it; an INTERNAL error downstream is reported as
+    UNAVAILABLE of that dependency rather than as our own INTERNAL.
+    """
+    info = error_info(error)
+    code = error.code()
+    message = error.details() or code.name
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        code = grpc.StatusCode.UNAVAILABLE
+        message = f"{dependency} failed: {message}"
+    elif code == grpc.StatusCode.UNAVAILABLE:
+        message = f"{dependency} unavailable: {message}"
+    reason = info.reason if info is not None else f"{dependency.upper()}_{code.name}"
+    metadata = dict(info.metadata) if info is not None else {}
+    metadata.setdefault("dependency", dependency)
+    return ServiceError(code, reason, message, metadata)

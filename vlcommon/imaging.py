@@ -1,0 +1,242 @@
+"""The one image pipeline: decode, validate, plan the resize, key, describe, resize.
+
+The gateway decodes each image once (:func:`decode_image`), plans its resize with
+:func:`plan_resize` (Qwen's ``smart_resize``, so ``image_grid_thw``
+and the placeholder count are known before any ViT work), and computes the exact key
+(:func:`exact_key`) and the similarity descriptor (:func:`similarity_descriptor`). The
+encoder applies the same plan to the pixels with :func:`resize_to_plan`, the exact
+resampling the Qwen2-VL fast image processor uses (torchvision bicubic, antialiased),
+so splitvl's pixels equal what transformers and vLLM compute on the raw image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
+from vlcommon.model_info import VisionSpec
+
+if TYPE_CHECKING:
+    import torch
+
+# smart_resize (transformers and qwen-vl-utils alike) refuses aspect ratios above 200.
+MAX_ASPECT_RATIO = 200.0
+# Background for transparent pixels: white, as browsers show a transparent PNG on a page.
+ALPHA_BACKGROUND = (255, 255, 255)
+DESCRIPTOR_SIDE = 32
+DESCRIPTOR_DIM = DESCRIPTOR_SIDE * DESCRIPTOR_SIDE * 3
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    """Target size and patch grid of one image.
+
+    Attributes:
+        resized_height, resized_width: Pixels, multiples of ``spec.factor``.
+        grid_t, grid_h, grid_w: ``image_grid_thw`` in patches.
+        tokens: LLM tokens for this image, ``grid_t*grid_h*grid_w / merge**2``.
+    """
+
+    resized_height: int
+    resized_width: int
+    grid_t: int
+    grid_h: int
+    grid_w: int
+    tokens: int
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.grid_t, self.grid_h, self.grid_w)
+
+
+def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.Image:
+    """Decode one encoded image to upright 8-bit RGB.
+
+    EXIF orientation is applied (``ImageOps.exif_transpose``) before anything else sees
+    the pixels; transparency is composited on white; animated images use their first
+    frame; 16-bit grayscale is scaled to 8 bits. Truncated files are rejected: Pillow's
+    ``LOAD_TRUNCATED_IMAGES`` is never switched on.
+
+    Args:
+        data: The encoded file (PNG, JPEG, WebP, GIF, BMP, TIFF, ...).
+        index: The image's position in the request, for error messages.
+        max_decoded_pixels: Width*height above which the image is refused before its
+            pixel data is decoded (decompression bombs).
+
+    Returns:
+        A PIL image in mode ``RGB``.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``IMAGE_DECODE_FAILED`` naming ``images[index]``;
+            RESOURCE_EXHAUSTED ``IMAGE_TOO_LARGE`` naming the pixel limit.
+    """
+    field = f"images[{index}]"
+    if not data:
+        raise invalid_argument(
+            "IMAGE_DECODE_FAILED", f"{field} could not be decoded: the image data is empty",
+            field=field,
+        )
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+            if width * height > max_decoded_pixels:
+                raise resource_exhausted(
+                    "IMAGE_TOO_LARGE",
+                    f"{field} is {width}x{height} = {width * height} pixels; the limit is "
+                    f"{max_decoded_pixels} decoded pixels",
+                    field=field, limit=max_decoded_pixels,
+                )
+            if getattr(im, "is_animated", False):
+                im.seek(0)
+            im.load()
+            upright = ImageOps.exif_transpose(im)
+            return _to_rgb(upright if upright is not None else im)
+    except ServiceError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError,
+            Image.DecompressionBombError) as exc:
+        raise invalid_argument(
+            "IMAGE_DECODE_FAILED", f"{field} could not be decoded: {exc}", field=field,
+        ) from exc
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        arr = np.asarray(im, dtype=np.uint32 if im.mode == "I" else np.uint16)
+        shift = 8 if im.mode != "I" else max(0, int(arr.max()).bit_length() - 8)
+        im = Image.fromarray((arr >> shift).astype(np.uint8), mode="L")
+    if im.mode == "P" and "transparency" in im.info:
+        im = im.convert("RGBA")
+    if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = im.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (*ALPHA_BACKGROUND, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def plan_resize(
+    height: int,
+    width: int,
+    spec: VisionSpec,
+    *,
+    index: int,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> ResizePlan:
+    """Plan the resize of one image with Qwen's ``smart_resize``.
+
+    Both sides become multiples of ``spec.factor`` (patch_size * spatial_merge_size),
+    with height*width in ``[min_pixels, max_pixels]`` and the aspect ratio kept as
+    closely as possible. Images smaller than the factor are scaled up to at least
+    ``min_pixels`` (case C01), so the gateway's grid, the encoder's pixels and the
+    decoder's placeholder count agree.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``IMAGE_ASPECT_RATIO_TOO_LARGE`` when
+            max(h, w) / min(h, w) > 200 (qwen-vl-utils' MAX_RATIO), naming the ratio.
+    """
+    field = f"images[{index}]"
+    lo = spec.min_pixels if min_pixels is None else min_pixels
+    hi = spec.max_pixels if max_pixels is None else max_pixels
+    ratio = max(height, width) / max(1, min(height, width))
+    if ratio > MAX_ASPECT_RATIO:
+        raise invalid_argument(
+            "IMAGE_ASPECT_RATIO_TOO_LARGE",
+            f"{field} is {width}x{height}: aspect ratio {ratio:.1f} exceeds the limit of "
+            f"{MAX_ASPECT_RATIO:g}",
+            field=field, limit=f"{MAX_ASPECT_RATIO:g}", actual=f"{ratio:.3f}",
+        )
+    # transformers' smart_resize, not qwen-vl-utils': the two round differently (1093x5 ->
+    # 32x960 vs 32x1088) and the checkpoint's own processor, which vLLM and transformers
+    # use on raw images, is transformers'. Using it keeps splitvl's grids equal to theirs.
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    if lo < spec.factor**2 or hi < lo:
+        raise invalid_argument(
+            "PIXEL_BUDGET_INVALID",
+            f"pixel budget [{lo}, {hi}] is invalid: min_pixels must be >= {spec.factor**2} "
+            "and max_pixels >= min_pixels",
+            field="pixel_budget", limit=spec.factor**2,
+        )
+    rh, rw = smart_resize(height, width, factor=spec.factor, min_pixels=lo, max_pixels=hi)
+    grid_h, grid_w = rh // spec.patch_size, rw // spec.patch_size
+    return ResizePlan(
+        resized_height=rh, resized_width=rw, grid_t=1, grid_h=grid_h, grid_w=grid_w,
+        tokens=spec.tokens(1, grid_h, grid_w),
+    )
+
+
+def exact_key(image: Image.Image, plan: ResizePlan, revision: str) -> str:
+    """Full SHA-256 hex digest over the decoded pixels, their mode and size, the resize
+    plan and the model revision. Equal bytes with a different shape never collide."""
+    h = hashlib.sha256()
+    h.update(b"splitvl-exact-v1\0")
+    h.update(f"{image.mode}\0{image.width}x{image.height}\0".encode())
+    h.update(f"{plan.resized_height}x{plan.resized_width}\0{plan.grid}\0{revision}\0".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+def similarity_descriptor(image: Image.Image) -> np.ndarray:
+    """A cheap descriptor for near-duplicate search, computed before any ViT work.
+
+    The image is area-averaged (box filter) to a 32x32 RGB thumbnail, the per-channel
+    mean is subtracted, and the 3,072 values are L2-normalised, so the inner product of
+    two descriptors is the Pearson correlation of the thumbnails (a cosine similarity).
+    Area averaging removes the high frequencies that JPEG re-encoding and small resizes
+    change, while the layout of content survives; mean removal makes it insensitive to
+    a uniform brightness shift. A flat image has no structure and yields the zero vector
+    (cosine 0 with everything, so it can only ever hit exactly).
+
+    Returns:
+        float32 [3072], unit L2 norm (or all zeros).
+    """
+    thumb = image.resize((DESCRIPTOR_SIDE, DESCRIPTOR_SIDE), Image.Resampling.BOX)
+    arr = np.asarray(thumb, dtype=np.float32).reshape(-1, 3)
+    arr = arr - arr.mean(axis=0, keepdims=True)
+    vec = arr.reshape(-1)
+    norm = float(np.linalg.norm(vec))
+    if norm < 1e-3:
+        return np.zeros(DESCRIPTOR_DIM, dtype=np.float32)
+    return (vec / norm).astype(np.float32)
+
+
+def resize_to_plan(pixels: np.ndarray | Image.Image, plan: ResizePlan) -> torch.Tensor:
+    """Resize RGB pixels to the plan's size: uint8 [3, resized_height, resized_width].
+
+    Uses ``torchvision.transforms.v2.functional.resize`` (bicubic, antialiased) on the
+    uint8 tensor, as transformers' Qwen2-VL fast image processor does, so the result is
+    bit-identical to what transformers and vLLM feed their ViT for the raw image.
+    """
+    import torch
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2 import functional as F
+
+    arr = np.asarray(pixels, dtype=np.uint8)
+    # A private copy: the pixels often arrive as a read-only view of a protobuf buffer.
+    chw = torch.from_numpy(np.array(arr, copy=True)).permute(2, 0, 1)
+    if chw.shape[1] == plan.resized_height and chw.shape[2] == plan.resized_width:
+        return chw.contiguous()
+    return F.resize(
+        chw, [plan.resized_height, plan.resized_width],
+        interpolation=InterpolationMode.BICUBIC, antialias=True,
+    )
+
+
+def cosine_similarity(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine similarity of two vectors, clamped to [-1, 1]."""
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    if na == 0.0 or nb == 0.0:
+        return 0.0
+    return max(-1.0, min(1.0, float(np.dot(a, b)) / (na * nb)))
+
+
+def is_finite_number(x: float) -> bool:
+    return not (math.isnan(x) or math.isinf(x))

@@ -1,0 +1,131 @@
+"""Tensor codec: numpy/torch arrays <-> ``qwenvl.common.v1.Tensor`` (dtype + shape + raw bytes).
+
+Row-major, little-endian bytes with Open Inference Protocol dtype names. BF16 has no
+numpy dtype: it travels as the upper 16 bits of each float32 and is decoded to torch
+directly (``torch.frombuffer``) or widened to float32 for numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from qwenvl.common.v1 import tensor_pb2
+from vlcommon.errors import invalid_argument
+
+if TYPE_CHECKING:
+    import torch
+
+DataType = tensor_pb2.DataType
+
+ITEMSIZE: dict[int, int] = {
+    tensor_pb2.DATA_TYPE_UINT8: 1,
+    tensor_pb2.DATA_TYPE_FP32: 4,
+    tensor_pb2.DATA_TYPE_FP16: 2,
+    tensor_pb2.DATA_TYPE_BF16: 2,
+    tensor_pb2.DATA_TYPE_INT64: 8,
+}
+_NUMPY: dict[int, Any] = {
+    tensor_pb2.DATA_TYPE_UINT8: np.dtype("<u1"),
+    tensor_pb2.DATA_TYPE_FP32: np.dtype("<f4"),
+    tensor_pb2.DATA_TYPE_FP16: np.dtype("<f2"),
+    tensor_pb2.DATA_TYPE_INT64: np.dtype("<i8"),
+}
+
+
+def dtype_name(dtype: int) -> str:
+    """Open Inference Protocol name of a DataType value, e.g. ``FP32``."""
+    return tensor_pb2.DataType.Name(dtype).removeprefix("DATA_TYPE_")
+
+
+def numel(shape: list[int] | tuple[int, ...]) -> int:
+    """Number of elements of ``shape``."""
+    return math.prod(int(s) for s in shape)
+
+
+def validate(msg: tensor_pb2.Tensor, *, field: str, dtypes: tuple[int, ...] | None = None,
+             ndim: int | None = None) -> None:
+    """Check that a Tensor is self-consistent.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming ``field`` when the dtype is not allowed, a
+            dimension is negative, ``ndim`` differs, or ``len(data)`` is not
+            ``prod(shape) * itemsize``.
+    """
+    if msg.dtype not in ITEMSIZE or (dtypes is not None and msg.dtype not in dtypes):
+        allowed = ", ".join(dtype_name(d) for d in (dtypes or tuple(ITEMSIZE)))
+        raise invalid_argument(
+            "TENSOR_DTYPE_UNSUPPORTED",
+            f"{field}.dtype is {dtype_name(msg.dtype) if msg.dtype in ITEMSIZE else msg.dtype}; "
+            f"expected one of {allowed}",
+            field=f"{field}.dtype",
+        )
+    if ndim is not None and len(msg.shape) != ndim:
+        raise invalid_argument(
+            "TENSOR_SHAPE_INVALID",
+            f"{field}.shape is {list(msg.shape)}; expected {ndim} dimensions",
+            field=f"{field}.shape",
+        )
+    if any(s < 0 for s in msg.shape):
+        raise invalid_argument(
+            "TENSOR_SHAPE_INVALID",
+            f"{field}.shape {list(msg.shape)} has a negative dimension",
+            field=f"{field}.shape",
+        )
+    expected = numel(msg.shape) * ITEMSIZE[msg.dtype]
+    if len(msg.data) != expected:
+        raise invalid_argument(
+            "TENSOR_SIZE_MISMATCH",
+            f"{field}.data has {len(msg.data)} bytes; shape {list(msg.shape)} of "
+            f"{dtype_name(msg.dtype)} needs {expected}",
+            field=f"{field}.data",
+            expected=expected,
+            actual=len(msg.data),
+        )
+
+
+def from_numpy(array: np.ndarray) -> tensor_pb2.Tensor:
+    """Encode a numpy array (uint8, float32, float16 or int64)."""
+    arr = np.ascontiguousarray(array)
+    for code, dt in _NUMPY.items():
+        if arr.dtype == dt or arr.dtype == dt.newbyteorder("="):
+            return tensor_pb2.Tensor(
+                dtype=code, shape=list(arr.shape), data=arr.astype(dt, copy=False).tobytes()
+            )
+    raise TypeError(f"unsupported numpy dtype {arr.dtype}")
+
+
+def to_numpy(msg: tensor_pb2.Tensor) -> np.ndarray:
+    """Decode to numpy (BF16 is widened to float32). The result is read-only."""
+    if msg.dtype == tensor_pb2.DATA_TYPE_BF16:
+        upper = np.frombuffer(msg.data, dtype="<u2").astype(np.uint32) << 16
+        return upper.view(np.float32).reshape(tuple(msg.shape))
+    return np.frombuffer(msg.data, dtype=_NUMPY[msg.dtype]).reshape(tuple(msg.shape))
+
+
+def from_torch(tensor: torch.Tensor) -> tensor_pb2.Tensor:
+    """Encode a CPU or GPU torch tensor (float32, bfloat16, float16, uint8 or int64)."""
+    import torch
+
+    t = tensor.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        return tensor_pb2.Tensor(
+            dtype=tensor_pb2.DATA_TYPE_BF16,
+            shape=list(t.shape),
+            data=t.view(torch.int16).numpy().tobytes(),
+        )
+    return from_numpy(t.numpy())
+
+
+def to_torch(msg: tensor_pb2.Tensor) -> torch.Tensor:
+    """Decode to a CPU torch tensor of the message's dtype (BF16 stays bfloat16)."""
+    import torch
+
+    if msg.dtype == tensor_pb2.DATA_TYPE_BF16:
+        if not msg.data:
+            return torch.empty(tuple(msg.shape), dtype=torch.bfloat16)
+        raw = torch.frombuffer(bytearray(msg.data), dtype=torch.int16)
+        return raw.view(torch.bfloat16).reshape(tuple(msg.shape))
+    return torch.from_numpy(to_numpy(msg).copy())
