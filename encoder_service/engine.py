@@ -61,8 +61,15 @@ def _weight_files(model_dir: Path) -> list[Path]:
 class VisionEngine:
     """Qwen3-VL vision tower (ViT, patch merger, deepstack mergers) on one device."""
 
-    def __init__(self, model_dir: Path, visual: Any, image_processor: Any, spec: VisionSpec,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        visual: Any,
+        image_processor: Any,
+        spec: VisionSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.model_dir = model_dir
         self.visual = visual
         self.image_processor = image_processor
@@ -84,8 +91,11 @@ class VisionEngine:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
         model_dir = resolve_model_dir(model)
-        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                           ("cpu" if device == "auto" else device))
+        dev = torch.device(
+            "cuda"
+            if device == "auto" and torch.cuda.is_available()
+            else ("cpu" if device == "auto" else device)
+        )
         torch_dtype = DTYPES[dtype]
         config = AutoConfig.from_pretrained(model_dir)
         vision_config = config.vision_config
@@ -97,7 +107,7 @@ class VisionEngine:
                 for key in f.keys():
                     for prefix in VISUAL_PREFIXES:
                         if key.startswith(prefix):
-                            state[key[len(prefix):]] = f.get_tensor(key)
+                            state[key[len(prefix) :]] = f.get_tensor(key)
         missing, unexpected = visual.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise RuntimeError(
@@ -107,8 +117,9 @@ class VisionEngine:
         visual = visual.to(device=dev, dtype=torch_dtype).eval()
         image_processor = AutoImageProcessor.from_pretrained(model_dir)
         spec = load_vision_spec(model_dir)
-        log.info("vision tower loaded from %s: %d tensors on %s %s", model_dir, len(state), dev,
-                 dtype)
+        log.info(
+            "vision tower loaded from %s: %d tensors on %s %s", model_dir, len(state), dev, dtype
+        )
         return cls(model_dir, visual, image_processor, spec, dev, torch_dtype)
 
     def preprocess(self, pixels: np.ndarray, plan: ResizePlan) -> Preprocessed:

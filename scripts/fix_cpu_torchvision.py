@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 MARKER = "# splitvl: fake kernels only when the C++ ops loaded"
-GUARD = f'''
+GUARD = f"""
 {MARKER}
 def _splitvl_register_fake(name):
     def wrapper(fn):
@@ -32,7 +32,7 @@ def _splitvl_register_fake(name):
             return torch.library.register_fake(name)(fn)
         return fn
     return wrapper
-'''
+"""
 
 
 def main() -> int:
@@ -67,7 +67,8 @@ def main() -> int:
         print(f"patched {path}")
     check = subprocess.run(
         [sys.executable, "-c", "import torchvision.transforms.v2.functional"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if check.returncode != 0:
         print(check.stderr, file=sys.stderr)

@@ -24,14 +24,34 @@ QWEN2_SPLIT = (
 )
 # Qwen3-VL's added tokens, in the order of Qwen's vocabulary (151643 onwards).
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 ]
 ADDED_NON_SPECIAL = [
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
 ]
 BPE_VOCAB = 2000
 VOCAB_PADDED = 2048
@@ -55,12 +75,53 @@ CHAT_TEMPLATE = (
 )
 
 _CORPUS_MODULES = [
-    "this", "os", "json", "re", "argparse", "asyncio", "collections", "functools",
-    "itertools", "logging", "pathlib", "subprocess", "textwrap", "typing", "unittest",
-    "csv", "datetime", "decimal", "fractions", "statistics", "random", "string", "difflib",
-    "pickle", "socket", "threading", "email", "http", "urllib", "zipfile", "tarfile",
-    "shutil", "tempfile", "inspect", "dataclasses", "enum", "heapq", "bisect", "math",
-    "colorsys", "calendar", "locale", "gettext", "pprint", "contextlib", "abc", "io",
+    "this",
+    "os",
+    "json",
+    "re",
+    "argparse",
+    "asyncio",
+    "collections",
+    "functools",
+    "itertools",
+    "logging",
+    "pathlib",
+    "subprocess",
+    "textwrap",
+    "typing",
+    "unittest",
+    "csv",
+    "datetime",
+    "decimal",
+    "fractions",
+    "statistics",
+    "random",
+    "string",
+    "difflib",
+    "pickle",
+    "socket",
+    "threading",
+    "email",
+    "http",
+    "urllib",
+    "zipfile",
+    "tarfile",
+    "shutil",
+    "tempfile",
+    "inspect",
+    "dataclasses",
+    "enum",
+    "heapq",
+    "bisect",
+    "math",
+    "colorsys",
+    "calendar",
+    "locale",
+    "gettext",
+    "pprint",
+    "contextlib",
+    "abc",
+    "io",
 ]
 _EXTRA_TEXT = (
     "Describe this image. What is in the picture? A photo of an astronaut, a cat, a cup "
@@ -97,21 +158,30 @@ def build_tokenizer() -> Any:
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB, min_frequency=2, show_progress=False,
+        vocab_size=BPE_VOCAB,
+        min_frequency=2,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(), trainer)
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     qwen = Qwen2Tokenizer(
-        vocab=model["vocab"], merges=merges, unk_token=None, bos_token=None,
-        eos_token=None, pad_token=None, add_prefix_space=False,
+        vocab=model["vocab"],
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token=None,
+        pad_token=None,
+        add_prefix_space=False,
     )
     # Specials first, in Qwen's order; eos/pad are named afterwards so they keep that order.
     qwen.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
@@ -129,39 +199,72 @@ def tiny_config(tokenizer: Any, **overrides: Any) -> Any:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     assert len(tokenizer) <= VOCAB_PADDED, len(tokenizer)
     text = {
-        "vocab_size": VOCAB_PADDED, "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 64, "max_position_embeddings": 4096, "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0,
-                            "mrope_section": [12, 10, 10], "mrope_interleaved": True},
-        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+        "vocab_size": VOCAB_PADDED,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+        "hidden_act": "silu",
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [12, 10, 10],
+            "mrope_interleaved": True,
+        },
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
     }
     vision = {
-        "depth": 4, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128,
-        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "out_hidden_size": 128, "num_position_embeddings": 2304,
-        "deepstack_visual_indexes": [1, 2], "hidden_act": "gelu_pytorch_tanh",
+        "depth": 4,
+        "hidden_size": 64,
+        "num_heads": 2,
+        "intermediate_size": 128,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 128,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [1, 2],
+        "hidden_act": "gelu_pytorch_tanh",
     }
     text.update(overrides.pop("text", {}))
     vision.update(overrides.pop("vision", {}))
     return Qwen3VLConfig(
-        text_config=text, vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False, **overrides,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        **overrides,
     )
 
 
-def build_processor(tokenizer: Any, *, patch_size: int = 16, merge_size: int = 2,
-                    min_pixels: int = 4096, max_pixels: int = 65536) -> Any:
+def build_processor(
+    tokenizer: Any,
+    *,
+    patch_size: int = 16,
+    merge_size: int = 2,
+    min_pixels: int = 4096,
+    max_pixels: int = 65536,
+) -> Any:
     """Qwen3VLProcessor with the fast (torchvision) image processor and mean/std 0.5."""
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    common = {"patch_size": patch_size, "merge_size": merge_size, "temporal_patch_size": 2,
-              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    common = {
+        "patch_size": patch_size,
+        "merge_size": merge_size,
+        "temporal_patch_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
     image_processor = Qwen2VLImageProcessor(
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, **common
     )
@@ -169,8 +272,10 @@ def build_processor(tokenizer: Any, *, patch_size: int = 16, merge_size: int = 2
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 4}, **common
     )
     return Qwen3VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer,
-        video_processor=video_processor, chat_template=CHAT_TEMPLATE,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

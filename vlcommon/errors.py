@@ -45,9 +45,7 @@ class ServiceError(Exception):
         return f"{self.code.name}: {self.message}"
 
 
-def invalid_argument(
-    reason: str, message: str, *, field: str, **metadata: object
-) -> ServiceError:
+def invalid_argument(reason: str, message: str, *, field: str, **metadata: object) -> ServiceError:
     """A ServiceError with INVALID_ARGUMENT naming ``field``."""
     return ServiceError(
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -71,7 +69,9 @@ def resource_exhausted(
 
 def to_status(err: ServiceError) -> grpc.Status:
     """Pack ``err`` as a grpc.Status whose trailing metadata holds google.rpc.Status."""
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
+    info = error_details_pb2.ErrorInfo(
+        reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata
+    )
     detail = any_pb2.Any()
     detail.Pack(info)
     status = status_pb2.Status(

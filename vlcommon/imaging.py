@@ -80,7 +80,8 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
     field = f"images[{index}]"
     if not data:
         raise invalid_argument(
-            "IMAGE_DECODE_FAILED", f"{field} could not be decoded: the image data is empty",
+            "IMAGE_DECODE_FAILED",
+            f"{field} could not be decoded: the image data is empty",
             field=field,
         )
     try:
@@ -91,7 +92,8 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
                     "IMAGE_TOO_LARGE",
                     f"{field} is {width}x{height} = {width * height} pixels; the limit is "
                     f"{max_decoded_pixels} decoded pixels",
-                    field=field, limit=max_decoded_pixels,
+                    field=field,
+                    limit=max_decoded_pixels,
                 )
             if getattr(im, "is_animated", False):
                 im.seek(0)
@@ -100,10 +102,18 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
             return _to_rgb(upright if upright is not None else im)
     except ServiceError:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError,
-            Image.DecompressionBombError) as exc:
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        ValueError,
+        EOFError,
+        Image.DecompressionBombError,
+    ) as exc:
         raise invalid_argument(
-            "IMAGE_DECODE_FAILED", f"{field} could not be decoded: {exc}", field=field,
+            "IMAGE_DECODE_FAILED",
+            f"{field} could not be decoded: {exc}",
+            field=field,
         ) from exc
 
 
@@ -151,7 +161,9 @@ def plan_resize(
             "IMAGE_ASPECT_RATIO_TOO_LARGE",
             f"{field} is {width}x{height}: aspect ratio {ratio:.1f} exceeds the limit of "
             f"{MAX_ASPECT_RATIO:g}",
-            field=field, limit=f"{MAX_ASPECT_RATIO:g}", actual=f"{ratio:.3f}",
+            field=field,
+            limit=f"{MAX_ASPECT_RATIO:g}",
+            actual=f"{ratio:.3f}",
         )
     # transformers' smart_resize, not qwen-vl-utils': the two round differently (1093x5 ->
     # 32x960 vs 32x1088) and the checkpoint's own processor, which vLLM and transformers
@@ -163,12 +175,17 @@ def plan_resize(
             "PIXEL_BUDGET_INVALID",
             f"pixel budget [{lo}, {hi}] is invalid: min_pixels must be >= {spec.factor**2} "
             "and max_pixels >= min_pixels",
-            field="pixel_budget", limit=spec.factor**2,
+            field="pixel_budget",
+            limit=spec.factor**2,
         )
     rh, rw = smart_resize(height, width, factor=spec.factor, min_pixels=lo, max_pixels=hi)
     grid_h, grid_w = rh // spec.patch_size, rw // spec.patch_size
     return ResizePlan(
-        resized_height=rh, resized_width=rw, grid_t=1, grid_h=grid_h, grid_w=grid_w,
+        resized_height=rh,
+        resized_width=rw,
+        grid_t=1,
+        grid_h=grid_h,
+        grid_w=grid_w,
         tokens=spec.tokens(1, grid_h, grid_w),
     )
 
@@ -225,8 +242,10 @@ def resize_to_plan(pixels: np.ndarray | Image.Image, plan: ResizePlan) -> torch.
     if chw.shape[1] == plan.resized_height and chw.shape[2] == plan.resized_width:
         return chw.contiguous()
     return F.resize(
-        chw, [plan.resized_height, plan.resized_width],
-        interpolation=InterpolationMode.BICUBIC, antialias=True,
+        chw,
+        [plan.resized_height, plan.resized_width],
+        interpolation=InterpolationMode.BICUBIC,
+        antialias=True,
     )
 
 

@@ -46,8 +46,9 @@ def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
     ]
 
 
-def channel_options(max_message_bytes: int = 256 * MiB,
-                    keepalive_time_s: float = 30.0) -> list[tuple[str, int]]:
+def channel_options(
+    max_message_bytes: int = 256 * MiB, keepalive_time_s: float = 30.0
+) -> list[tuple[str, int]]:
     """grpc channel options for service-to-service calls: the same explicit limits."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),

@@ -11,8 +11,8 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from qwenvl.common.v1 import tensor_pb2
+
 from vlcommon.errors import invalid_argument
 
 if TYPE_CHECKING:
@@ -45,8 +45,13 @@ def numel(shape: list[int] | tuple[int, ...]) -> int:
     return math.prod(int(s) for s in shape)
 
 
-def validate(msg: tensor_pb2.Tensor, *, field: str, dtypes: tuple[int, ...] | None = None,
-             ndim: int | None = None) -> None:
+def validate(
+    msg: tensor_pb2.Tensor,
+    *,
+    field: str,
+    dtypes: tuple[int, ...] | None = None,
+    ndim: int | None = None,
+) -> None:
     """Check that a Tensor is self-consistent.
 
     Raises:

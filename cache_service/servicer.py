@@ -1,0 +1,181 @@
+"""``qwenvl.cache.v1.CacheService``: converts protos to store calls and maps errors."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+from opentelemetry import trace
+from qwenvl.cache.v1 import cache_service_pb2 as pb
+from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
+from qwenvl.common.v1 import generation_pb2, tensor_pb2
+
+from cache_service import metrics
+from cache_service.store import EmbeddingStore, Entry
+from vlcommon import tensors
+from vlcommon.errors import ServiceError, abort, invalid_argument, resource_exhausted
+
+tracer = trace.get_tracer("splitvl.cache")
+TIERS = {
+    "exact": generation_pb2.CACHE_TIER_EXACT,
+    "similar": generation_pb2.CACHE_TIER_SIMILAR,
+    "miss": generation_pb2.CACHE_TIER_MISS,
+}
+POLICIES = {
+    "exact_only": generation_pb2.CACHE_POLICY_EXACT_ONLY,
+    "similar": generation_pb2.CACHE_POLICY_SIMILAR,
+    "off": generation_pb2.CACHE_POLICY_OFF,
+}
+
+
+def _grid(msg: tensor_pb2.GridTHW, field: str) -> tuple[int, int, int]:
+    grid = (int(msg.t), int(msg.h), int(msg.w))
+    if min(grid) <= 0:
+        raise invalid_argument(
+            "GRID_INVALID", f"{field} is {list(grid)}; every entry must be > 0", field=field
+        )
+    return grid
+
+
+def _descriptor(msg: tensor_pb2.Tensor, dim: int, field: str) -> np.ndarray | None:
+    if not msg.data and not msg.shape:
+        return None
+    tensors.validate(msg, field=field, dtypes=(tensor_pb2.DATA_TYPE_FP32,), ndim=1)
+    if msg.shape[0] != dim:
+        raise invalid_argument(
+            "DESCRIPTOR_SHAPE_INVALID",
+            f"{field}.shape is {list(msg.shape)}; expected [{dim}]",
+            field=f"{field}.shape",
+            expected=dim,
+        )
+    return tensors.to_numpy(msg)
+
+
+def _embedding_proto(entry: Entry) -> tensor_pb2.ImageEmbedding:
+    t, h, w = entry.grid
+    return tensor_pb2.ImageEmbedding(
+        embeddings=tensor_pb2.Tensor(dtype=entry.dtype, shape=list(entry.shape), data=entry.data),
+        grid=tensor_pb2.GridTHW(t=t, h=h, w=w),
+        key=entry.key,
+    )
+
+
+class CacheServicer(pb_grpc.CacheServiceServicer):
+    """Serves Lookup, Put and GetStats over one :class:`EmbeddingStore`."""
+
+    def __init__(self, store: EmbeddingStore, *, default_policy: int, max_queries: int) -> None:
+        self.store = store
+        self.default_policy = default_policy
+        self.max_queries = max_queries
+        self.hits = {"exact": 0, "similar": 0, "miss": 0}
+
+    def _check_count(self, n: int, field: str) -> None:
+        if n > self.max_queries:
+            raise invalid_argument(
+                "TOO_MANY_ITEMS",
+                f"{field} has {n} entries; the limit is {self.max_queries}",
+                field=field,
+                limit=self.max_queries,
+            )
+
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
+        t0 = time.perf_counter()
+        try:
+            self._check_count(len(request.queries), "queries")
+            policy = request.policy or self.default_policy
+            response = pb.LookupResponse()
+            for i, query in enumerate(request.queries):
+                field = f"queries[{i}]"
+                if not query.key:
+                    raise invalid_argument(
+                        "KEY_MISSING", f"{field}.key is empty", field=f"{field}.key"
+                    )
+                grid = _grid(query.grid, f"{field}.grid")
+                descriptor = _descriptor(query.descriptor, self.store.dim, f"{field}.descriptor")
+                with tracer.start_as_current_span("cache.lookup") as span:
+                    if policy == generation_pb2.CACHE_POLICY_OFF:
+                        from cache_service.store import Match
+
+                        match = Match("miss", 0.0, None)
+                    else:
+                        match = self.store.lookup(
+                            query.key,
+                            descriptor,
+                            grid,
+                            similar=policy == generation_pb2.CACHE_POLICY_SIMILAR,
+                        )
+                    span.set_attribute("splitvl.cache.tier", match.tier)
+                    span.set_attribute("splitvl.cache.similarity", match.similarity)
+                self.hits[match.tier] += 1
+                metrics.LOOKUPS.labels(tier=match.tier).inc()
+                result = response.results.add(tier=TIERS[match.tier], similarity=match.similarity)
+                if match.entry is not None:
+                    result.matched_key = match.entry.key
+                    if request.include_embeddings:
+                        result.embedding.CopyFrom(_embedding_proto(match.entry))
+            return response
+        except ServiceError as err:
+            await abort(context, err)
+        finally:
+            metrics.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
+
+    async def Put(
+        self, request: pb.PutRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
+        try:
+            self._check_count(len(request.entries), "entries")
+            stored = evicted = 0
+            for i, entry in enumerate(request.entries):
+                field = f"entries[{i}]"
+                if not entry.key:
+                    raise invalid_argument(
+                        "KEY_MISSING", f"{field}.key is empty", field=f"{field}.key"
+                    )
+                grid = _grid(entry.embedding.grid, f"{field}.embedding.grid")
+                descriptor = _descriptor(entry.descriptor, self.store.dim, f"{field}.descriptor")
+                emb = entry.embedding.embeddings
+                tensors.validate(
+                    emb,
+                    field=f"{field}.embedding.embeddings",
+                    ndim=2,
+                    dtypes=(
+                        tensor_pb2.DATA_TYPE_FP32,
+                        tensor_pb2.DATA_TYPE_BF16,
+                        tensor_pb2.DATA_TYPE_FP16,
+                    ),
+                )
+                if len(emb.data) > self.store.capacity_bytes:
+                    raise resource_exhausted(
+                        "ENTRY_TOO_LARGE",
+                        f"{field} holds {len(emb.data)} bytes; the cache's budget is "
+                        f"{self.store.capacity_bytes} bytes",
+                        field=field,
+                        limit=self.store.capacity_bytes,
+                    )
+                evicted += self.store.put(
+                    entry.key, descriptor, grid, emb.dtype, tuple(emb.shape), emb.data
+                )
+                stored += 1
+            metrics.PUTS.inc(stored)
+            metrics.EVICTIONS.inc(evicted)
+            metrics.ENTRIES.set(len(self.store))
+            metrics.BYTES.set(self.store.bytes)
+            return pb.PutResponse(stored=stored, evicted=evicted)
+        except ServiceError as err:
+            await abort(context, err)
+
+    async def GetStats(
+        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStatsResponse:
+        return pb.GetStatsResponse(
+            entries=len(self.store),
+            bytes=self.store.bytes,
+            capacity_bytes=self.store.capacity_bytes,
+            exact_hits=self.hits["exact"],
+            similar_hits=self.hits["similar"],
+            misses=self.hits["miss"],
+            evictions=self.store.evictions,
+        )

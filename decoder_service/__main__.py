@@ -1,0 +1,109 @@
+"""Run the decoder service: ``python -m decoder_service --model DIR --port 50054 [vLLM args]``.
+
+All of vLLM's engine arguments are accepted as they are (``AsyncEngineArgs.add_cli_args``);
+splitvl sets defaults it depends on: ``--enable-mm-embeds``, ``--limit-mm-per-prompt``
+with a non-zero image count (with 0 vLLM drops deepstack, FACTS.md) and, on CPU,
+``--enforce-eager``. Service flags: ``--host``, ``--port``, ``--metrics-port`` and the
+``DECODER_*`` environment variables.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+from qwenvl.decoder.v1 import decoder_service_pb2, decoder_service_pb2_grpc
+
+from decoder_service import metrics
+from decoder_service.engine import DecoderEngine
+from decoder_service.servicer import DecoderServicer
+from decoder_service.validation import Limits
+from vlcommon.server import configure_logging, run, serve
+from vlcommon.settings import ServerSettings
+
+log = logging.getLogger("decoder_service")
+SERVICE = decoder_service_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name
+
+
+class DecoderSettings(ServerSettings):
+    """Service settings of the decoder (engine settings are vLLM's own flags)."""
+
+    model_config = SettingsConfigDict(env_prefix="DECODER_", extra="ignore")
+
+    max_tokens_default: int = Field(256, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1)
+    max_text_chars: int = Field(65536, ge=1)
+
+
+def _on_cpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return True
+
+
+async def main_async(settings: DecoderSettings, engine_args: object) -> None:
+    engine = DecoderEngine(engine_args)
+    limits = Limits(
+        max_images=0,
+        max_tokens_default=settings.max_tokens_default,
+        max_tokens_limit=settings.max_tokens_limit,
+        max_text_chars=settings.max_text_chars,
+    )
+    servicer = DecoderServicer(engine, limits)
+
+    async def startup() -> None:
+        await engine.start()
+        metrics.RUNNING.set_function(engine.num_unfinished)
+
+    async def shutdown() -> None:
+        engine.shutdown()
+
+    await serve(
+        service_name="decoder",
+        service_full_names=[SERVICE],
+        settings=settings,
+        register=lambda server: decoder_service_pb2_grpc.add_DecoderServiceServicer_to_server(
+            servicer, server
+        ),
+        startup=startup,
+        shutdown=shutdown,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from vllm import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+    parser = FlexibleArgumentParser(prog="python -m decoder_service", description=__doc__)
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--metrics-port", type=int)
+    parser = AsyncEngineArgs.add_cli_args(parser)
+    parser.set_defaults(
+        enable_mm_embeds=True,
+        limit_mm_per_prompt={"image": 8, "video": 0},
+        enforce_eager=_on_cpu() or None,
+    )
+    args = parser.parse_args(argv)
+    settings = DecoderSettings(
+        **{
+            k: getattr(args, k)
+            for k in ("host", "port", "metrics_port")
+            if getattr(args, k) is not None
+        }
+    )
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    if not engine_args.enable_mm_embeds:
+        parser.error("--enable-mm-embeds is required: the decoder takes precomputed embeddings")
+    configure_logging("decoder")
+    run(main_async(settings, engine_args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The decoder engine: vLLM ``AsyncLLM`` fed precomputed Qwen3-VL image embeddings.
+
+Usage::
+
+    engine = DecoderEngine(AsyncEngineArgs(model=DIR, enable_mm_embeds=True, ...))
+    await engine.start()
+    prompt = engine.render(messages)           # chat template, one <|image_pad|> per image
+    async for delta in engine.generate(rid, prompt, images, params): ...
+
+Everything that could kill the engine is checked first by ``validate_images`` (FACTS.md:
+a wrong row count or width raises EngineDeadError and fails every later request).
+vLLM gets ``{"image_embeds": [sum tokens, out_hidden*(1+n_deepstack)], "image_grid_thw":
+LongTensor [n_images, 3]}`` and one ``multi_modal_uuids`` entry per image: the exact key of
+the embeddings' content (a UUID shared by different content would make vLLM reuse the wrong
+image's cached state; measured: two same-grid photos under one UUID gave identical tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlcommon.model_info import VisionSpec, load_vision_spec, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image's embeddings as validated by the servicer.
+
+    Attributes:
+        embeddings: float32/bfloat16 ``[tokens, out_hidden*(1+n_deepstack)]``.
+        grid: (t, h, w) in patches.
+        uuid: Identity of the content (the exact cache key).
+    """
+
+    embeddings: torch.Tensor
+    grid: tuple[int, int, int]
+    uuid: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A streamed piece of output; ``finish_reason`` is set on the last one."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class DecoderEngine:
+    """Wraps vLLM's AsyncLLM: chat template, multimodal input, streaming, abort."""
+
+    def __init__(self, engine_args: Any) -> None:
+        self.engine_args = engine_args
+        self.llm: Any = None
+        self.tokenizer: Any = None
+        self.spec: VisionSpec | None = None
+        self.max_model_len = 0
+        self.max_images = 0
+        self.forbidden_tokens: tuple[str, ...] = ()
+
+    async def start(self) -> None:
+        """Start the engine (cold start tens of seconds on CPU) and load the tokenizer."""
+        from transformers import AutoTokenizer
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        model_dir = resolve_model_dir(self.engine_args.model)
+        self.spec = load_vision_spec(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # Every added token (<|image_pad|>, <|im_start|>, ...) is a control token: user
+        # text that spells one must not bind images or forge turns (case C05).
+        self.forbidden_tokens = tuple(
+            sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
+        )
+        self.llm = AsyncLLM.from_engine_args(self.engine_args)
+        self.max_model_len = int(self.llm.model_config.max_model_len)
+        limits = self.llm.model_config.multimodal_config.limit_per_prompt
+        image_limit = limits.get("image", 1)
+        self.max_images = int(getattr(image_limit, "count", image_limit))
+        log.info(
+            "vLLM engine ready: max_model_len=%d, images per prompt <= %d",
+            self.max_model_len,
+            self.max_images,
+        )
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    @property
+    def dead(self) -> bool:
+        return self.llm is not None and bool(self.llm.errored)
+
+    def num_unfinished(self) -> int:
+        return 0 if self.llm is None else int(self.llm.get_num_unfinished_requests())
+
+    def render(self, messages: Sequence[dict[str, Any]]) -> str:
+        """Apply the checkpoint's chat template; one ``<|image_pad|>`` per image part."""
+        return str(
+            self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+        )
+
+    def prompt_tokens(self, prompt: str, images: Sequence[ImageInput]) -> int:
+        """Prompt length after vLLM expands each ``<|image_pad|>`` to the image's tokens."""
+        text_tokens = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return text_tokens - len(images) + sum(int(im.embeddings.shape[0]) for im in images)
+
+    async def generate(
+        self, request_id: str, prompt: str, images: Sequence[ImageInput], params: Any
+    ) -> AsyncIterator[Delta]:
+        """Stream deltas. Cancelling the consumer aborts the vLLM request."""
+        inputs: dict[str, Any] = {"prompt": prompt}
+        if images:
+            inputs["multi_modal_data"] = {
+                "image": {
+                    "image_embeds": torch.cat([im.embeddings for im in images], dim=0),
+                    "image_grid_thw": torch.tensor([im.grid for im in images], dtype=torch.long),
+                }
+            }
+            inputs["multi_modal_uuids"] = {"image": [im.uuid for im in images]}
+        finished = False
+        completion = 0
+        try:
+            async for out in self.llm.generate(inputs, params, request_id=request_id):
+                choice = out.outputs[0]
+                completion += len(choice.token_ids)
+                finished = out.finished
+                yield Delta(
+                    token_ids=list(choice.token_ids),
+                    text=choice.text,
+                    finish_reason=choice.finish_reason if out.finished else None,
+                    prompt_tokens=len(out.prompt_token_ids or ()),
+                    completion_tokens=completion,
+                )
+        finally:
+            if not finished and self.llm is not None and not self.llm.errored:
+                # AsyncLLM.generate aborts on CancelledError/GeneratorExit itself; abort is
+                # idempotent, and this also covers a consumer that stops iterating early.
+                await self.llm.abort(request_id)
+
+
+def monotonic_ms() -> float:
+    return time.perf_counter() * 1000.0

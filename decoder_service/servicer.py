@@ -1,0 +1,180 @@
+"""``qwenvl.decoder.v1.DecoderService``: validates, renders the prompt, streams vLLM output."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from opentelemetry import trace
+from qwenvl.common.v1 import generation_pb2
+from qwenvl.decoder.v1 import decoder_service_pb2 as pb
+from qwenvl.decoder.v1 import decoder_service_pb2_grpc as pb_grpc
+
+from decoder_service import metrics
+from decoder_service.engine import DecoderEngine
+from decoder_service.validation import Limits, check_image, to_chat_messages
+from vlcommon.errors import ServiceError, abort, invalid_argument
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("splitvl.decoder")
+FINISH = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH}
+
+
+def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits) -> object:
+    """vLLM SamplingParams from the proto, with every field range-checked.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming ``sampling.<field>`` and its range.
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else limits.max_tokens_default
+    if not 1 <= max_tokens <= limits.max_tokens_limit:
+        raise invalid_argument(
+            "MAX_TOKENS_OUT_OF_RANGE",
+            f"sampling.max_tokens is {max_tokens}; allowed 1..{limits.max_tokens_limit}",
+            field="sampling.max_tokens",
+            limit=limits.max_tokens_limit,
+        )
+    if not math.isfinite(msg.temperature) or not 0.0 <= msg.temperature <= 100.0:
+        raise invalid_argument(
+            "TEMPERATURE_OUT_OF_RANGE",
+            f"sampling.temperature is {msg.temperature}; allowed 0..100",
+            field="sampling.temperature",
+        )
+    top_p = msg.top_p or 1.0
+    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+        raise invalid_argument(
+            "TOP_P_OUT_OF_RANGE",
+            f"sampling.top_p is {msg.top_p}; allowed (0, 1]",
+            field="sampling.top_p",
+        )
+    if len(msg.stop) > 16 or any(not s or len(s) > 256 for s in msg.stop):
+        raise invalid_argument(
+            "STOP_INVALID",
+            "sampling.stop allows up to 16 non-empty strings of at most 256 characters",
+            field="sampling.stop",
+            limit=16,
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=msg.temperature,
+        top_p=top_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=list(msg.stop) or None,
+        ignore_eos=msg.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+class DecoderServicer(pb_grpc.DecoderServiceServicer):
+    """Serves Generate on a :class:`DecoderEngine`."""
+
+    def __init__(self, engine: DecoderEngine, limits: Limits) -> None:
+        self.engine = engine
+        self.limits = limits
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        code = grpc.StatusCode.OK
+        request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        try:
+            if self.engine.llm is None or self.engine.spec is None:
+                raise ServiceError(
+                    grpc.StatusCode.UNAVAILABLE, "ENGINE_NOT_READY", "decoder engine is not ready"
+                )
+            if self.engine.dead:
+                raise ServiceError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "ENGINE_DEAD",
+                    "decoder engine has died; the service is restarting",
+                )
+            limits = Limits(
+                max_images=self.engine.max_images,
+                max_tokens_default=self.limits.max_tokens_default,
+                max_tokens_limit=self.limits.max_tokens_limit,
+                max_text_chars=self.limits.max_text_chars,
+            )
+            messages, order = to_chat_messages(request, self.engine.forbidden_tokens, limits)
+            images = [check_image(request.images[i], i, self.engine.spec) for i in order]
+            metrics.EMBEDDING_BYTES.inc(sum(len(request.images[i].embeddings.data) for i in order))
+            params = sampling_params(request.sampling, limits)
+            prompt = self.engine.render(messages)
+            n_prompt = self.engine.prompt_tokens(prompt, images)
+            budget = self.engine.max_model_len - params.max_tokens  # type: ignore[attr-defined]
+            if n_prompt > budget:
+                raise invalid_argument(
+                    "PROMPT_TOO_LONG",
+                    f"the prompt is {n_prompt} tokens (images included) and max_tokens "
+                    f"{params.max_tokens}; together they exceed max_model_len "  # type: ignore[attr-defined]
+                    f"{self.engine.max_model_len}",
+                    field="messages",
+                    limit=self.engine.max_model_len,
+                )
+            t0 = time.perf_counter()
+            last = t0
+            first = True
+            with tracer.start_as_current_span("decoder.generate") as span:
+                span.set_attribute("splitvl.images", len(images))
+                span.set_attribute("splitvl.prompt_tokens", n_prompt)
+                span.set_attribute("gen_ai.request.id", request_id)
+                async for delta in self.engine.generate(request_id, prompt, images, params):
+                    now = time.perf_counter()
+                    if delta.token_ids:
+                        if first:
+                            metrics.TTFT.observe(now - t0)
+                            span.add_event("first_token", {"ttft_ms": (now - t0) * 1000})
+                            first = False
+                        else:
+                            metrics.ITL.observe((now - last) / len(delta.token_ids))
+                        last = now
+                        metrics.OUTPUT_TOKENS.inc(len(delta.token_ids))
+                    response = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
+                    if delta.finish_reason is not None:
+                        response.finish_reason = FINISH.get(
+                            delta.finish_reason, generation_pb2.FINISH_REASON_STOP
+                        )
+                        response.usage.prompt_tokens = delta.prompt_tokens
+                        response.usage.completion_tokens = delta.completion_tokens
+                        span.set_attribute("splitvl.completion_tokens", delta.completion_tokens)
+                    yield response
+        except ServiceError as err:
+            code = err.code
+            await abort(context, err)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            metrics.ABORTED.inc()
+            log.info("request %s cancelled by the client: vLLM request aborted", request_id)
+            raise
+        except Exception as exc:
+            from vllm.exceptions import VLLMClientError
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            if isinstance(exc, VLLMClientError | ValueError):
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                await abort(
+                    context,
+                    invalid_argument(
+                        "ENGINE_REJECTED", f"vLLM rejected the request: {exc}", field="request"
+                    ),
+                )
+            if isinstance(exc, EngineDeadError) or self.engine.dead:
+                code = grpc.StatusCode.UNAVAILABLE
+                log.error("vLLM engine died: %s", exc)
+                await abort(
+                    context,
+                    ServiceError(
+                        grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD", f"decoder engine died: {exc}"
+                    ),
+                )
+            code = grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            metrics.REQUESTS.labels(code=code.name).inc()

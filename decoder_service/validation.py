@@ -1,0 +1,188 @@
+"""Checks that run before anything reaches the vLLM engine (cases C05 and C07).
+
+A wrong embedding row count or width kills vLLM's engine for every later request
+(FACTS.md), so each image is checked against its grid and the model's widths here, and
+user text that spells a control token is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from qwenvl.common.v1 import tensor_pb2
+from qwenvl.decoder.v1 import decoder_service_pb2 as pb
+
+from decoder_service.engine import ImageInput
+from vlcommon import tensors
+from vlcommon.errors import invalid_argument
+from vlcommon.model_info import VisionSpec
+
+ROLES = ("system", "user", "assistant")
+EMBEDDING_DTYPES = (tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_BF16, tensor_pb2.DATA_TYPE_FP16)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request limits of the decoder.
+
+    Attributes:
+        max_images: Images per prompt (vLLM's ``limit_mm_per_prompt``).
+        max_tokens_default: max_tokens when the request leaves it unset.
+        max_tokens_limit: Largest max_tokens accepted.
+        max_text_chars: Characters of text over all parts.
+    """
+
+    max_images: int
+    max_tokens_default: int
+    max_tokens_limit: int
+    max_text_chars: int
+
+
+def check_text(text: str, forbidden: tuple[str, ...], field: str) -> None:
+    """Refuse text containing a control token such as ``<|image_pad|>`` (case C05).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``TEXT_CONTAINS_SPECIAL_TOKEN`` naming the field
+            and the token.
+    """
+    for token in forbidden:
+        if token in text:
+            raise invalid_argument(
+                "TEXT_CONTAINS_SPECIAL_TOKEN",
+                f"{field} contains the special token {token!r}; images are given as image "
+                "parts, and control tokens may not appear in text",
+                field=field,
+                token=token,
+            )
+
+
+def to_chat_messages(
+    request: pb.GenerateRequest, forbidden: tuple[str, ...], limits: Limits
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """Turn the request's messages into chat-template dicts.
+
+    Returns:
+        (messages, image_order): ``image_order[k]`` is the index into ``request.images``
+        of the k-th image placeholder in the prompt.
+    """
+    if not request.messages:
+        raise invalid_argument(
+            "NO_MESSAGES", "messages is empty; send at least one", field="messages"
+        )
+    messages: list[dict[str, Any]] = []
+    order: list[int] = []
+    chars = 0
+    for i, message in enumerate(request.messages):
+        if message.role not in ROLES:
+            raise invalid_argument(
+                "ROLE_INVALID",
+                f"messages[{i}].role is {message.role!r}; expected one of {', '.join(ROLES)}",
+                field=f"messages[{i}].role",
+            )
+        content: list[dict[str, Any]] = []
+        for j, part in enumerate(message.parts):
+            field = f"messages[{i}].parts[{j}]"
+            kind = part.WhichOneof("part")
+            if kind == "text":
+                check_text(part.text, forbidden, f"{field}.text")
+                chars += len(part.text)
+                content.append({"type": "text", "text": part.text})
+            elif kind == "image_index":
+                idx = part.image_index
+                if not 0 <= idx < len(request.images):
+                    raise invalid_argument(
+                        "IMAGE_INDEX_INVALID",
+                        f"{field}.image_index is {idx}; the request has "
+                        f"{len(request.images)} images",
+                        field=f"{field}.image_index",
+                    )
+                if idx in order:
+                    raise invalid_argument(
+                        "IMAGE_INDEX_REUSED",
+                        f"{field}.image_index {idx} is used twice",
+                        field=f"{field}.image_index",
+                    )
+                order.append(idx)
+                content.append({"type": "image"})
+            else:
+                raise invalid_argument(
+                    "PART_EMPTY", f"{field} has neither text nor image_index", field=field
+                )
+        messages.append({"role": message.role, "content": content})
+    if chars > limits.max_text_chars:
+        raise invalid_argument(
+            "TEXT_TOO_LONG",
+            f"messages hold {chars} characters of text; the limit is {limits.max_text_chars}",
+            field="messages",
+            limit=limits.max_text_chars,
+        )
+    if len(order) != len(request.images):
+        unused = sorted(set(range(len(request.images))) - set(order))
+        raise invalid_argument(
+            "IMAGE_UNUSED",
+            f"images {unused} are not referenced by any message part",
+            field="images",
+        )
+    if len(order) > limits.max_images:
+        raise invalid_argument(
+            "TOO_MANY_IMAGES",
+            f"the request has {len(order)} images; the limit is {limits.max_images} per prompt",
+            field="images",
+            limit=limits.max_images,
+        )
+    return messages, order
+
+
+def check_image(msg: tensor_pb2.ImageEmbedding, index: int, spec: VisionSpec) -> ImageInput:
+    """Validate one image's embeddings against its grid and the model (case C07).
+
+    Expected shape: ``[t*h*w / spatial_merge_size**2, out_hidden * (1 + n_deepstack)]``.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming ``images[index]`` with expected and actual
+            shape (or the missing grid, or the bad dtype/byte count).
+    """
+    field = f"images[{index}]"
+    if not msg.HasField("grid"):
+        raise invalid_argument(
+            "GRID_MISSING",
+            f"{field}.grid is missing; image_grid_thw is required for every image",
+            field=f"{field}.grid",
+        )
+    grid = (int(msg.grid.t), int(msg.grid.h), int(msg.grid.w))
+    m = spec.spatial_merge_size
+    if min(grid) <= 0 or grid[1] % m or grid[2] % m:
+        raise invalid_argument(
+            "GRID_INVALID",
+            f"{field}.grid is {list(grid)}; t, h, w must be > 0 and h, w "
+            f"multiples of spatial_merge_size {m}",
+            field=f"{field}.grid",
+        )
+    if not msg.HasField("embeddings"):
+        raise invalid_argument(
+            "EMBEDDINGS_MISSING", f"{field}.embeddings is missing", field=f"{field}.embeddings"
+        )
+    emb = msg.embeddings
+    tensors.validate(emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES)
+    expected = [math.prod(grid) // (m * m), spec.embedding_width]
+    if list(emb.shape) != expected:
+        raise invalid_argument(
+            "EMBEDDING_SHAPE_MISMATCH",
+            f"{field}.embeddings has shape {list(emb.shape)}; grid {list(grid)} needs "
+            f"{expected} (rows = t*h*w/{m}**2, width = out_hidden {spec.out_hidden_size} x "
+            f"(1 + {spec.n_deepstack} deepstack))",
+            field=f"{field}.embeddings",
+            expected=str(expected),
+            actual=str(list(emb.shape)),
+        )
+    tensor = tensors.to_torch(emb)
+    if not bool(torch.isfinite(tensor).all()):
+        raise invalid_argument(
+            "EMBEDDING_NOT_FINITE",
+            f"{field}.embeddings holds NaN or inf",
+            field=f"{field}.embeddings",
+        )
+    return ImageInput(embeddings=tensor, grid=grid, uuid=msg.key or f"anon-{index}")

@@ -1,0 +1,98 @@
+"""Run the encoder service: ``python -m encoder_service --model DIR --port 50052``.
+
+Settings come from ``ENCODER_*`` environment variables; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from qwenvl.encoder.v1 import encoder_service_pb2, encoder_service_pb2_grpc
+
+from encoder_service.batcher import Batcher
+from encoder_service.engine import VisionEngine
+from encoder_service.servicer import EncoderServicer
+from encoder_service.settings import EncoderSettings
+from vlcommon.server import configure_logging, run, serve
+
+log = logging.getLogger("encoder_service")
+SERVICE = encoder_service_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
+
+
+async def main_async(settings: EncoderSettings) -> None:
+    state: dict[str, object] = {}
+
+    async def startup() -> None:
+        engine = await asyncio.to_thread(
+            VisionEngine.load, settings.model, device=settings.device, dtype=settings.dtype
+        )
+        batcher = Batcher(
+            engine.encode,
+            max_batch_images=settings.max_batch_images,
+            max_batch_patches=settings.max_batch_patches,
+            max_wait_ms=settings.max_wait_ms,
+            max_queue=settings.max_queue,
+        )
+        batcher.start()
+        servicer.engine, servicer.batcher = engine, batcher
+        state["batcher"] = batcher
+
+    async def shutdown() -> None:
+        batcher = state.get("batcher")
+        if isinstance(batcher, Batcher):
+            await batcher.stop()
+
+    servicer = _LazyServicer(settings)
+
+    await serve(
+        service_name="encoder",
+        service_full_names=[SERVICE],
+        settings=settings,
+        register=lambda server: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(
+            servicer, server
+        ),
+        startup=startup,
+        shutdown=shutdown,
+    )
+
+
+class _LazyServicer(EncoderServicer):
+    """The servicer, registered before the model loads (health says NOT_SERVING meanwhile)."""
+
+    def __init__(self, settings: EncoderSettings) -> None:
+        super().__init__(
+            None,
+            None,
+            max_images_per_request=settings.max_images_per_request,  # type: ignore[arg-type]
+            max_patches_per_image=settings.max_patches_per_image,
+        )
+
+    async def Encode(self, request, context):  # type: ignore[no-untyped-def]
+        if self.engine is None:
+            import grpc
+
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder is loading the model")
+        return await super().Encode(request, context)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m encoder_service", description=__doc__)
+    parser.add_argument("--model", help="checkpoint directory or hub id")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--device")
+    parser.add_argument("--dtype")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    settings = EncoderSettings(**overrides)
+    if not settings.model:
+        parser.error("--model (or ENCODER_MODEL) is required")
+    configure_logging("encoder")
+    run(main_async(settings))
+
+
+if __name__ == "__main__":
+    main()

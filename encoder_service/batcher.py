@@ -1,0 +1,179 @@
+"""Dynamic batching for the vision tower.
+
+Concurrent ``submit()`` calls are gathered into one packed ViT call, bounded by
+``max_batch_images``, ``max_batch_patches`` and ``max_wait_ms`` after the first image of
+a batch arrives. Identical images in flight (same exact key) are encoded once and
+shared. The queue is bounded: when full, ``submit()`` raises RESOURCE_EXHAUSTED at once.
+A cancelled caller leaves the batch; the others are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from encoder_service import metrics
+from encoder_service.engine import Preprocessed
+from vlcommon.errors import ServiceError, resource_exhausted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Item:
+    key: str
+    image: Preprocessed
+    future: asyncio.Future[torch.Tensor]
+    enqueued: float = field(default_factory=time.perf_counter)
+    waiters: int = 1
+
+
+class Batcher:
+    """Gathers images into packed ViT calls run on one worker thread.
+
+    Args:
+        encode: The engine's ``encode(list[Preprocessed]) -> list[Tensor]``.
+        max_batch_images: Images per ViT call.
+        max_batch_patches: Patches per ViT call (sum of t*h*w); one larger image runs alone.
+        max_wait_ms: How long the first image of a batch waits for company, milliseconds.
+        max_queue: Images waiting at most; more get RESOURCE_EXHAUSTED.
+    """
+
+    def __init__(
+        self,
+        encode: Callable[[list[Preprocessed]], list[torch.Tensor]],
+        *,
+        max_batch_images: int,
+        max_batch_patches: int,
+        max_wait_ms: float,
+        max_queue: int,
+    ) -> None:
+        self._encode = encode
+        self.max_batch_images = max_batch_images
+        self.max_batch_patches = max_batch_patches
+        self.max_wait_s = max_wait_ms / 1000.0
+        self.max_queue = max_queue
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._inflight: dict[str, _Item] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vit")
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="vit-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def submit(self, key: str, image: Preprocessed) -> torch.Tensor:
+        """Encode one image (shared with any in-flight request for the same key).
+
+        Returns:
+            ``[tokens, out_hidden * (1 + n_deepstack)]`` on the CPU.
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED when the queue is full.
+        """
+        item = self._inflight.get(key) if key else None
+        if item is not None and not item.future.done():
+            item.waiters += 1
+            metrics.DEDUPLICATED.inc()
+        else:
+            if self._queue.qsize() >= self.max_queue:
+                raise resource_exhausted(
+                    "ENCODER_QUEUE_FULL",
+                    f"encoder queue is full ({self.max_queue} images waiting); retry later",
+                    field="images",
+                    limit=self.max_queue,
+                )
+            item = _Item(key, image, asyncio.get_running_loop().create_future())
+            if key:
+                self._inflight[key] = item
+            self._queue.put_nowait(item)
+            metrics.QUEUE_DEPTH.set(self._queue.qsize())
+        try:
+            # shield: one caller's cancel must not cancel the shared future of the others.
+            return await asyncio.shield(item.future)
+        finally:
+            item.waiters -= 1
+
+    async def _collect(self) -> list[_Item]:
+        first = await self._queue.get()
+        batch, patches = [first], first.image.pixel_values.shape[0]
+        deadline = time.perf_counter() + self.max_wait_s
+        while len(batch) < self.max_batch_images:
+            timeout = deadline - time.perf_counter()
+            if timeout <= 0 and self._queue.empty():
+                break
+            try:
+                item = (
+                    self._queue.get_nowait()
+                    if self._queue.qsize()
+                    else await asyncio.wait_for(self._queue.get(), max(timeout, 0))
+                )
+            except TimeoutError:
+                break
+            n = item.image.pixel_values.shape[0]
+            if patches + n > self.max_batch_patches:
+                # Too big for this batch: it leads the next one.
+                self._queue._queue.appendleft(item)  # type: ignore[attr-defined]
+                break
+            batch.append(item)
+            patches += n
+        metrics.QUEUE_DEPTH.set(self._queue.qsize())
+        return batch
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._collect()
+            # Drop images nobody waits for any more (all their callers cancelled or expired).
+            live = [it for it in batch if it.waiters > 0 and not it.future.done()]
+            for it in batch:
+                if it not in live:
+                    self._finish(it, error=asyncio.CancelledError())
+            if not live:
+                continue
+            now = time.perf_counter()
+            for it in live:
+                metrics.QUEUE_WAIT.observe(now - it.enqueued)
+            metrics.BATCH_IMAGES.observe(len(live))
+            metrics.BATCH_PATCHES.observe(sum(it.image.pixel_values.shape[0] for it in live))
+            t0 = time.perf_counter()
+            try:
+                outputs = await loop.run_in_executor(
+                    self._executor, self._encode, [it.image for it in live]
+                )
+            except Exception as exc:  # noqa: BLE001 - every waiter must get an answer
+                log.exception("ViT batch of %d failed", len(live))
+                err = exc if isinstance(exc, ServiceError) else exc
+                for it in live:
+                    self._finish(it, error=err)
+                continue
+            metrics.ENCODE_SECONDS.observe(time.perf_counter() - t0)
+            for it, out in zip(live, outputs, strict=True):
+                self._finish(it, result=out)
+
+    def _finish(
+        self, item: _Item, *, result: torch.Tensor | None = None, error: BaseException | None = None
+    ) -> None:
+        if self._inflight.get(item.key) is item:
+            del self._inflight[item.key]
+        if item.future.done():
+            return
+        if error is not None:
+            item.future.set_exception(error)
+            item.future.exception()  # mark retrieved: cancelled waiters never read it
+        else:
+            item.future.set_result(result)  # type: ignore[arg-type]

@@ -1,0 +1,166 @@
+"""``qwenvl.encoder.v1.EncoderService``: converts protos to engine calls and maps errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import numpy as np
+import torch
+from opentelemetry import trace
+from qwenvl.common.v1 import tensor_pb2
+from qwenvl.encoder.v1 import encoder_service_pb2 as pb
+from qwenvl.encoder.v1 import encoder_service_pb2_grpc as pb_grpc
+
+from encoder_service import metrics
+from encoder_service.batcher import Batcher
+from encoder_service.engine import Preprocessed, VisionEngine
+from vlcommon import tensors
+from vlcommon.errors import ServiceError, abort, invalid_argument, resource_exhausted
+from vlcommon.imaging import ResizePlan
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("splitvl.encoder")
+
+
+def plan_from_proto(msg: tensor_pb2.ResizePlan, engine: VisionEngine, field: str) -> ResizePlan:
+    """Check a ResizePlan against the model's geometry.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming ``field`` when sizes are not positive
+            multiples of patch_size * spatial_merge_size or the grid does not follow.
+    """
+    spec = engine.spec
+    h, w = msg.resized_height, msg.resized_width
+    if h <= 0 or w <= 0 or h % spec.factor or w % spec.factor:
+        raise invalid_argument(
+            "RESIZE_PLAN_INVALID",
+            f"{field}: resized size {h}x{w} must be positive multiples of {spec.factor}",
+            field=field,
+            limit=spec.factor,
+        )
+    grid = (msg.grid.t, msg.grid.h, msg.grid.w)
+    expected = (1, h // spec.patch_size, w // spec.patch_size)
+    if grid != expected:
+        raise invalid_argument(
+            "RESIZE_PLAN_INVALID",
+            f"{field}.grid is {grid}; a {h}x{w} image has {expected}",
+            field=f"{field}.grid",
+        )
+    return ResizePlan(h, w, 1, expected[1], expected[2], spec.tokens(*expected))
+
+
+class EncoderServicer(pb_grpc.EncoderServiceServicer):
+    """Serves Encode: validates, preprocesses (shared resize plan), batches, encodes."""
+
+    def __init__(
+        self,
+        engine: VisionEngine,
+        batcher: Batcher,
+        *,
+        max_images_per_request: int,
+        max_patches_per_image: int,
+    ) -> None:
+        self.engine = engine
+        self.batcher = batcher
+        self.max_images = max_images_per_request
+        self.max_patches = max_patches_per_image
+
+    def _prepare(self, request: pb.EncodeRequest) -> list[tuple[str, np.ndarray, ResizePlan]]:
+        if not request.images:
+            raise invalid_argument(
+                "NO_IMAGES", "images is empty; send at least one", field="images"
+            )
+        if len(request.images) > self.max_images:
+            raise invalid_argument(
+                "TOO_MANY_IMAGES",
+                f"images has {len(request.images)} entries; the limit is {self.max_images}",
+                field="images",
+                limit=self.max_images,
+            )
+        prepared = []
+        for i, image in enumerate(request.images):
+            field = f"images[{i}]"
+            tensors.validate(
+                image.pixels, field=f"{field}.pixels", dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=3
+            )
+            if image.pixels.shape[2] != 3 or min(image.pixels.shape[:2]) < 1:
+                raise invalid_argument(
+                    "PIXELS_SHAPE_INVALID",
+                    f"{field}.pixels.shape is {list(image.pixels.shape)}; "
+                    "expected [height, width, 3]",
+                    field=f"{field}.pixels.shape",
+                )
+            plan = plan_from_proto(image.plan, self.engine, f"{field}.plan")
+            patches = plan.grid_t * plan.grid_h * plan.grid_w
+            if patches > self.max_patches:
+                raise resource_exhausted(
+                    "IMAGE_TOO_MANY_PATCHES",
+                    f"{field} has {patches} patches; the limit is {self.max_patches}",
+                    field=field,
+                    limit=self.max_patches,
+                )
+            prepared.append((image.key, tensors.to_numpy(image.pixels), plan))
+        return prepared
+
+    def _preprocess_all(
+        self, prepared: list[tuple[str, np.ndarray, ResizePlan]]
+    ) -> list[Preprocessed]:
+        return [self.engine.preprocess(pixels, plan) for _, pixels, plan in prepared]
+
+    async def Encode(
+        self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EncodeResponse:
+        code = grpc.StatusCode.OK
+        t0 = time.perf_counter()
+        try:
+            prepared = self._prepare(request)
+            metrics.IMAGES.inc(len(prepared))
+            out_dtype = request.output_dtype or tensor_pb2.DATA_TYPE_UNSPECIFIED
+            if out_dtype not in (
+                tensor_pb2.DATA_TYPE_UNSPECIFIED,
+                tensor_pb2.DATA_TYPE_FP32,
+                tensor_pb2.DATA_TYPE_BF16,
+            ):
+                raise invalid_argument(
+                    "OUTPUT_DTYPE_UNSUPPORTED",
+                    "output_dtype must be FP32 or BF16",
+                    field="output_dtype",
+                )
+            with tracer.start_as_current_span("encoder.preprocess") as span:
+                span.set_attribute("splitvl.images", len(prepared))
+                images = await asyncio.to_thread(self._preprocess_all, prepared)
+            t_queue = time.perf_counter()
+            with tracer.start_as_current_span("encoder.encode") as span:
+                outs = await asyncio.gather(
+                    *(
+                        self.batcher.submit(key, im)
+                        for (key, _, _), im in zip(prepared, images, strict=True)
+                    )
+                )
+                span.set_attribute("splitvl.tokens", sum(o.shape[0] for o in outs))
+            response = pb.EncodeResponse(encode_ms=(time.perf_counter() - t_queue) * 1000)
+            for (key, _, plan), out in zip(prepared, outs, strict=True):
+                if out_dtype == tensor_pb2.DATA_TYPE_BF16:
+                    out = out.to(torch.bfloat16)
+                elif out_dtype == tensor_pb2.DATA_TYPE_FP32:
+                    out = out.to(torch.float32)
+                response.embeddings.add(
+                    embeddings=tensors.from_torch(out),
+                    grid=tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w),
+                    key=key,
+                )
+            log.debug(
+                "encoded %d images in %.1f ms", len(prepared), (time.perf_counter() - t0) * 1000
+            )
+            return response
+        except ServiceError as err:
+            code = err.code
+            await abort(context, err)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            metrics.REQUESTS.labels(code=code.name).inc()

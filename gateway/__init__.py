@@ -1,0 +1,1 @@
+"""Gateway: splitvl's public ``qwenvl.gateway.v1.GatewayService``."""

@@ -1,0 +1,109 @@
+"""Run the gateway: ``python -m gateway --model DIR --port 50051``.
+
+Settings come from ``GATEWAY_*`` environment variables; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import grpc
+from qwenvl.cache.v1 import cache_service_pb2_grpc
+from qwenvl.decoder.v1 import decoder_service_pb2_grpc
+from qwenvl.encoder.v1 import encoder_service_pb2_grpc
+from qwenvl.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc
+
+from gateway.servicer import Downstream, GatewayServicer
+from gateway.settings import GatewaySettings
+from vlcommon import telemetry
+from vlcommon.model_info import load_vision_spec, model_revision, resolve_model_dir
+from vlcommon.server import configure_logging, run, serve
+from vlcommon.settings import channel_options
+
+log = logging.getLogger("gateway")
+SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+
+def forbidden_tokens(model_dir) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
+    """The checkpoint's added (control) tokens, read from tokenizer.json, longest first."""
+    path = model_dir / "tokenizer.json"
+    tokens: set[str] = set()
+    if path.exists():
+        tokens = {t["content"] for t in json.loads(path.read_text()).get("added_tokens", [])}
+    # Qwen's vision and turn tokens are refused even if a tokenizer file lacks them.
+    tokens |= {
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|vision_pad|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+    }
+    return tuple(sorted(tokens, key=len, reverse=True))
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        address, options=channel_options(), interceptors=telemetry.client_interceptors()
+    )
+
+
+async def main_async(settings: GatewaySettings) -> None:
+    # Import the resize implementation now, not inside the first request (seconds of imports).
+    from transformers.models.qwen2_vl import image_processing_qwen2_vl  # noqa: F401
+
+    model_dir = resolve_model_dir(settings.model)
+    spec = load_vision_spec(model_dir)
+    revision = settings.model_revision or model_revision(model_dir)
+    telemetry.setup_tracing("splitvl-gateway")
+    channels = [channel(settings.encoder_address), channel(settings.decoder_address)]
+    cache_stub = None
+    if settings.cache_address:
+        channels.append(channel(settings.cache_address))
+        cache_stub = cache_service_pb2_grpc.CacheServiceStub(channels[2])
+    downstream = Downstream(
+        encoder=encoder_service_pb2_grpc.EncoderServiceStub(channels[0]),
+        decoder=decoder_service_pb2_grpc.DecoderServiceStub(channels[1]),
+        cache=cache_stub,
+    )
+    servicer = GatewayServicer(settings, spec, revision, forbidden_tokens(model_dir), downstream)
+    log.info("model %s revision %s", model_dir, revision)
+
+    async def shutdown() -> None:
+        for ch in channels:
+            await ch.close()
+
+    await serve(
+        service_name="gateway",
+        service_full_names=[SERVICE],
+        settings=settings,
+        register=lambda server: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
+            servicer, server
+        ),
+        shutdown=shutdown,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    parser.add_argument("--model")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--encoder-address")
+    parser.add_argument("--cache-address")
+    parser.add_argument("--decoder-address")
+    args = parser.parse_args(argv)
+    settings = GatewaySettings(**{k: v for k, v in vars(args).items() if v is not None})
+    if not settings.model:
+        parser.error("--model (or GATEWAY_MODEL) is required")
+    configure_logging("gateway")
+    run(main_async(settings))
+
+
+if __name__ == "__main__":
+    main()

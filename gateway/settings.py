@@ -1,0 +1,30 @@
+"""Gateway settings (environment prefix ``GATEWAY_``)."""
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from vlcommon.settings import MiB, ServerSettings
+
+
+class GatewaySettings(ServerSettings):
+    """Settings of the gateway; e.g. ``GATEWAY_ENCODER_ADDRESS``, ``GATEWAY_MAX_IMAGES``."""
+
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
+
+    model: str = Field("", description="Checkpoint directory or hub id (for geometry and keys).")
+    model_revision: str = Field("", description="Overrides the revision digest in cache keys.")
+    encoder_address: str = Field("127.0.0.1:50052")
+    cache_address: str = Field("127.0.0.1:50053", description="Empty disables the cache.")
+    decoder_address: str = Field("127.0.0.1:50054")
+    cache_timeout_s: float = Field(
+        1.0, gt=0, description="Lookup/put deadline; past it the request encodes instead."
+    )
+    default_cache_policy: str = Field("similar", pattern="^(exact_only|similar|off)$")
+    max_images: int = Field(8, ge=1, description="Images per request.")
+    max_image_bytes: int = Field(20 * MiB, ge=1, description="Encoded bytes of one image.")
+    max_decoded_pixels: int = Field(
+        40_000_000, ge=1, description="Width*height of one decoded image (bombs refused)."
+    )
+    max_text_chars: int = Field(65536, ge=1, description="Characters of text per request.")
+    max_tokens_limit: int = Field(4096, ge=1)
+    max_messages: int = Field(64, ge=1)

@@ -1,0 +1,180 @@
+"""The ``splitvl`` command.
+
+splitvl make-tiny-model DIR           build the tiny random-weight Qwen3-VL checkpoint
+splitvl up [--model PATH_OR_HUB_ID]   run the four services on loopback until SIGINT/SIGTERM
+splitvl generate --image P... --prompt TEXT [--json]   stream an answer from the gateway
+splitvl demo [--json]                 start the services, ask about real photos, stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from splitvl.launcher import DEFAULT_BASE_PORT, DEFAULT_METRICS_BASE_PORT, Cluster, Ports
+
+
+def splitvl_home() -> Path:
+    return Path(os.environ.get("SPLITVL_HOME", Path.home() / ".cache" / "splitvl"))
+
+
+def default_model() -> str:
+    """The tiny checkpoint, built on first use (deterministic, about 10 s)."""
+    from splitvl.tiny_model import SEED, make_tiny_model
+
+    path = splitvl_home() / f"tiny-qwen3-vl-seed{SEED}"
+    if not (path / "SPLITVL_TINY_MODEL").exists():
+        print(f"building the tiny Qwen3-VL checkpoint in {path} ...", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent if path.parent.exists() else None))
+        make_tiny_model(tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            tmp.rename(path)
+    return str(path)
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from splitvl.tiny_model import make_tiny_model
+
+    print(make_tiny_model(args.dir, seed=args.seed))
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    model = args.model or default_model()
+    ports = Ports.from_base(args.base_port, args.metrics_base_port)
+    return Cluster(model=model, ports=ports, log_dir=Path(args.log_dir))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster.start()
+    try:
+        cluster.wait_ready()
+        print(
+            f"splitvl is SERVING: gateway {cluster.ports.address('gateway')} "
+            f"(logs in {cluster.log_dir}); Ctrl-C stops it",
+            flush=True,
+        )
+        while not stop.is_set():
+            for name, proc in cluster.procs.items():
+                if proc.poll() is not None:
+                    print(
+                        f"{name} exited with code {proc.returncode}:\n{cluster.log_tail(name)}",
+                        file=sys.stderr,
+                    )
+                    stop.set()
+            stop.wait(1.0)
+    finally:
+        codes = cluster.stop()
+        print(f"stopped: {codes}", flush=True)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from splitvl.client import build_request, generate
+
+    images = [Path(p).read_bytes() for p in args.image]
+    request = build_request(
+        images,
+        args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+    )
+    on_text = None if args.json else (lambda s: print(s, end="", flush=True))
+    try:
+        result = generate(args.address, request, timeout_s=args.timeout, on_text=on_text)
+    except grpc.RpcError as err:
+        code = err.code().name  # type: ignore[attr-defined]
+        details = err.details()  # type: ignore[attr-defined]
+        if args.json:
+            print(json.dumps({"error": {"code": code, "message": details}}))
+        print(f"{code}: {details}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print()
+        for im in result.images:
+            print(
+                f"image {im['index']}: {im['tier']} (similarity {im['similarity']:.4f}, "
+                f"grid {im['grid']}, {im['tokens']} tokens)",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from splitvl.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitvl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny-model", help="build the tiny random-weight checkpoint")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=1234)
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    for name, func, text in (
+        ("up", cmd_up, "run the four services"),
+        ("demo", cmd_demo, "run the demo on real photos"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument(
+            "--model", help="checkpoint directory or hub id (default: tiny, built on first use)"
+        )
+        p.add_argument(
+            "--base-port",
+            type=int,
+            default=DEFAULT_BASE_PORT,
+            help="gateway port; encoder, cache, decoder take the next three",
+        )
+        p.add_argument(
+            "--metrics-base-port",
+            type=int,
+            default=DEFAULT_METRICS_BASE_PORT,
+            help="Prometheus port of the gateway, +1..+3 for the others; 0 = off",
+        )
+        p.add_argument("--log-dir", default=str(splitvl_home() / "logs"))
+        p.set_defaults(func=func)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--max-tokens", type=int, default=16)
+
+    p = sub.add_parser("generate", help="stream an answer from the gateway")
+    p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_BASE_PORT}")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline, seconds")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

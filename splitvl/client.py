@@ -1,0 +1,135 @@
+"""A small Python client for ``GatewayService/Generate`` (used by the CLI, demo and tests)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from qwenvl.common.v1 import generation_pb2
+from qwenvl.gateway.v1 import gateway_service_pb2 as pb
+from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+
+from vlcommon.settings import channel_options
+
+TIER_NAMES = {
+    generation_pb2.CACHE_TIER_EXACT: "exact",
+    generation_pb2.CACHE_TIER_SIMILAR: "similar",
+    generation_pb2.CACHE_TIER_MISS: "miss",
+}
+
+
+@dataclass
+class Result:
+    """Everything one streamed Generate returned."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    images: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    client_ttft_ms: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "images": self.images,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "timings": self.timings,
+        }
+
+
+def build_request(
+    images: Sequence[bytes],
+    prompt: str,
+    *,
+    max_tokens: int | None = None,
+    temperature: float = 0.0,
+    ignore_eos: bool = False,
+    cache_policy: int = generation_pb2.CACHE_POLICY_UNSPECIFIED,
+    seed: int | None = None,
+) -> pb.GenerateRequest:
+    """One user message: the images first, then the prompt text (greedy by default)."""
+    request = pb.GenerateRequest(cache_policy=cache_policy)
+    message = request.messages.add(role="user")
+    for data in images:
+        message.parts.add(image=pb.ImageInput(data=data))
+    if prompt:
+        message.parts.add(text=prompt)
+    request.sampling.temperature = temperature
+    request.sampling.ignore_eos = ignore_eos
+    if max_tokens is not None:
+        request.sampling.max_tokens = max_tokens
+    if seed is not None:
+        request.sampling.seed = seed
+    return request
+
+
+def consume(responses: Any, on_text: Callable[[str], None] | None = None) -> Result:
+    """Collect a Generate stream (a sync iterator of GenerateResponse)."""
+    result = Result()
+    t0 = time.perf_counter()
+    for chunk in responses:
+        if chunk.images:
+            result.client_ttft_ms = (time.perf_counter() - t0) * 1000
+            result.images = [
+                {
+                    "index": im.index,
+                    "tier": TIER_NAMES.get(im.tier, "unspecified"),
+                    "similarity": round(float(im.similarity), 6),
+                    "grid": [im.grid.t, im.grid.h, im.grid.w],
+                    "tokens": im.tokens,
+                    "key": im.key,
+                }
+                for im in chunk.images
+            ]
+        result.token_ids.extend(chunk.token_ids)
+        result.text += chunk.text
+        if on_text is not None and chunk.text:
+            on_text(chunk.text)
+        if chunk.finish_reason:
+            result.finish_reason = (
+                generation_pb2.FinishReason.Name(chunk.finish_reason)
+                .removeprefix("FINISH_REASON_")
+                .lower()
+            )
+            result.usage = {
+                "prompt_tokens": chunk.usage.prompt_tokens,
+                "completion_tokens": chunk.usage.completion_tokens,
+            }
+            t = chunk.timings
+            result.timings = {
+                name: round(getattr(t, name), 3)
+                for name in (
+                    "preprocess_ms",
+                    "lookup_ms",
+                    "encode_ms",
+                    "put_ms",
+                    "ttft_ms",
+                    "decode_ms",
+                    "total_ms",
+                )
+            }
+    return result
+
+
+def generate(
+    address: str,
+    request: pb.GenerateRequest,
+    *,
+    timeout_s: float | None = 300.0,
+    on_text: Callable[[str], None] | None = None,
+) -> Result:
+    """Call Generate and collect the stream.
+
+    Raises:
+        grpc.RpcError: the call failed (``.code()`` and ``.details()`` say why).
+    """
+    with grpc.insecure_channel(address, options=channel_options()) as channel:
+        stub = pb_grpc.GatewayServiceStub(channel)
+        return consume(stub.Generate(request, timeout=timeout_s), on_text)

@@ -1,0 +1,224 @@
+"""Start, watch and stop the four services as child processes on loopback.
+
+Each service runs as ``python -m <package>`` in its own session (so a terminal's Ctrl-C
+reaches only the launcher, which then stops the services in order: gateway first, so
+no new work arrives, then decoder, encoder and cache). Each is waited on through its
+grpc.health.v1 ``Check``; logs go to one file per service.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVICES = ("gateway", "encoder", "cache", "decoder")
+PACKAGES = {
+    "gateway": "gateway",
+    "encoder": "encoder_service",
+    "cache": "cache_service",
+    "decoder": "decoder_service",
+}
+DEFAULT_BASE_PORT = 50051
+DEFAULT_METRICS_BASE_PORT = 9401
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Ports:
+    """gRPC and Prometheus ports of the four services."""
+
+    grpc: dict[str, int]
+    metrics: dict[str, int]
+
+    @classmethod
+    def from_base(cls, base: int, metrics_base: int) -> Ports:
+        return cls(
+            grpc={name: base + i for i, name in enumerate(SERVICES)},
+            metrics={
+                name: (metrics_base + i if metrics_base else 0) for i, name in enumerate(SERVICES)
+            },
+        )
+
+    @classmethod
+    def free(cls) -> Ports:
+        return cls(
+            grpc={n: free_port() for n in SERVICES}, metrics={n: free_port() for n in SERVICES}
+        )
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.grpc[name]}"
+
+
+@dataclass
+class Cluster:
+    """The four running services.
+
+    Args:
+        model: Checkpoint directory or hub id.
+        ports: Ports to use.
+        log_dir: Where each service's log goes (``<name>.log``).
+        env: Extra environment for the children (e.g. OTEL_* settings).
+        decoder_args: Extra vLLM engine arguments for the decoder.
+    """
+
+    model: str
+    ports: Ports
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    decoder_args: list[str] = field(default_factory=list)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def _command(self, name: str) -> list[str]:
+        port, metrics = str(self.ports.grpc[name]), str(self.ports.metrics[name])
+        base = [
+            sys.executable,
+            "-m",
+            PACKAGES[name],
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--metrics-port",
+            metrics,
+        ]
+        if name == "gateway":
+            return [
+                *base,
+                "--model",
+                self.model,
+                "--encoder-address",
+                self.ports.address("encoder"),
+                "--cache-address",
+                self.ports.address("cache"),
+                "--decoder-address",
+                self.ports.address("decoder"),
+            ]
+        if name == "encoder":
+            return [*base, "--model", self.model]
+        if name == "decoder":
+            return [
+                *base,
+                "--model",
+                self.model,
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "4096",
+                "--seed",
+                "0",
+                *self.decoder_args,
+            ]
+        return base
+
+    def start(self) -> None:
+        """Start all four (decoder first: its engine takes longest to come up)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            "OTEL_SERVICE_NAME": "",
+            **self.env,
+        }
+        for name in ("decoder", "encoder", "cache", "gateway"):
+            child_env = {**env, "OTEL_SERVICE_NAME": f"splitvl-{name}"}
+            log = (self.log_dir / f"{name}.log").open("wb")
+            self.procs[name] = subprocess.Popen(
+                self._command(name),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+                start_new_session=True,
+            )
+            log.close()
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Block until every service's health says SERVING.
+
+        Raises:
+            RuntimeError: a service exited or did not become SERVING in time (with its log tail).
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = set(SERVICES)
+        while pending:
+            for name in sorted(pending):
+                proc = self.procs[name]
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{name} exited with code {proc.returncode}:\n{self.log_tail(name)}"
+                    )
+                if health_status(self.ports.address(name)) == "SERVING":
+                    pending.discard(name)
+            if pending and time.monotonic() > deadline:
+                tails = "\n".join(f"--- {n}\n{self.log_tail(n)}" for n in sorted(pending))
+                raise RuntimeError(
+                    f"not SERVING after {timeout_s:.0f}s: {sorted(pending)}\n{tails}"
+                )
+            if pending:
+                time.sleep(0.5)
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.log_dir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 20.0) -> dict[str, int | None]:
+        """SIGTERM each service (gateway first) and wait; SIGKILL its group past the grace."""
+        codes: dict[str, int | None] = {}
+        for name in ("gateway", "decoder", "encoder", "cache"):
+            proc = self.procs.get(name)
+            if proc is None:
+                continue
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            # vLLM's engine-core children live in the decoder's session: kill the group.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+            codes[name] = proc.returncode
+        self.procs.clear()
+        return codes
+
+    def __enter__(self) -> Cluster:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> str:
+    """grpc.health.v1 status name of ``service`` at ``address`` (``UNREACHABLE`` on error)."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
