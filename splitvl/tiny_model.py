@@ -11,7 +11,6 @@ measured in ../shared/FACTS.md. The same seed gives byte-identical files.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -131,23 +130,21 @@ _EXTRA_TEXT = (
 
 
 def _corpus() -> list[str]:
-    import codecs
-    import contextlib
-    import io
+    """Training text: the source files of a fixed list of standard-library modules.
+
+    Read from disk (located with ``importlib.util.find_spec``, which imports nothing), so
+    the text depends only on the Python installation, never on what ran before in the
+    process (module attributes can be added or monkeypatched by other libraries).
+    """
+    import importlib.util
+    from pathlib import Path
 
     texts = [_EXTRA_TEXT] * 20
     for name in _CORPUS_MODULES:
-        if name == "this":
-            with contextlib.redirect_stdout(io.StringIO()):
-                mod = importlib.import_module("this")
-            texts.append(codecs.decode(mod.s, "rot13"))
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
             continue
-        mod = importlib.import_module(name)
-        texts.append(mod.__doc__ or "")
-        for attr in sorted(dir(mod)):
-            doc = getattr(getattr(mod, attr, None), "__doc__", None)
-            if isinstance(doc, str) and not attr.startswith("_"):
-                texts.append(doc)
+        texts.append(Path(spec.origin).read_text(encoding="utf-8"))
     return texts
 
 

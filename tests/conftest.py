@@ -1,0 +1,121 @@
+"""Shared fixtures: the tiny checkpoint, the four services as subprocesses, an OTLP receiver."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from PIL import Image
+
+CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def case_file(name: str) -> Path:
+    path = CASES / name
+    if not path.exists():
+        pytest.fail(f"case file {path} is missing (../shared/cases must sit beside the repo)")
+    return path
+
+
+def photo(name: str) -> bytes:
+    import skimage
+
+    return (Path(skimage.__file__).parent / "data" / name).read_bytes()
+
+
+def rgb(name: str) -> Image.Image:
+    return Image.open(io.BytesIO(photo(name))).convert("RGB")
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint, built once per session with the fixed seed."""
+    from splitvl.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+class OtlpReceiver:
+    """An in-process OTLP/gRPC trace receiver (opentelemetry-proto's TraceService)."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1 import (
+            trace_service_pb2,
+            trace_service_pb2_grpc,
+        )
+
+        receiver = self
+        self.spans: list[dict[str, object]] = []
+        self.lock = threading.Lock()
+
+        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):  # type: ignore[no-untyped-def]
+                with receiver.lock:
+                    for rs in request.resource_spans:
+                        attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
+                        for ss in rs.scope_spans:
+                            for span in ss.spans:
+                                receiver.spans.append(
+                                    {
+                                        "service": attrs.get("service.name", ""),
+                                        "name": span.name,
+                                        "trace_id": span.trace_id.hex(),
+                                        "span_id": span.span_id.hex(),
+                                        "parent": span.parent_span_id.hex(),
+                                        "attributes": {a.key: a.value for a in span.attributes},
+                                    }
+                                )
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def snapshot(self) -> list[dict[str, object]]:
+        with self.lock:
+            return list(self.spans)
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(
+    tiny_model: Path, otlp_receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[object]:
+    """The four services on free loopback ports, exporting spans to the receiver."""
+    from splitvl.launcher import Cluster, Ports
+
+    c = Cluster(
+        model=str(tiny_model),
+        ports=Ports.free(),
+        log_dir=tmp_path_factory.mktemp("logs"),
+        env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_receiver.port}",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        },
+    )
+    with c:
+        yield c

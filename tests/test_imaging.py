@@ -1,0 +1,186 @@
+"""The shared image pipeline on the shared cases C01-C04 and real photos (no services)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import case_file, photo, png_bytes, rgb
+from vlcommon.errors import ServiceError
+from vlcommon.imaging import (
+    cosine_similarity,
+    decode_image,
+    exact_key,
+    plan_resize,
+    resize_to_plan,
+    similarity_descriptor,
+)
+from vlcommon.model_info import VisionSpec, load_vision_spec
+
+MAX_PIXELS = 40_000_000
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model) -> VisionSpec:
+    return load_vision_spec(tiny_model)
+
+
+def decode(data: bytes, index: int = 0) -> Image.Image:
+    return decode_image(data, index=index, max_decoded_pixels=MAX_PIXELS)
+
+
+def processor_grid(tiny_model, image: Image.Image) -> tuple[int, int, int]:
+    from transformers import AutoImageProcessor
+
+    proc = AutoImageProcessor.from_pretrained(tiny_model)
+    return tuple(proc(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist())
+
+
+def test_vision_spec_matches_the_checkpoint(spec: VisionSpec, tiny_model) -> None:
+    config = json.loads((tiny_model / "config.json").read_text())["vision_config"]
+    assert spec.factor == 32
+    assert spec.embedding_width == config["out_hidden_size"] * 3  # two deepstack levels
+    assert (spec.min_pixels, spec.max_pixels) == (4096, 65536)
+
+
+@pytest.mark.parametrize("name", ["b01_tiny_26x28.png", "b01_tiny_side_30x305.png"])
+def test_c01_small_sides_are_resized_up_like_the_processor(name, spec, tiny_model) -> None:
+    image = decode(case_file(name).read_bytes())
+    plan = plan_resize(image.height, image.width, spec, index=0)
+    assert plan.resized_height % 32 == 0 and plan.resized_width % 32 == 0
+    assert plan.resized_height * plan.resized_width >= spec.min_pixels
+    # The grid is the checkpoint processor's own: vLLM on the raw image would agree.
+    assert plan.grid == processor_grid(tiny_model, image)
+    assert plan.tokens == plan.grid_h * plan.grid_w // 4
+
+
+def test_c01_tiny_image_grid_value(spec) -> None:
+    image = decode(case_file("b01_tiny_26x28.png").read_bytes())
+    assert image.size == (26, 28)  # width 26, height 28
+    # smart_resize: 28x26 rounds to 32x32 = 1,024 px < min_pixels 4,096, so it is scaled by
+    # sqrt(4096 / 728) = 2.372 and rounded up to multiples of 32: 96 x 64 pixels.
+    plan = plan_resize(28, 26, spec, index=0)
+    assert (plan.resized_height, plan.resized_width) == (96, 64)
+    assert plan.grid == (1, 6, 4) and plan.tokens == 6
+
+
+def test_c02_aspect_ratio_over_200_is_rejected_with_the_limit(spec) -> None:
+    image = decode(case_file("b03_aspect_218_1093x5.png").read_bytes())
+    with pytest.raises(ServiceError) as exc:
+        plan_resize(image.height, image.width, spec, index=2)
+    err = exc.value
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "images[2]" in err.message and "218.6" in err.message and "200" in err.message
+    assert err.metadata["limit"] == "200"
+
+
+def test_c02_aspect_ratio_of_exactly_200_is_accepted(spec, tiny_model) -> None:
+    image = decode(case_file("b03_aspect_200_exact_1000x5.png").read_bytes())
+    assert image.size == (1000, 5)
+    plan = plan_resize(image.height, image.width, spec, index=0)
+    assert plan.grid == processor_grid(tiny_model, image)
+    assert plan.grid_h >= 2 and plan.grid_w > plan.grid_h
+
+
+def test_c03_exif_orientation_is_applied_before_everything(spec) -> None:
+    data = case_file("b04_exif_orientation6_stored48x32.jpg").read_bytes()
+    with Image.open(io.BytesIO(data)) as stored:
+        assert stored.size == (48, 32)
+    image = decode(data)
+    assert image.size == (32, 48)  # upright: width 32, height 48
+    arr = np.asarray(image, dtype=np.int32)
+    top, bottom = arr[:24].mean(axis=(0, 1)), arr[24:].mean(axis=(0, 1))
+    assert top[0] > 180 and top[1] < 80 and top[2] < 80  # red half on top
+    assert not (bottom[0] > 180 and bottom[1] < 80)
+    plan = plan_resize(image.height, image.width, spec, index=0)
+    assert plan.grid == (1, 6, 4)  # taller than wide; the stored orientation gives (1, 4, 6)
+    rotated = Image.open(io.BytesIO(data)).convert("RGB")
+    assert exact_key(image, plan, "r") != exact_key(rotated, plan, "r")
+
+
+@pytest.mark.parametrize(
+    ("name", "index"),
+    [("b07_truncated.jpg", 0), ("b07_not_an_image.jpg", 3), ("b07_empty.png", 1)],
+)
+def test_c04_undecodable_images_name_their_index(name, index) -> None:
+    with pytest.raises(ServiceError) as exc:
+        decode(case_file(name).read_bytes(), index=index)
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.reason == "IMAGE_DECODE_FAILED"
+    assert f"images[{index}] could not be decoded" in exc.value.message
+    # Truncated loading stays off globally.
+    from PIL import ImageFile
+
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is False
+
+
+def test_alpha_is_composited_on_white() -> None:
+    rgba = Image.new("RGBA", (40, 40), (255, 0, 0, 0))
+    rgba.paste((0, 0, 255, 255), (0, 0, 20, 40))
+    image = decode(png_bytes(rgba))
+    assert image.mode == "RGB"
+    assert image.getpixel((30, 5)) == (255, 255, 255)  # transparent -> white background
+    assert image.getpixel((5, 5)) == (0, 0, 255)
+
+
+def test_decompression_bomb_is_refused_before_decoding() -> None:
+    big = png_bytes(Image.new("L", (3000, 3000)))
+    with pytest.raises(ServiceError) as exc:
+        decode_image(big, index=0, max_decoded_pixels=1_000_000)
+    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "9000000" in exc.value.message and "1000000" in exc.value.message
+
+
+def test_exact_key_separates_same_bytes_with_other_shapes(spec) -> None:
+    pixels = np.arange(64 * 64 * 3, dtype=np.uint8).reshape(64, 64, 3)
+    a = Image.fromarray(pixels)
+    b = Image.fromarray(pixels.reshape(32, 128, 3))
+    assert a.tobytes() == b.tobytes()
+    pa = plan_resize(64, 64, spec, index=0)
+    pb = plan_resize(32, 128, spec, index=0)
+    assert exact_key(a, pa, "rev") != exact_key(b, pb, "rev")
+    assert exact_key(a, pa, "rev") != exact_key(a, pa, "other-revision")
+    assert exact_key(a, pa, "rev") == exact_key(Image.fromarray(pixels.copy()), pa, "rev")
+    assert len(exact_key(a, pa, "rev")) == 64  # full SHA-256
+
+
+def test_descriptor_finds_reencodes_and_separates_photos() -> None:
+    astronaut = rgb("astronaut.png")
+    buf = io.BytesIO()
+    astronaut.save(buf, format="JPEG", quality=95)
+    jpeg = decode(buf.getvalue())
+    resized = astronaut.resize((502, 502), Image.Resampling.BICUBIC)
+    d = similarity_descriptor(astronaut)
+    assert d.shape == (3072,) and d.dtype == np.float32
+    assert abs(float(np.linalg.norm(d)) - 1.0) < 1e-5
+    assert cosine_similarity(d, similarity_descriptor(jpeg)) > 0.98
+    assert cosine_similarity(d, similarity_descriptor(resized)) > 0.95
+    for other in ("chelsea.png", "coffee.png", "rocket.jpg"):
+        assert cosine_similarity(d, similarity_descriptor(rgb(other))) < 0.85, other
+    flat = Image.new("RGB", (64, 64), (10, 20, 30))
+    assert not similarity_descriptor(flat).any()
+
+
+def test_resize_to_plan_equals_the_processor_pixels(spec, tiny_model) -> None:
+    from transformers import AutoImageProcessor
+
+    proc = AutoImageProcessor.from_pretrained(tiny_model)
+    for name in ("chelsea.png", "coffee.png"):
+        image = rgb(name)
+        plan = plan_resize(image.height, image.width, spec, index=0)
+        ours = proc(
+            images=[resize_to_plan(np.asarray(image), plan)], do_resize=False, return_tensors="pt"
+        )["pixel_values"]
+        theirs = proc(images=[image], return_tensors="pt")["pixel_values"]
+        assert ours.shape == theirs.shape
+        assert bool((ours == theirs).all()), name
+
+
+def test_photo_bytes_decode_to_the_same_pixels_as_pil() -> None:
+    image = decode(photo("chelsea.png"))
+    assert np.array_equal(np.asarray(image), np.asarray(rgb("chelsea.png")))

@@ -1,0 +1,54 @@
+"""Tensor codec and error packing."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from qwenvl.common.v1 import tensor_pb2
+
+from vlcommon import tensors
+from vlcommon.errors import ServiceError, invalid_argument, to_status
+
+
+def test_fp32_round_trip_is_exact() -> None:
+    x = torch.randn(5, 7)
+    msg = tensors.from_torch(x)
+    assert msg.dtype == tensor_pb2.DATA_TYPE_FP32 and list(msg.shape) == [5, 7]
+    assert len(msg.data) == 5 * 7 * 4
+    assert torch.equal(tensors.to_torch(msg), x)
+
+
+def test_bf16_round_trip_keeps_bits_and_widens_for_numpy() -> None:
+    x = torch.randn(3, 4).to(torch.bfloat16)
+    msg = tensors.from_torch(x)
+    assert msg.dtype == tensor_pb2.DATA_TYPE_BF16 and len(msg.data) == 3 * 4 * 2
+    back = tensors.to_torch(msg)
+    assert back.dtype == torch.bfloat16 and torch.equal(back, x)
+    assert np.array_equal(tensors.to_numpy(msg), x.float().numpy())
+
+
+def test_validate_names_field_and_sizes() -> None:
+    msg = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=[2, 3], data=b"\0" * 20)
+    with pytest.raises(ServiceError) as exc:
+        tensors.validate(msg, field="images[1].embeddings")
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "images[1].embeddings.data has 20 bytes" in exc.value.message
+    assert "needs 24" in exc.value.message
+    with pytest.raises(ServiceError, match="expected one of UINT8"):
+        tensors.validate(msg, field="x", dtypes=(tensor_pb2.DATA_TYPE_UINT8,))
+
+
+def test_status_carries_error_info() -> None:
+    from google.rpc import error_details_pb2, status_pb2
+
+    status = to_status(
+        invalid_argument("IMAGE_DECODE_FAILED", "images[0] could not be decoded", field="images[0]")
+    )
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT
+    [(key, value)] = [m for m in status.trailing_metadata if m[0] == "grpc-status-details-bin"]
+    rpc = status_pb2.Status.FromString(value)
+    info = error_details_pb2.ErrorInfo()
+    rpc.details[0].Unpack(info)
+    assert info.reason == "IMAGE_DECODE_FAILED" and info.metadata["field"] == "images[0]"
