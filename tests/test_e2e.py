@@ -1,0 +1,367 @@
+"""End to end: the four services as subprocesses on loopback, real vLLM, real ViT, real FAISS.
+
+Every test here talks to the session's cluster (tests/conftest.py) over gRPC.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+from qwenvl.common.v1 import generation_pb2, tensor_pb2
+from qwenvl.decoder.v1 import decoder_service_pb2 as dpb
+from qwenvl.decoder.v1 import decoder_service_pb2_grpc as dpb_grpc
+from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
+from qwenvl.gateway.v1 import gateway_service_pb2_grpc as gpb_grpc
+
+from splitvl.client import build_request, generate
+from splitvl.launcher import SERVICES, health_status
+from tests.conftest import case_file, photo, png_bytes, rgb
+from vlcommon import tensors
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Describe this image."
+MAX_TOKENS = 16
+EXACT = generation_pb2.CACHE_TIER_EXACT
+
+
+def metric(cluster, service: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of a Prometheus sample of one service (0 when absent)."""
+    url = f"http://127.0.0.1:{cluster.ports.metrics[service]}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(
+                sample.labels.get(k) == v for k, v in (labels or {}).items()
+            ):
+                total += sample.value
+    return total
+
+
+def ask(cluster, images: list[bytes], prompt: str = PROMPT, **kw):
+    request = build_request(
+        images, prompt, max_tokens=kw.pop("max_tokens", MAX_TOKENS), ignore_eos=True, **kw
+    )
+    return generate(cluster.ports.address("gateway"), request, timeout_s=120)
+
+
+def ask_error(cluster, request: gpb.GenerateRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as exc:
+        generate(cluster.ports.address("gateway"), request, timeout_s=60)
+    return exc.value
+
+
+def chat_prompt(tiny_model: Path, n_images: int) -> str:
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(tiny_model)
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": PROMPT}]
+    return proc.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_all_four_services_are_serving(cluster) -> None:
+    for name in SERVICES:
+        assert health_status(cluster.ports.address(name)) == "SERVING", name
+
+
+def test_equality_transformers_vllm_raw_and_services(cluster, tiny_model, tmp_path) -> None:
+    """The project's first correctness test (greedy, float32, eos ignored)."""
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+    jobs = [["astronaut.png"], ["chelsea.png"], ["coffee.png"], ["astronaut.png", "chelsea.png"]]
+    files = {}
+    for name in {n for job in jobs for n in job}:
+        files[name] = tmp_path / name
+        files[name].write_bytes(photo(name))
+
+    # (a) transformers generate on the raw images.
+    proc = AutoProcessor.from_pretrained(tiny_model)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_model, dtype=torch.float32)
+    hf = []
+    for job in jobs:
+        prompt = chat_prompt(tiny_model, len(job))
+        inputs = proc(text=[prompt], images=[rgb(n) for n in job], return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(
+                **inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False
+            )
+        hf.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+
+    # (b) vLLM on the raw images (its own ViT).
+    spec = [
+        {"images": [str(files[n]) for n in job], "prompt": chat_prompt(tiny_model, len(job))}
+        for job in jobs
+    ]
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "vllm_raw.py"),
+            str(tiny_model),
+            str(MAX_TOKENS),
+            json.dumps(spec),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("TOKENS ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    vllm_raw = json.loads(lines[-1].removeprefix("TOKENS "))
+
+    # (c) the four services: gateway -> cache -> encoder -> decoder.
+    ours = [ask(cluster, [photo(n) for n in job]) for job in jobs]
+    assert all(len(t) == MAX_TOKENS for t in hf)
+    assert vllm_raw == hf
+    assert [r.token_ids for r in ours] == hf
+    two = ours[3]
+    assert [im["grid"] for im in two.images] == [[1, 16, 16], [1, 12, 18]]
+    assert [im["tokens"] for im in two.images] == [64, 54]
+
+
+def test_repeat_is_an_exact_hit_without_the_encoder(cluster) -> None:
+    unique = png_bytes(rgb("chelsea.png").crop((7, 5, 407, 285)))
+    first = ask(cluster, [unique])
+    assert first.images[0]["tier"] == "miss"
+    encoded = metric(cluster, "encoder", "splitvl_encoder_images_total")
+    requests = metric(cluster, "encoder", "splitvl_encoder_requests_total")
+    second = ask(cluster, [unique])
+    assert second.images[0]["tier"] == "exact"
+    assert second.images[0]["similarity"] == pytest.approx(1.0)
+    assert second.token_ids == first.token_ids
+    assert metric(cluster, "encoder", "splitvl_encoder_images_total") == encoded
+    assert metric(cluster, "encoder", "splitvl_encoder_requests_total") == requests
+    assert second.timings["encode_ms"] == 0.0
+
+
+def test_similarity_hit_needs_an_equal_grid(cluster) -> None:
+    original = rgb("rocket.jpg")
+    base = ask(cluster, [png_bytes(original)])
+    assert base.images[0]["tier"] == "miss"
+    grid = base.images[0]["grid"]
+
+    buf = io.BytesIO()
+    original.save(buf, format="JPEG", quality=95)
+    jpeg = ask(cluster, [buf.getvalue()])
+    assert jpeg.images[0]["tier"] == "similar" and jpeg.images[0]["grid"] == grid
+    assert jpeg.images[0]["similarity"] >= 0.85
+    assert jpeg.token_ids == base.token_ids  # the stored embeddings were reused
+
+    w, h = original.size
+    resized = original.resize((round(w * 0.98), round(h * 0.98)), Image.Resampling.BICUBIC)
+    r = ask(cluster, [png_bytes(resized)])
+    assert r.images[0]["grid"] == grid
+    assert r.images[0]["tier"] == "similar"
+
+    # Same picture, another grid (a smaller pixel budget): cosine ~1 but not reusable.
+    request = build_request([png_bytes(original)], PROMPT, max_tokens=4, ignore_eos=True)
+    request.pixel_budget.max_pixels = 32 * 32 * 16
+    small = generate(cluster.ports.address("gateway"), request, timeout_s=120)
+    assert small.images[0]["grid"] != grid
+    assert small.images[0]["tier"] == "miss"
+    assert small.images[0]["similarity"] > 0.99
+
+    other = ask(cluster, [photo("hubble_deep_field.jpg")])
+    assert other.images[0]["tier"] == "miss"
+
+
+@pytest.mark.parametrize(
+    "name", ["b01_tiny_26x28.png", "b01_tiny_side_30x305.png", "b03_aspect_200_exact_1000x5.png"]
+)
+def test_c01_c02_small_and_extreme_images_are_answered(cluster, name) -> None:
+    from vlcommon.imaging import decode_image, plan_resize
+    from vlcommon.model_info import load_vision_spec
+
+    data = case_file(name).read_bytes()
+    image = decode_image(data, index=0, max_decoded_pixels=10**8)
+    plan = plan_resize(image.height, image.width, load_vision_spec(Path(cluster.model)), index=0)
+    result = ask(cluster, [data], max_tokens=4)
+    assert result.images[0]["grid"] == list(plan.grid)
+    assert result.images[0]["tokens"] == plan.tokens
+    assert len(result.token_ids) == 4
+    # Prompt = text + the image's own placeholder count (from the grid).
+    assert result.usage["prompt_tokens"] > plan.tokens
+
+
+def test_c02_aspect_ratio_over_200_fails_before_the_stream(cluster) -> None:
+    request = build_request(
+        [photo("coffee.png"), case_file("b03_aspect_218_1093x5.png").read_bytes()],
+        PROMPT,
+        max_tokens=4,
+    )
+    err = ask_error(cluster, request)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "images[1]" in err.details() and "218.6" in err.details() and "200" in err.details()
+
+
+def test_c03_exif_rotated_image_is_encoded_upright(cluster) -> None:
+    result = ask(
+        cluster, [case_file("b04_exif_orientation6_stored48x32.jpg").read_bytes()], max_tokens=4
+    )
+    assert result.images[0]["grid"] == [1, 6, 4]  # upright 32x48 -> 96x64 pixels
+
+
+@pytest.mark.parametrize("name", ["b07_truncated.jpg", "b07_not_an_image.jpg", "b07_empty.png"])
+def test_c04_undecodable_image_names_its_index_and_service_goes_on(cluster, name) -> None:
+    request = build_request(
+        [photo("coffee.png"), case_file(name).read_bytes()], PROMPT, max_tokens=4
+    )
+    err = ask_error(cluster, request)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "images[1] could not be decoded" in err.details()
+    assert len(ask(cluster, [photo("coffee.png")], max_tokens=2).token_ids) == 2
+
+
+def test_c05_special_tokens_in_text_are_refused(cluster) -> None:
+    request = build_request([photo("coffee.png")], "what is <|image_pad|> here?", max_tokens=4)
+    err = ask_error(cluster, request)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "<|image_pad|>" in err.details() and "messages[0].parts[1].text" in err.details()
+
+
+def _decoder_request(
+    rows: int, width: int, grid: tuple[int, int, int] | None
+) -> dpb.GenerateRequest:
+    request = dpb.GenerateRequest(request_id="c07")
+    message = request.messages.add(role="user")
+    message.parts.add(image_index=0)
+    message.parts.add(text=PROMPT)
+    request.sampling.max_tokens = 2
+    emb = torch.randn(rows, width, generator=torch.Generator().manual_seed(0))
+    image = request.images.add(embeddings=tensors.from_torch(emb), key=f"c07-{rows}-{width}")
+    if grid is not None:
+        image.grid.CopyFrom(tensor_pb2.GridTHW(t=grid[0], h=grid[1], w=grid[2]))
+    return request
+
+
+def test_c07_bad_embedding_shapes_never_reach_the_engine(cluster) -> None:
+    with grpc.insecure_channel(cluster.ports.address("decoder")) as channel:
+        stub = dpb_grpc.DecoderServiceStub(channel)
+        cases = [
+            (
+                (60, 384, (1, 16, 16)),
+                "images[0].embeddings has shape [60, 384]; grid [1, 16, 16] needs [64, 384]",
+            ),
+            (
+                (64, 128, (1, 16, 16)),
+                "images[0].embeddings has shape [64, 128]; grid [1, 16, 16] needs [64, 384]",
+            ),
+            ((64, 384, None), "images[0].grid is missing"),
+            ((64, 384, (1, 15, 16)), "images[0].grid is [1, 15, 16]"),
+        ]
+        for (rows, width, grid), message in cases:
+            with pytest.raises(grpc.RpcError) as exc:
+                list(stub.Generate(_decoder_request(rows, width, grid), timeout=60))
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in exc.value.details()
+        # The engine is alive and answers a well-formed request.
+        tokens = [
+            t
+            for r in stub.Generate(_decoder_request(64, 384, (1, 16, 16)), timeout=60)
+            for t in r.token_ids
+        ]
+        assert len(tokens) == 2
+    assert health_status(cluster.ports.address("decoder")) == "SERVING"
+
+
+def test_c09_client_cancel_aborts_the_vllm_request(cluster) -> None:
+    aborted = metric(cluster, "decoder", "splitvl_decoder_aborted_requests_total")
+    request = build_request([photo("coffee.png")], PROMPT, max_tokens=3000, ignore_eos=True)
+    with grpc.insecure_channel(cluster.ports.address("gateway")) as channel:
+        call = gpb_grpc.GatewayServiceStub(channel).Generate(request, timeout=120)
+        first = next(call)
+        assert first.token_ids
+        assert metric(cluster, "decoder", "splitvl_decoder_engine_unfinished_requests") == 1
+        call.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if metric(cluster, "decoder", "splitvl_decoder_engine_unfinished_requests") == 0:
+            break
+        time.sleep(0.1)
+    # 3,000 tokens take far longer than this: the request was aborted, not finished.
+    assert metric(cluster, "decoder", "splitvl_decoder_engine_unfinished_requests") == 0
+    assert metric(cluster, "decoder", "splitvl_decoder_aborted_requests_total") == aborted + 1
+
+
+def test_one_request_is_one_trace_across_the_four_services(cluster, otlp_receiver) -> None:
+    ask(cluster, [png_bytes(rgb("motorcycle_left.png").crop((0, 0, 300, 200)))], max_tokens=2)
+    method = "/qwenvl.gateway.v1.GatewayService/Generate"
+    deadline = time.monotonic() + 15
+    services: set[str] = set()
+    while time.monotonic() < deadline:
+        spans = otlp_receiver.snapshot()
+        roots = [s for s in spans if s["name"] == method and s["service"] == "splitvl-gateway"]
+        if roots:
+            trace_id = roots[-1]["trace_id"]
+            in_trace = [s for s in spans if s["trace_id"] == trace_id]
+            services = {str(s["service"]) for s in in_trace}
+            if len(services) == 4:
+                break
+        time.sleep(0.3)
+    assert services == {"splitvl-gateway", "splitvl-cache", "splitvl-encoder", "splitvl-decoder"}
+    names = {s["name"] for s in in_trace}
+    assert {
+        "/qwenvl.cache.v1.CacheService/Lookup",
+        "/qwenvl.encoder.v1.EncoderService/Encode",
+        "/qwenvl.decoder.v1.DecoderService/Generate",
+        "gateway.preprocess",
+        "encoder.encode",
+        "decoder.generate",
+    } <= names
+
+
+def test_cli_generate_json_and_errors(cluster, tmp_path) -> None:
+    image = tmp_path / "coffee.png"
+    image.write_bytes(photo("coffee.png"))
+    exe = [
+        sys.executable,
+        "-m",
+        "splitvl.cli",
+        "generate",
+        "--address",
+        cluster.ports.address("gateway"),
+    ]
+    run = subprocess.run(
+        [
+            *exe,
+            "--image",
+            str(image),
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "5",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert len(out["token_ids"]) == 5 and isinstance(out["text"], str)
+    assert out["images"][0]["tier"] in ("exact", "similar", "miss")
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(case_file("b07_not_an_image.jpg").read_bytes())
+    run = subprocess.run(
+        [*exe, "--image", str(bad), "--prompt", PROMPT, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert "INVALID_ARGUMENT" in run.stderr and "images[0] could not be decoded" in run.stderr
