@@ -182,7 +182,7 @@ class EmbeddingStore:
         del self._entries[entry.key]
         if entry.index_id >= 0:
             self._by_id.pop(entry.index_id, None)
-            self._index.remove_ids(np.array([entry.index_id], dtype=np.int64))
+            self._index.remove_ids(np.array([entry.index_id], dtype=np.int64))  # type: ignore[arg-type]
         self.bytes -= entry.nbytes
 
     @property

@@ -44,7 +44,12 @@ async def main_async(settings: EncoderSettings) -> None:
         if isinstance(batcher, Batcher):
             await batcher.stop()
 
-    servicer = _LazyServicer(settings)
+    servicer = EncoderServicer(
+        None,
+        None,
+        max_images_per_request=settings.max_images_per_request,
+        max_patches_per_image=settings.max_patches_per_image,
+    )
 
     await serve(
         service_name="encoder",
@@ -56,25 +61,6 @@ async def main_async(settings: EncoderSettings) -> None:
         startup=startup,
         shutdown=shutdown,
     )
-
-
-class _LazyServicer(EncoderServicer):
-    """The servicer, registered before the model loads (health says NOT_SERVING meanwhile)."""
-
-    def __init__(self, settings: EncoderSettings) -> None:
-        super().__init__(
-            None,
-            None,
-            max_images_per_request=settings.max_images_per_request,  # type: ignore[arg-type]
-            max_patches_per_image=settings.max_patches_per_image,
-        )
-
-    async def Encode(self, request, context):  # type: ignore[no-untyped-def]
-        if self.engine is None:
-            import grpc
-
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "encoder is loading the model")
-        return await super().Encode(request, context)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -57,18 +57,28 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
 
     def __init__(
         self,
-        engine: VisionEngine,
-        batcher: Batcher,
+        engine: VisionEngine | None,
+        batcher: Batcher | None,
         *,
         max_images_per_request: int,
         max_patches_per_image: int,
     ) -> None:
+        # None until the model has loaded (health says NOT_SERVING meanwhile).
         self.engine = engine
         self.batcher = batcher
         self.max_images = max_images_per_request
         self.max_patches = max_patches_per_image
 
-    def _prepare(self, request: pb.EncodeRequest) -> list[tuple[str, np.ndarray, ResizePlan]]:
+    def _ready(self) -> tuple[VisionEngine, Batcher]:
+        if self.engine is None or self.batcher is None:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE, "ENCODER_LOADING", "encoder is loading the model"
+            )
+        return self.engine, self.batcher
+
+    def _prepare(
+        self, request: pb.EncodeRequest, engine: VisionEngine
+    ) -> list[tuple[str, np.ndarray, ResizePlan]]:
         if not request.images:
             raise invalid_argument(
                 "NO_IMAGES", "images is empty; send at least one", field="images"
@@ -93,7 +103,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                     "expected [height, width, 3]",
                     field=f"{field}.pixels.shape",
                 )
-            plan = plan_from_proto(image.plan, self.engine, f"{field}.plan")
+            plan = plan_from_proto(image.plan, engine, f"{field}.plan")
             patches = plan.grid_t * plan.grid_h * plan.grid_w
             if patches > self.max_patches:
                 raise resource_exhausted(
@@ -105,10 +115,11 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             prepared.append((image.key, tensors.to_numpy(image.pixels), plan))
         return prepared
 
+    @staticmethod
     def _preprocess_all(
-        self, prepared: list[tuple[str, np.ndarray, ResizePlan]]
+        engine: VisionEngine, prepared: list[tuple[str, np.ndarray, ResizePlan]]
     ) -> list[Preprocessed]:
-        return [self.engine.preprocess(pixels, plan) for _, pixels, plan in prepared]
+        return [engine.preprocess(pixels, plan) for _, pixels, plan in prepared]
 
     async def Encode(
         self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext
@@ -116,7 +127,8 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         code = grpc.StatusCode.OK
         t0 = time.perf_counter()
         try:
-            prepared = self._prepare(request)
+            engine, batcher = self._ready()
+            prepared = self._prepare(request, engine)
             metrics.IMAGES.inc(len(prepared))
             out_dtype = request.output_dtype or tensor_pb2.DATA_TYPE_UNSPECIFIED
             if out_dtype not in (
@@ -131,12 +143,12 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 )
             with tracer.start_as_current_span("encoder.preprocess") as span:
                 span.set_attribute("splitvl.images", len(prepared))
-                images = await asyncio.to_thread(self._preprocess_all, prepared)
+                images = await asyncio.to_thread(self._preprocess_all, engine, prepared)
             t_queue = time.perf_counter()
             with tracer.start_as_current_span("encoder.encode") as span:
                 outs = await asyncio.gather(
                     *(
-                        self.batcher.submit(key, im)
+                        batcher.submit(key, im)
                         for (key, _, _), im in zip(prepared, images, strict=True)
                     )
                 )

@@ -171,15 +171,17 @@ def build_tokenizer() -> Any:
     tok.train_from_iterator(_corpus(), trainer)
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    qwen = Qwen2Tokenizer(
-        vocab=model["vocab"],
-        merges=merges,
-        unk_token=None,
-        bos_token=None,
-        eos_token=None,
-        pad_token=None,
-        add_prefix_space=False,
-    )
+    # Merges as tuples and None for the named tokens both work, though the stubs say str.
+    kwargs: dict[str, Any] = {
+        "vocab": model["vocab"],
+        "merges": merges,
+        "unk_token": None,
+        "bos_token": None,
+        "eos_token": None,
+        "pad_token": None,
+        "add_prefix_space": False,
+    }
+    qwen = Qwen2Tokenizer(**kwargs)
     # Specials first, in Qwen's order; eos/pad are named afterwards so they keep that order.
     qwen.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
     qwen.add_tokens(ADDED_NON_SPECIAL)
@@ -291,7 +293,7 @@ def make_tiny_model(out_dir: str | Path, *, seed: int = SEED) -> Path:
     tokenizer = build_tokenizer()
     config = tiny_config(tokenizer)
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()  # type: ignore[arg-type]
     model.save_pretrained(out)
     build_processor(tokenizer).save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -184,3 +184,38 @@ def test_resize_to_plan_equals_the_processor_pixels(spec, tiny_model) -> None:
 def test_photo_bytes_decode_to_the_same_pixels_as_pil() -> None:
     image = decode(photo("chelsea.png"))
     assert np.array_equal(np.asarray(image), np.asarray(rgb("chelsea.png")))
+
+
+def _encode(image: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def test_every_image_mode_becomes_8bit_rgb() -> None:
+    gradient = np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.uint16)
+    sixteen = decode(_encode(Image.fromarray(gradient), "PNG"))
+    assert sixteen.mode == "RGB" and sixteen.getpixel((31, 31)) == (255, 255, 255)
+    assert sixteen.getpixel((0, 0)) == (0, 0, 0)
+
+    palette = Image.new("P", (8, 8), 0)
+    palette.putpalette([255, 0, 0, 0, 255, 0] + [0] * 762)
+    palette.paste(1, (0, 0, 4, 8))
+    transparent = decode(_encode(palette, "PNG", transparency=0))
+    assert transparent.getpixel((6, 1)) == (255, 255, 255)  # index 0 is transparent
+    assert transparent.getpixel((1, 1)) == (0, 255, 0)
+
+    la = Image.new("LA", (8, 8), (0, 0))
+    assert decode(_encode(la, "PNG")).getpixel((0, 0)) == (255, 255, 255)
+
+    cmyk = Image.new("CMYK", (8, 8), (0, 255, 255, 0))  # red in CMYK
+    r, g, b = decode(_encode(cmyk, "JPEG", quality=95)).getpixel((4, 4))
+    assert r > 200 and g < 60 and b < 60
+
+
+def test_animated_gif_uses_its_first_frame() -> None:
+    frames = [Image.new("RGB", (16, 16), c) for c in ((255, 0, 0), (0, 0, 255))]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100)
+    r, g, b = decode(buf.getvalue()).getpixel((8, 8))
+    assert r > 200 and b < 60

@@ -119,9 +119,10 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
 
 def _to_rgb(im: Image.Image) -> Image.Image:
     if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
-        arr = np.asarray(im, dtype=np.uint32 if im.mode == "I" else np.uint16)
-        shift = 8 if im.mode != "I" else max(0, int(arr.max()).bit_length() - 8)
-        im = Image.fromarray((arr >> shift).astype(np.uint8), mode="L")
+        # 16/32-bit grayscale: keep the top 8 significant bits (negative values clip to 0).
+        arr = np.clip(np.asarray(im).astype(np.int64), 0, None)
+        bits = 16 if im.mode != "I" else max(8, int(arr.max()).bit_length())
+        im = Image.fromarray(np.right_shift(arr, bits - 8).astype(np.uint8))
     if im.mode == "P" and "transparency" in im.info:
         im = im.convert("RGBA")
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):

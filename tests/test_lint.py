@@ -1,0 +1,24 @@
+"""ruff and mypy stay clean on the project's own code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ["vlcommon", "encoder_service", "cache_service", "decoder_service", "gateway", "splitvl"]
+
+
+def test_ruff_clean() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_mypy_clean() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", *PACKAGES], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
