@@ -66,6 +66,7 @@ class DecoderEngine:
         self.spec: VisionSpec | None = None
         self.max_model_len = 0
         self.max_images = 0
+        self.max_image_tokens = 0
         self.forbidden_tokens: tuple[str, ...] = ()
 
     async def start(self) -> None:
@@ -86,6 +87,10 @@ class DecoderEngine:
         limits = self.llm.model_config.multimodal_config.limit_per_prompt
         image_limit = limits.get("image", 1)
         self.max_images = int(getattr(image_limit, "count", image_limit))
+        # vLLM refuses an image item with more tokens than its pre-allocated encoder cache.
+        processor = getattr(self.llm, "input_processor", None)
+        cache_size = int(getattr(processor, "mm_encoder_cache_size", 0) or 0)
+        self.max_image_tokens = cache_size or self.max_model_len
         log.info(
             "vLLM engine ready: max_model_len=%d, images per prompt <= %d",
             self.max_model_len,

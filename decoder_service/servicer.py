@@ -103,7 +103,10 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 max_text_chars=self.limits.max_text_chars,
             )
             messages, order = to_chat_messages(request, self.engine.forbidden_tokens, limits)
-            images = [check_image(request.images[i], i, self.engine.spec) for i in order]
+            images = [
+                check_image(request.images[i], i, self.engine.spec, self.engine.max_image_tokens)
+                for i in order
+            ]
             metrics.EMBEDDING_BYTES.inc(sum(len(request.images[i].embeddings.data) for i in order))
             params = sampling_params(request.sampling, limits)
             prompt = self.engine.render(messages)

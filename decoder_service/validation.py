@@ -136,7 +136,9 @@ def to_chat_messages(
     return messages, order
 
 
-def check_image(msg: tensor_pb2.ImageEmbedding, index: int, spec: VisionSpec) -> ImageInput:
+def check_image(
+    msg: tensor_pb2.ImageEmbedding, index: int, spec: VisionSpec, max_tokens: int
+) -> ImageInput:
     """Validate one image's embeddings against its grid and the model (case C07).
 
     Expected shape: ``[t*h*w / spatial_merge_size**2, out_hidden * (1 + n_deepstack)]``.
@@ -177,6 +179,14 @@ def check_image(msg: tensor_pb2.ImageEmbedding, index: int, spec: VisionSpec) ->
             field=f"{field}.embeddings",
             expected=str(expected),
             actual=str(list(emb.shape)),
+        )
+    if expected[0] > max_tokens:
+        raise invalid_argument(
+            "IMAGE_TOO_MANY_TOKENS",
+            f"{field} has {expected[0]} image tokens; the limit is {max_tokens} per image "
+            "(the decoder's encoder cache size)",
+            field=field,
+            limit=max_tokens,
         )
     tensor = tensors.to_torch(emb)
     if not bool(torch.isfinite(tensor).all()):

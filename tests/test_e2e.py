@@ -365,3 +365,43 @@ def test_cli_generate_json_and_errors(cluster, tmp_path) -> None:
     )
     assert run.returncode == 1
     assert "INVALID_ARGUMENT" in run.stderr and "images[0] could not be decoded" in run.stderr
+
+
+def test_reflection_lists_each_service(cluster) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    expected = {
+        "gateway": "qwenvl.gateway.v1.GatewayService",
+        "encoder": "qwenvl.encoder.v1.EncoderService",
+        "cache": "qwenvl.cache.v1.CacheService",
+        "decoder": "qwenvl.decoder.v1.DecoderService",
+    }
+    for name, service in expected.items():
+        with grpc.insecure_channel(cluster.ports.address(name)) as channel:
+            services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert {service, "grpc.health.v1.Health"} <= services, name
+
+
+def test_c08_embeddings_over_4mib_cross_the_service_boundary(cluster) -> None:
+    # Two images of 1,600 tokens x 384 x fp32 = 4.9 MB in one message: over gRPC's 4 MiB
+    # default, under the explicit limits on every server and channel.
+    request = _decoder_request(1600, 384, (1, 80, 80))
+    second = request.images.add()
+    second.CopyFrom(request.images[0])
+    second.key = "c08-second"
+    request.messages[0].parts.insert(1, dpb.ContentPart(image_index=1))
+    assert request.ByteSize() > 4 * 1024 * 1024
+    with grpc.insecure_channel(
+        cluster.ports.address("decoder"), options=[("grpc.max_send_message_length", 64 << 20)]
+    ) as channel:
+        stub = dpb_grpc.DecoderServiceStub(channel)
+        chunks = list(stub.Generate(request, timeout=120))
+        assert sum(len(c.token_ids) for c in chunks) == 2
+        assert chunks[-1].usage.prompt_tokens > 3200
+        # One image over the engine's per-image token limit: refused before the engine.
+        with pytest.raises(grpc.RpcError) as exc:
+            list(stub.Generate(_decoder_request(3136, 384, (1, 112, 112)), timeout=120))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "images[0] has 3136 image tokens; the limit is" in exc.value.details()
