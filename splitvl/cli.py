@@ -59,7 +59,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     cluster.start()
     try:
-        cluster.wait_ready()
+        cluster.wait_ready(progress=lambda line: print(line, flush=True))
         print(
             f"splitvl is SERVING: gateway {cluster.ports.address('gateway')} "
             f"(logs in {cluster.log_dir}); Ctrl-C stops it",

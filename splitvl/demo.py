@@ -53,7 +53,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from splitvl.cli import _cluster
 
     cluster = _cluster(args)
-    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    cluster.progress = lambda line: say(line)
     say(f"starting the four services (model {cluster.model}; logs in {cluster.log_dir}) ...")
     results, ok = [], 0
     with cluster:
@@ -83,7 +84,7 @@ def run_demo(args: argparse.Namespace) -> int:
             )
             results.append(entry)
             say(
-                f"[{name}] tier={image['tier']} similarity={image['similarity']:.4f} "
+                f"[{name}] tier={image['tier']} similarity={image['similarity']:.6f} "
                 f"grid={image['grid']} ({image['tokens']} image tokens)"
             )
             say(f"  answer:    {r.text!r}")

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,7 @@ class Cluster:
     env: dict[str, str] = field(default_factory=dict)
     decoder_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    progress: Callable[[str], None] | None = None
 
     def _command(self, name: str) -> list[str]:
         port, metrics = str(self.ports.grpc[name]), str(self.ports.metrics[name])
@@ -145,13 +147,22 @@ class Cluster:
             )
             log.close()
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
+    def wait_ready(
+        self, timeout_s: float = 600.0, progress: Callable[[str], None] | None = None
+    ) -> None:
         """Block until every service's health says SERVING.
+
+        Args:
+            timeout_s: Give up after this many seconds.
+            progress: Called with a line when a service becomes SERVING and every 15 s while
+                waiting (the decoder's vLLM engine takes tens of seconds on a CPU).
 
         Raises:
             RuntimeError: a service exited or did not become SERVING in time (with its log tail).
         """
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
+        next_note = start + 15
         pending = set(SERVICES)
         while pending:
             for name in sorted(pending):
@@ -162,10 +173,18 @@ class Cluster:
                     )
                 if health_status(self.ports.address(name)) == "SERVING":
                     pending.discard(name)
+                    if progress is not None:
+                        progress(f"  {name} SERVING after {time.monotonic() - start:.1f} s")
             if pending and time.monotonic() > deadline:
                 tails = "\n".join(f"--- {n}\n{self.log_tail(n)}" for n in sorted(pending))
                 raise RuntimeError(
                     f"not SERVING after {timeout_s:.0f}s: {sorted(pending)}\n{tails}"
+                )
+            if pending and progress is not None and time.monotonic() > next_note:
+                next_note += 15
+                progress(
+                    f"  still starting: {', '.join(sorted(pending))} "
+                    f"({time.monotonic() - start:.0f} s)"
                 )
             if pending:
                 time.sleep(0.5)
@@ -202,7 +221,7 @@ class Cluster:
     def __enter__(self) -> Cluster:
         self.start()
         try:
-            self.wait_ready()
+            self.wait_ready(progress=self.progress)
         except BaseException:
             self.stop()
             raise
