@@ -152,18 +152,52 @@ class Batcher:
             metrics.BATCH_PATCHES.observe(sum(it.image.pixel_values.shape[0] for it in live))
             t0 = time.perf_counter()
             try:
-                outputs = await loop.run_in_executor(
-                    self._executor, self._encode, [it.image for it in live]
+                outcomes = await loop.run_in_executor(
+                    self._executor, self._encode_splitting, [it.image for it in live]
                 )
             except Exception as exc:  # noqa: BLE001 - every waiter must get an answer
                 log.exception("ViT batch of %d failed", len(live))
-                err = exc if isinstance(exc, ServiceError) else exc
                 for it in live:
-                    self._finish(it, error=err)
+                    self._finish(it, error=exc)
                 continue
             metrics.ENCODE_SECONDS.observe(time.perf_counter() - t0)
-            for it, out in zip(live, outputs, strict=True):
-                self._finish(it, result=out)
+            for it, outcome in zip(live, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    self._finish(it, error=outcome)
+                else:
+                    self._finish(it, result=outcome)
+
+    def _encode_splitting(self, images: list[Preprocessed]) -> list[torch.Tensor | ServiceError]:
+        """Encode ``images``; on out-of-memory, split the batch in halves and retry each.
+
+        Runs on the worker thread. An image that does not fit alone gets a
+        RESOURCE_EXHAUSTED error naming its patch count; the others are still encoded.
+        """
+        try:
+            return list(self._encode(images))
+        except (torch.OutOfMemoryError, MemoryError):
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            metrics.OOM_SPLITS.inc()
+            if len(images) == 1:
+                patches = int(images[0].pixel_values.shape[0])
+                return [
+                    resource_exhausted(
+                        "IMAGE_OUT_OF_MEMORY",
+                        f"an image of {patches} patches does not fit in the encoder's memory "
+                        "even alone; send a smaller image or a smaller pixel_budget",
+                        field="images",
+                        limit="encoder memory",
+                    )
+                ]
+            half = len(images) // 2
+            log.warning(
+                "ViT out of memory on %d images: retrying as %d + %d",
+                len(images),
+                half,
+                len(images) - half,
+            )
+            return self._encode_splitting(images[:half]) + self._encode_splitting(images[half:])
 
     def _finish(
         self, item: _Item, *, result: torch.Tensor | None = None, error: BaseException | None = None

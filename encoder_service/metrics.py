@@ -18,3 +18,6 @@ BATCH_PATCHES = Histogram(
     "Patches per ViT call.",
     buckets=(256, 1024, 4096, 16384, 65536, 262144),
 )
+OOM_SPLITS = Counter(
+    "splitvl_encoder_oom_splits_total", "ViT calls that ran out of memory and were split."
+)
