@@ -24,7 +24,10 @@ def build_servicer(settings: CacheSettings) -> CacheServicer:
         threshold=settings.threshold,
     )
     return CacheServicer(
-        store, default_policy=POLICIES[settings.default_policy], max_queries=settings.max_queries
+        store,
+        default_policy=POLICIES[settings.default_policy],
+        max_queries=settings.max_queries,
+        spatial_merge_size=settings.spatial_merge_size,
     )
 
 

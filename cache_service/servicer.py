@@ -64,8 +64,16 @@ def _embedding_proto(entry: Entry) -> tensor_pb2.ImageEmbedding:
 class CacheServicer(pb_grpc.CacheServiceServicer):
     """Serves Lookup, Put and GetStats over one :class:`EmbeddingStore`."""
 
-    def __init__(self, store: EmbeddingStore, *, default_policy: int, max_queries: int) -> None:
+    def __init__(
+        self,
+        store: EmbeddingStore,
+        *,
+        default_policy: int,
+        max_queries: int,
+        spatial_merge_size: int = 2,
+    ) -> None:
         self.store = store
+        self.merge = spatial_merge_size
         self.default_policy = default_policy
         self.max_queries = max_queries
         self.hits = {"exact": 0, "similar": 0, "miss": 0}
@@ -85,6 +93,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         t0 = time.perf_counter()
         try:
             self._check_count(len(request.queries), "queries")
+            if request.policy not in generation_pb2.CachePolicy.values():
+                raise invalid_argument(
+                    "CACHE_POLICY_INVALID",
+                    f"policy {request.policy} is not a CachePolicy value",
+                    field="policy",
+                )
             policy = request.policy or self.default_policy
             response = pb.LookupResponse()
             for i, query in enumerate(request.queries):
@@ -147,6 +161,20 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         tensor_pb2.DATA_TYPE_FP16,
                     ),
                 )
+                rows = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
+                if emb.shape[0] != rows or emb.shape[1] <= 0:
+                    raise invalid_argument(
+                        "EMBEDDING_SHAPE_MISMATCH",
+                        f"{field}.embedding.embeddings has shape {list(emb.shape)}; grid "
+                        f"{list(grid)} needs {rows} rows (t*h*w/{self.merge}**2)",
+                        field=f"{field}.embedding.embeddings",
+                    )
+                if not np.isfinite(tensors.to_numpy(emb)).all():
+                    raise invalid_argument(
+                        "EMBEDDING_NOT_FINITE",
+                        f"{field}.embedding.embeddings holds NaN or inf",
+                        field=f"{field}.embedding.embeddings",
+                    )
                 if len(emb.data) > self.store.capacity_bytes:
                     raise resource_exhausted(
                         "ENTRY_TOO_LARGE",

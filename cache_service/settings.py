@@ -17,3 +17,6 @@ class CacheSettings(ServerSettings):
     descriptor_dim: int = Field(DESCRIPTOR_DIM, ge=1, description="Similarity descriptor length.")
     default_policy: str = Field("similar", pattern="^(exact_only|similar|off)$")
     max_queries: int = Field(256, ge=1, description="Queries or entries per call.")
+    spatial_merge_size: int = Field(
+        2, ge=1, description="Qwen-VL merge size: an entry's rows must be t*h*w / merge**2."
+    )

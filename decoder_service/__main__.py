@@ -9,6 +9,7 @@ with a non-zero image count (with 0 vLLM drops deepstack, FACTS.md) and, on CPU,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -54,7 +55,14 @@ async def main_async(settings: DecoderSettings, engine_args: object) -> None:
         max_tokens_limit=settings.max_tokens_limit,
         max_text_chars=settings.max_text_chars,
     )
-    servicer = DecoderServicer(engine, limits)
+    stop = asyncio.Event()
+
+    def engine_dead() -> None:
+        if not stop.is_set():
+            log.error("vLLM engine is dead: going NOT_SERVING and exiting for a restart")
+            stop.set()
+
+    servicer = DecoderServicer(engine, limits, on_engine_dead=engine_dead)
 
     async def startup() -> None:
         await engine.start()
@@ -72,7 +80,10 @@ async def main_async(settings: DecoderSettings, engine_args: object) -> None:
         ),
         startup=startup,
         shutdown=shutdown,
+        stop_event=stop,
     )
+    if engine.died:
+        raise SystemExit(3)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,7 +42,7 @@ class ImageInput:
 
     embeddings: torch.Tensor
     grid: tuple[int, int, int]
-    uuid: str
+    uuid: str | None
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class DecoderEngine:
         self.max_model_len = 0
         self.max_images = 0
         self.max_image_tokens = 0
+        self.died = False
         self.forbidden_tokens: tuple[str, ...] = ()
 
     async def start(self) -> None:
@@ -98,6 +99,7 @@ class DecoderEngine:
         )
 
     def shutdown(self) -> None:
+        self.died = self.dead
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
@@ -117,6 +119,13 @@ class DecoderEngine:
             )
         )
 
+    def control_tokens(self, prompt: str) -> list[str]:
+        """The added (control) tokens of ``prompt`` as the tokenizer splits it, in order."""
+        added = self.tokenizer.get_added_vocab()
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        by_id = {i: t for t, i in added.items()}
+        return [by_id[i] for i in ids if i in by_id]
+
     def prompt_tokens(self, prompt: str, images: Sequence[ImageInput]) -> int:
         """Prompt length after vLLM expands each ``<|image_pad|>`` to the image's tokens."""
         text_tokens = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -134,7 +143,8 @@ class DecoderEngine:
                     "image_grid_thw": torch.tensor([im.grid for im in images], dtype=torch.long),
                 }
             }
-            inputs["multi_modal_uuids"] = {"image": [im.uuid for im in images]}
+            if all(im.uuid for im in images):
+                inputs["multi_modal_uuids"] = {"image": [im.uuid for im in images]}
         finished = False
         completion = 0
         try:

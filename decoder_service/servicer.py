@@ -7,7 +7,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from opentelemetry import trace
@@ -17,11 +17,19 @@ from qwenvl.decoder.v1 import decoder_service_pb2_grpc as pb_grpc
 
 from decoder_service import metrics
 from decoder_service.engine import DecoderEngine
-from decoder_service.validation import Limits, check_image, to_chat_messages
+from decoder_service.validation import (
+    Limits,
+    check_control_tokens,
+    check_image,
+    to_chat_messages,
+)
 from vlcommon.errors import ServiceError, abort, invalid_argument
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.decoder")
+MAX_TEMPERATURE = 2.0
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
 FINISH = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH}
 
 
@@ -42,11 +50,13 @@ def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits) -> objec
             field="sampling.max_tokens",
             limit=limits.max_tokens_limit,
         )
-    if not math.isfinite(msg.temperature) or not 0.0 <= msg.temperature <= 100.0:
+    # vLLM accepts temperatures in [0, 2] (its SamplingParams check); 0 means greedy.
+    if not math.isfinite(msg.temperature) or not 0.0 <= msg.temperature <= MAX_TEMPERATURE:
         raise invalid_argument(
             "TEMPERATURE_OUT_OF_RANGE",
-            f"sampling.temperature is {msg.temperature}; allowed 0..100",
+            f"sampling.temperature is {msg.temperature}; allowed 0..{MAX_TEMPERATURE:g}",
             field="sampling.temperature",
+            limit=MAX_TEMPERATURE,
         )
     top_p = msg.top_p or 1.0
     if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
@@ -55,30 +65,51 @@ def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits) -> objec
             f"sampling.top_p is {msg.top_p}; allowed (0, 1]",
             field="sampling.top_p",
         )
-    if len(msg.stop) > 16 or any(not s or len(s) > 256 for s in msg.stop):
+    if len(msg.stop) > MAX_STOP:
         raise invalid_argument(
             "STOP_INVALID",
-            "sampling.stop allows up to 16 non-empty strings of at most 256 characters",
+            f"sampling.stop has {len(msg.stop)} strings; the limit is {MAX_STOP}",
             field="sampling.stop",
-            limit=16,
+            limit=MAX_STOP,
         )
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=msg.temperature,
-        top_p=top_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop=list(msg.stop) or None,
-        ignore_eos=msg.ignore_eos,
-        output_kind=RequestOutputKind.DELTA,
-    )
+    for k, stop in enumerate(msg.stop):
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise invalid_argument(
+                "STOP_INVALID",
+                f"sampling.stop[{k}] has {len(stop)} characters; allowed 1..{MAX_STOP_CHARS}",
+                field=f"sampling.stop[{k}]",
+                limit=MAX_STOP_CHARS,
+            )
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=msg.temperature,
+            top_p=top_p,
+            seed=msg.seed if msg.HasField("seed") else None,
+            stop=list(msg.stop) or None,
+            ignore_eos=msg.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+    except ValueError as exc:  # any check of vLLM's own that ours did not anticipate
+        raise invalid_argument(
+            "SAMPLING_INVALID", f"sampling is invalid: {exc}", field="sampling"
+        ) from exc
 
 
 class DecoderServicer(pb_grpc.DecoderServiceServicer):
     """Serves Generate on a :class:`DecoderEngine`."""
 
-    def __init__(self, engine: DecoderEngine, limits: Limits) -> None:
+    def __init__(
+        self,
+        engine: DecoderEngine,
+        limits: Limits,
+        on_engine_dead: Callable[[], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.limits = limits
+        # Called once the engine is found dead: the service turns NOT_SERVING and exits so
+        # its supervisor restarts it (a dead vLLM engine never recovers in process).
+        self.on_engine_dead = on_engine_dead or (lambda: None)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -91,6 +122,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                     grpc.StatusCode.UNAVAILABLE, "ENGINE_NOT_READY", "decoder engine is not ready"
                 )
             if self.engine.dead:
+                self.on_engine_dead()
                 raise ServiceError(
                     grpc.StatusCode.UNAVAILABLE,
                     "ENGINE_DEAD",
@@ -109,6 +141,12 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             ]
             metrics.EMBEDDING_BYTES.inc(sum(len(request.images[i].embeddings.data) for i in order))
             params = sampling_params(request.sampling, limits)
+            check_control_tokens(
+                self.engine.render,
+                self.engine.control_tokens,
+                messages,
+                self.engine.forbidden_tokens,
+            )
             prompt = self.engine.render(messages)
             n_prompt = self.engine.prompt_tokens(prompt, images)
             budget = self.engine.max_model_len - params.max_tokens  # type: ignore[attr-defined]
@@ -118,7 +156,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                     f"the prompt is {n_prompt} tokens (images included) and max_tokens "
                     f"{params.max_tokens}; together they exceed max_model_len "  # type: ignore[attr-defined]
                     f"{self.engine.max_model_len}",
-                    field="messages",
+                    field="sampling.max_tokens",
                     limit=self.engine.max_model_len,
                 )
             t0 = time.perf_counter()
@@ -171,6 +209,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             if isinstance(exc, EngineDeadError) or self.engine.dead:
                 code = grpc.StatusCode.UNAVAILABLE
                 log.error("vLLM engine died: %s", exc)
+                self.on_engine_dead()
                 await abort(
                     context,
                     ServiceError(

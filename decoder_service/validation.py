@@ -156,11 +156,12 @@ def check_image(
         )
     grid = (int(msg.grid.t), int(msg.grid.h), int(msg.grid.w))
     m = spec.spatial_merge_size
-    if min(grid) <= 0 or grid[1] % m or grid[2] % m:
+    # A still image has t == 1 (vLLM asserts it for image items: t > 1 killed the engine).
+    if grid[0] != 1 or min(grid) <= 0 or grid[1] % m or grid[2] % m:
         raise invalid_argument(
             "GRID_INVALID",
-            f"{field}.grid is {list(grid)}; t, h, w must be > 0 and h, w "
-            f"multiples of spatial_merge_size {m}",
+            f"{field}.grid is {list(grid)}; an image has t = 1 and h, w > 0, multiples of "
+            f"spatial_merge_size {m}",
             field=f"{field}.grid",
         )
     if not msg.HasField("embeddings"):
@@ -195,4 +196,38 @@ def check_image(
             f"{field}.embeddings holds NaN or inf",
             field=f"{field}.embeddings",
         )
-    return ImageInput(embeddings=tensor, grid=grid, uuid=msg.key or f"anon-{index}")
+    # The uuid names the content for vLLM's caches: the key (a content digest) plus the grid.
+    # Without a key there is no identity, and vLLM hashes the embeddings itself.
+    uuid = f"{msg.key}:{grid[0]}x{grid[1]}x{grid[2]}" if msg.key else None
+    return ImageInput(embeddings=tensor, grid=grid, uuid=uuid)
+
+
+def check_control_tokens(
+    engine_render: Any, tokenize: Any, messages: list[dict[str, Any]], forbidden: tuple[str, ...]
+) -> None:
+    """Refuse a prompt whose control tokens differ from what the template alone produces.
+
+    Per-part checks miss tokens formed across parts ("<|im_" + "start|>"), since the
+    template joins adjacent text. So the rendered prompt's control-token counts are
+    compared with those of the same messages with every text emptied (case C05).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``TEXT_CONTAINS_SPECIAL_TOKEN`` naming the token.
+    """
+    blank = [
+        {
+            **m,
+            "content": [{**c, "text": ""} if c.get("type") == "text" else c for c in m["content"]],
+        }
+        for m in messages
+    ]
+    actual, expected = tokenize(engine_render(messages)), tokenize(engine_render(blank))
+    for token in forbidden:
+        if actual.count(token) != expected.count(token):
+            raise invalid_argument(
+                "TEXT_CONTAINS_SPECIAL_TOKEN",
+                f"the text of messages forms the special token {token!r} (across parts); "
+                "control tokens may not appear in text",
+                field="messages",
+                token=token,
+            )

@@ -37,6 +37,9 @@ async def main_async(settings: EncoderSettings) -> None:
         )
         batcher.start()
         servicer.engine, servicer.batcher = engine, batcher
+        if not settings.max_patches_per_image:
+            # One image may not hold the ViT longer than the model's own largest image.
+            servicer.max_patches = engine.spec.max_pixels // engine.spec.patch_size**2
         state["batcher"] = batcher
 
     async def shutdown() -> None:

@@ -19,7 +19,7 @@ from encoder_service.batcher import Batcher
 from encoder_service.engine import Preprocessed, VisionEngine
 from vlcommon import tensors
 from vlcommon.errors import ServiceError, abort, invalid_argument, resource_exhausted
-from vlcommon.imaging import ResizePlan
+from vlcommon.imaging import MAX_ASPECT_RATIO, ResizePlan
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.encoder")
@@ -48,6 +48,13 @@ def plan_from_proto(msg: tensor_pb2.ResizePlan, engine: VisionEngine, field: str
             "RESIZE_PLAN_INVALID",
             f"{field}.grid is {grid}; a {h}x{w} image has {expected}",
             field=f"{field}.grid",
+        )
+    if max(h, w) / min(h, w) > MAX_ASPECT_RATIO:
+        raise invalid_argument(
+            "RESIZE_PLAN_INVALID",
+            f"{field}: resized size {h}x{w} has an aspect ratio over {MAX_ASPECT_RATIO:g}",
+            field=field,
+            limit=f"{MAX_ASPECT_RATIO:g}",
         )
     return ResizePlan(h, w, 1, expected[1], expected[2], spec.tokens(*expected))
 
@@ -112,7 +119,12 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                     field=field,
                     limit=self.max_patches,
                 )
-            prepared.append((image.key, tensors.to_numpy(image.pixels), plan))
+            # In-flight de-duplication is by content AND plan: one key never stands for two
+            # different resizes.
+            dedup_key = (
+                f"{image.key}|{plan.resized_height}x{plan.resized_width}" if image.key else ""
+            )
+            prepared.append((dedup_key, tensors.to_numpy(image.pixels), plan))
         return prepared
 
     @staticmethod
@@ -154,7 +166,9 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 )
                 span.set_attribute("splitvl.tokens", sum(o.shape[0] for o in outs))
             response = pb.EncodeResponse(encode_ms=(time.perf_counter() - t_queue) * 1000)
-            for (key, _, plan), out in zip(prepared, outs, strict=True):
+            for request_image, (_, _, plan), out in zip(
+                request.images, prepared, outs, strict=True
+            ):
                 if out_dtype == tensor_pb2.DATA_TYPE_BF16:
                     out = out.to(torch.bfloat16)
                 elif out_dtype == tensor_pb2.DATA_TYPE_FP32:
@@ -162,7 +176,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 response.embeddings.add(
                     embeddings=tensors.from_torch(out),
                     grid=tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w),
-                    key=key,
+                    key=request_image.key,
                 )
             log.debug(
                 "encoded %d images in %.1f ms", len(prepared), (time.perf_counter() - t0) * 1000

@@ -20,4 +20,8 @@ class EncoderSettings(ServerSettings):
     max_wait_ms: float = Field(2.0, ge=0, description="Wait for more images after the first, ms.")
     max_queue: int = Field(256, ge=1, description="Images waiting; more get RESOURCE_EXHAUSTED.")
     max_images_per_request: int = Field(64, ge=1)
-    max_patches_per_image: int = Field(65536, ge=1, description="Larger images are refused.")
+    max_patches_per_image: int = Field(
+        0,
+        ge=0,
+        description="Larger images are refused; 0 = the checkpoint's max_pixels / patch_size**2.",
+    )

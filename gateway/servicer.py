@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -40,6 +41,7 @@ from vlcommon.imaging import (
     decode_image,
     exact_key,
     plan_resize,
+    resize_to_plan,
     similarity_descriptor,
 )
 from vlcommon.model_info import VisionSpec
@@ -56,6 +58,11 @@ CACHE_FAILURES = Counter(
 )
 STAGE_SECONDS = Histogram("splitvl_gateway_stage_seconds", "Wall time per stage.", ["stage"])
 ROLES = ("system", "user", "assistant")
+EMBEDDING_DTYPES = (
+    tensor_pb2.DATA_TYPE_FP32,
+    tensor_pb2.DATA_TYPE_BF16,
+    tensor_pb2.DATA_TYPE_FP16,
+)
 POLICY_NAMES = {
     "exact_only": generation_pb2.CACHE_POLICY_EXACT_ONLY,
     "similar": generation_pb2.CACHE_POLICY_SIMILAR,
@@ -67,7 +74,7 @@ POLICY_NAMES = {
 class PreparedImage:
     """One decoded image with everything computed before any ViT work."""
 
-    pixels: np.ndarray  # uint8 [H, W, 3]
+    pixels: np.ndarray  # uint8 [resized_height, resized_width, 3], upright RGB
     plan: ResizePlan
     key: str
     descriptor: np.ndarray  # float32 [DESCRIPTOR_DIM]
@@ -125,11 +132,19 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.forbidden_tokens = forbidden_tokens
         self.down = downstream
         self.default_policy = POLICY_NAMES[settings.default_cache_policy]
+        self._preprocess = ThreadPoolExecutor(
+            max_workers=settings.preprocess_threads, thread_name_prefix="preprocess"
+        )
 
     # -- validation ---------------------------------------------------------------------
     def _parse(
         self, request: pb.GenerateRequest
     ) -> tuple[list[decoder_service_pb2.Message], list[bytes]]:
+        """Validate the messages and collect the images' encoded bytes, in order.
+
+        Counts (messages, parts, images, characters) are checked before any content is
+        scanned, so an oversized request is refused without work proportional to its size.
+        """
         s = self.settings
         if not request.messages:
             raise invalid_argument(
@@ -142,9 +157,32 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 field="messages",
                 limit=s.max_messages,
             )
+        parts = sum(len(m.parts) for m in request.messages)
+        if parts > s.max_parts:
+            raise invalid_argument(
+                "TOO_MANY_PARTS",
+                f"messages hold {parts} parts; the limit is {s.max_parts}",
+                field="messages",
+                limit=s.max_parts,
+            )
+        n_images = sum(1 for m in request.messages for q in m.parts if q.HasField("image"))
+        if n_images > s.max_images:
+            raise invalid_argument(
+                "TOO_MANY_IMAGES",
+                f"the request has {n_images} images; the limit is {s.max_images}",
+                field="images",
+                limit=s.max_images,
+            )
+        chars = sum(len(q.text) for m in request.messages for q in m.parts)
+        if chars > s.max_text_chars:
+            raise invalid_argument(
+                "TEXT_TOO_LONG",
+                f"messages hold {chars} characters of text; the limit is {s.max_text_chars}",
+                field="messages",
+                limit=s.max_text_chars,
+            )
         messages: list[decoder_service_pb2.Message] = []
         images: list[bytes] = []
-        chars = 0
         for i, message in enumerate(request.messages):
             if message.role not in ROLES:
                 raise invalid_argument(
@@ -157,29 +195,19 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     "PARTS_EMPTY", f"messages[{i}].parts is empty", field=f"messages[{i}].parts"
                 )
             out = decoder_service_pb2.Message(role=message.role)
+            run: list[str] = []  # adjacent text parts: the chat template joins them
             for j, part in enumerate(message.parts):
                 field = f"messages[{i}].parts[{j}]"
                 kind = part.WhichOneof("part")
                 if kind == "text":
-                    for token in self.forbidden_tokens:
-                        if token in part.text:
-                            raise invalid_argument(
-                                "TEXT_CONTAINS_SPECIAL_TOKEN",
-                                f"{field}.text contains the special token {token!r}; images are "
-                                "given as image parts, and control tokens may not appear in text",
-                                field=f"{field}.text",
-                                token=token,
-                            )
-                    chars += len(part.text)
+                    self._check_text(part.text, f"{field}.text")
+                    run.append(part.text)
                     out.parts.add(text=part.text)
-                elif kind == "image":
-                    if len(images) >= s.max_images:
-                        raise invalid_argument(
-                            "TOO_MANY_IMAGES",
-                            f"the request has more than {s.max_images} images",
-                            field="images",
-                            limit=s.max_images,
-                        )
+                    continue
+                if len(run) > 1:
+                    self._check_text("".join(run), f"messages[{i}].parts (joined text)")
+                run = []
+                if kind == "image":
                     images.append(
                         image_bytes(part.image, index=len(images), max_bytes=s.max_image_bytes)
                     )
@@ -188,15 +216,24 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     raise invalid_argument(
                         "PART_EMPTY", f"{field} has neither text nor image", field=field
                     )
+            if len(run) > 1:
+                self._check_text("".join(run), f"messages[{i}].parts (joined text)")
             messages.append(out)
-        if chars > s.max_text_chars:
-            raise invalid_argument(
-                "TEXT_TOO_LONG",
-                f"messages hold {chars} characters of text; the limit is {s.max_text_chars}",
-                field="messages",
-                limit=s.max_text_chars,
-            )
         return messages, images
+
+    def _check_text(self, text: str, field: str) -> None:
+        """Refuse a control token (``<|image_pad|>``, ``<|im_start|>``, ...) in user text."""
+        if "<" not in text:
+            return
+        for token in self.forbidden_tokens:
+            if token in text:
+                raise invalid_argument(
+                    "TEXT_CONTAINS_SPECIAL_TOKEN",
+                    f"{field} contains the special token {token!r}; images are given as image "
+                    "parts, and control tokens may not appear in text",
+                    field=field,
+                    token=token,
+                )
 
     def _budget(self, request: pb.GenerateRequest) -> tuple[int, int]:
         lo = request.pixel_budget.min_pixels or self.spec.min_pixels
@@ -213,6 +250,12 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         return lo, hi
 
     def _prepare_images(self, datas: list[bytes], lo: int, hi: int) -> list[PreparedImage]:
+        """Decode, plan, key, describe and resize each image, one at a time.
+
+        The pixels kept (and sent to the encoder) are the resized ones, produced by the one
+        shared resize function: a 6000x6000 upload shrinks to the pixel budget here instead
+        of travelling as 108 MB, and only one full-size decode is alive per thread.
+        """
         prepared = []
         for index, data in enumerate(datas):
             image = decode_image(
@@ -221,15 +264,30 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             plan = plan_resize(
                 image.height, image.width, self.spec, index=index, min_pixels=lo, max_pixels=hi
             )
+            key = exact_key(image, plan, self.revision)
+            descriptor = similarity_descriptor(image)
+            resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
+            del image
             prepared.append(
-                PreparedImage(
-                    pixels=np.asarray(image, dtype=np.uint8),
-                    plan=plan,
-                    key=exact_key(image, plan, self.revision),
-                    descriptor=similarity_descriptor(image),
-                )
+                PreparedImage(pixels=resized, plan=plan, key=key, descriptor=descriptor)
             )
         return prepared
+
+    def _usable_hit(self, emb: tensor_pb2.ImageEmbedding, im: PreparedImage) -> bool:
+        """Trust a cache hit only if its tensor fits this image and this model.
+
+        A bad entry (wrong rows for the grid, wrong width, bad byte count, NaN) would make
+        the decoder refuse the request; treated as a miss, the image is encoded instead.
+        """
+        grid = (emb.grid.t, emb.grid.h, emb.grid.w)
+        shape = list(emb.embeddings.shape)
+        if grid != im.plan.grid or shape != [im.plan.tokens, self.spec.embedding_width]:
+            return False
+        try:
+            tensors.validate(emb.embeddings, field="cache", dtypes=EMBEDDING_DTYPES)
+        except ServiceError:
+            return False
+        return bool(np.isfinite(tensors.to_numpy(emb.embeddings)).all())
 
     # -- stages -------------------------------------------------------------------------
     async def _lookup(
@@ -253,18 +311,24 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 span.set_attribute("splitvl.cache.error", err.code().name)
                 log.warning("cache lookup failed (%s); encoding instead", err.code().name)
                 return
+            if len(response.results) != len(images):
+                CACHE_FAILURES.labels(op="lookup").inc()
+                log.warning(
+                    "cache answered %d results for %d queries; encoding instead",
+                    len(response.results),
+                    len(images),
+                )
+                return
             for im, result in zip(images, response.results, strict=True):
                 im.similarity = result.similarity
                 if result.tier in (
                     generation_pb2.CACHE_TIER_EXACT,
                     generation_pb2.CACHE_TIER_SIMILAR,
                 ):
-                    if (
-                        result.embedding.grid.t,
-                        result.embedding.grid.h,
-                        result.embedding.grid.w,
-                    ) != im.plan.grid:
-                        continue  # never bind another grid's embeddings
+                    if not self._usable_hit(result.embedding, im):
+                        CACHE_FAILURES.labels(op="bad_entry").inc()
+                        log.warning("cache returned an unusable entry for %s", im.key[:16])
+                        continue  # never bind embeddings that do not fit
                     im.tier = result.tier
                     im.embedding = result.embedding
             span.set_attribute(
@@ -334,11 +398,19 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     field="sampling.max_tokens",
                     limit=self.settings.max_tokens_limit,
                 )
+            if request.cache_policy not in generation_pb2.CachePolicy.values():
+                raise invalid_argument(
+                    "CACHE_POLICY_INVALID",
+                    f"cache_policy {request.cache_policy} is not a CachePolicy value",
+                    field="cache_policy",
+                )
             policy = request.cache_policy or self.default_policy
             with tracer.start_as_current_span("gateway.preprocess") as span:
                 messages, datas = self._parse(request)
                 lo, hi = self._budget(request)
-                images = await asyncio.to_thread(self._prepare_images, datas, lo, hi)
+                images = await asyncio.get_running_loop().run_in_executor(
+                    self._preprocess, self._prepare_images, datas, lo, hi
+                )
                 span.set_attribute("splitvl.images", len(images))
                 span.set_attribute("splitvl.grids", [str(im.plan.grid) for im in images])
             timings.preprocess_ms = (time.perf_counter() - t_start) * 1000

@@ -28,3 +28,7 @@ class GatewaySettings(ServerSettings):
     max_text_chars: int = Field(65536, ge=1, description="Characters of text per request.")
     max_tokens_limit: int = Field(4096, ge=1)
     max_messages: int = Field(64, ge=1)
+    max_parts: int = Field(256, ge=1, description="Content parts over all messages.")
+    preprocess_threads: int = Field(
+        2, ge=1, description="Threads decoding and resizing images (bounds their memory)."
+    )

@@ -109,7 +109,9 @@ async def cache_stub():
     )
     port = await started
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield pb_grpc.CacheServiceStub(channel)
+        stub = pb_grpc.CacheServiceStub(channel)
+        stub.raw_channel = channel  # type: ignore[attr-defined]
+        yield stub
     stop.set()
     await task
 
@@ -178,3 +180,39 @@ async def test_servicer_put_lookup_and_errors(cache_stub) -> None:
     )
     stats = await cache_stub.GetStats(pb.GetStatsRequest())
     assert (stats.entries, stats.exact_hits, stats.similar_hits) == (1, 1, 1)
+
+
+async def test_servicer_refuses_entries_that_do_not_fit_their_grid(cache_stub) -> None:
+    bad_rows = _entry("rows", unit(7), rows=5)  # grid 1x4x4 needs 4 rows
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await cache_stub.Put(pb.PutRequest(entries=[bad_rows]))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "entries[0].embedding.embeddings has shape [5, 6]; grid [1, 4, 4] needs 4 rows" in (
+        exc.value.details()
+    )
+    nan = _entry("nan", unit(8))
+    values = np.ones((4, 6), dtype=np.float32)
+    values[1, 2] = np.nan
+    nan.embedding.embeddings.CopyFrom(tensors.from_numpy(values))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await cache_stub.Put(pb.PutRequest(entries=[nan]))
+    assert "NaN or inf" in exc.value.details()
+    stats = await cache_stub.GetStats(pb.GetStatsRequest())
+    assert stats.entries == 0
+
+
+async def test_unknown_policy_and_unparsable_bytes_are_invalid_argument(cache_stub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await cache_stub.Lookup(pb.LookupRequest(policy=99))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "policy 99 is not a CachePolicy value" in exc.value.details()
+    raw = cache_stub.raw_channel.unary_unary(
+        "/qwenvl.cache.v1.CacheService/Lookup",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.LookupResponse.FromString,
+    )
+    # queries[0].key holding invalid UTF-8: protobuf refuses to parse it.
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await raw(b"\x0a\x04\x0a\x02\xff\xfe")
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "could not be parsed" in exc.value.details()

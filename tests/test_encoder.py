@@ -151,3 +151,14 @@ async def test_bad_requests_get_invalid_argument_naming_the_field(encoder_stub, 
     assert "16384 patches; the limit is 4096" in exc.value.details()
     # Still serving.
     assert len((await encoder_stub.Encode(pb.EncodeRequest(images=[good]))).embeddings) == 1
+
+
+async def test_same_key_with_two_plans_gives_two_encodes(encoder_stub, engine) -> None:
+    small = _image("chelsea.png", engine, key="dup")
+    big = pb.EncodeImage()
+    big.CopyFrom(small)
+    big.plan.resized_height, big.plan.resized_width = 64, 64
+    big.plan.grid.h, big.plan.grid.w = 4, 4
+    response = await encoder_stub.Encode(pb.EncodeRequest(images=[small, big]))
+    assert [list(e.embeddings.shape) for e in response.embeddings] == [[54, 384], [4, 384]]
+    assert [e.key for e in response.embeddings] == ["dup", "dup"]

@@ -219,3 +219,38 @@ def test_animated_gif_uses_its_first_frame() -> None:
     frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100)
     r, g, b = decode(buf.getvalue()).getpixel((8, 8))
     assert r > 200 and b < 60
+
+
+DATA = __import__("pathlib").Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"DDS " + b"\x7c\x00\x00\x00" + b"\x00" * 120,  # Pillow: NotImplementedError
+        (DATA / "fuzzed_gif_indexerror.gif").read_bytes(),  # Pillow: IndexError
+        (DATA / "fuzzed_spider_attrerror.bin").read_bytes(),  # Pillow: AttributeError
+    ],
+    ids=["dds", "fuzzed-gif", "fuzzed-spider"],
+)
+def test_any_decoder_failure_is_invalid_argument_without_addresses(data) -> None:
+    with pytest.raises(ServiceError) as exc:
+        decode(data, index=2)
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.message.startswith("images[2] could not be decoded")
+    assert " at 0x" not in exc.value.message
+
+
+def test_pillow_bomb_guard_reports_our_limit() -> None:
+    # A real 8x8 PNG whose header is rewritten to claim 100000 x 100000 (CRC fixed): Pillow's
+    # own guard fires inside Image.open, before our size check can run.
+    import struct
+    import zlib
+
+    png = bytearray(png_bytes(Image.new("RGB", (8, 8))))
+    png[16:24] = struct.pack(">II", 100_000, 100_000)
+    png[29:33] = struct.pack(">I", zlib.crc32(bytes(png[12:29])))
+    with pytest.raises(ServiceError) as exc:
+        decode(bytes(png))
+    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert exc.value.metadata["limit"] == str(MAX_PIXELS)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 from vlcommon.model_info import VisionSpec
@@ -100,21 +101,33 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
             im.load()
             upright = ImageOps.exif_transpose(im)
             return _to_rgb(upright if upright is not None else im)
-    except ServiceError:
+    except (ServiceError, MemoryError):
         raise
-    except (
-        UnidentifiedImageError,
-        OSError,
-        SyntaxError,
-        ValueError,
-        EOFError,
-        Image.DecompressionBombError,
-    ) as exc:
+    except Image.DecompressionBombError as exc:
+        # Pillow's own guard fires first for headers past 2x its MAX_IMAGE_PIXELS: report it
+        # with our limit, the same way as the check above.
+        raise resource_exhausted(
+            "IMAGE_TOO_LARGE",
+            f"{field} is too large to decode ({_clean(exc)}); the limit is "
+            f"{max_decoded_pixels} decoded pixels",
+            field=field,
+            limit=max_decoded_pixels,
+        ) from exc
+    except Exception as exc:  # noqa: BLE001
+        # Pillow's decoders raise more than OSError/ValueError on hostile files (seen:
+        # NotImplementedError for DDS, IndexError for a fuzzed GIF, AttributeError for a
+        # fuzzed SPIDER file). Whatever a decoder raises, the input is what is wrong.
         raise invalid_argument(
             "IMAGE_DECODE_FAILED",
-            f"{field} could not be decoded: {exc}",
+            f"{field} could not be decoded: {_clean(exc)}",
             field=field,
         ) from exc
+
+
+def _clean(exc: BaseException) -> str:
+    """An exception's message without object addresses (``<_io.BytesIO object at 0x...>``)."""
+    text = re.sub(r"<[\w.]+ object at 0x[0-9a-f]+>", "the data", str(exc)) or type(exc).__name__
+    return text[:300]
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:

@@ -13,12 +13,14 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from vlcommon import telemetry
+from vlcommon.errors import ServiceError, abort, invalid_argument
 from vlcommon.settings import ServerSettings, server_options
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,10 @@ def configure_logging(service: str) -> None:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
     )
+    # OpenTelemetry's gRPC aio interceptors log "Failed to detach context" with a traceback
+    # whenever a streaming call is cancelled (the span's context token belongs to another
+    # task); the span is still ended and exported, so this is noise for an operator.
+    logging.getLogger("opentelemetry.context").setLevel(logging.CRITICAL)
 
 
 async def serve(
@@ -67,7 +73,8 @@ async def serve(
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    register(server)
+    # Through the registrar, a request that does not parse gets INVALID_ARGUMENT, not UNKNOWN.
+    register(_Registrar(server))  # type: ignore[arg-type]
     reflection.enable_server_reflection(
         [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
@@ -118,3 +125,77 @@ def run(coro: Awaitable[None]) -> None:
     """asyncio.run for a service's main coroutine (stock asyncio: grpc.aio's poller is
     only supported on the default event loop)."""
     asyncio.run(coro)  # type: ignore[arg-type]
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse (e.g. invalid UTF-8 in a string)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _safe_deserializer(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and others
+            return _Undecodable(exc)
+
+    return parse
+
+
+def _refuse(request: _Undecodable) -> ServiceError:
+    return invalid_argument(
+        "REQUEST_UNDECODABLE",
+        f"the request could not be parsed as protobuf: {request.error}",
+        field="request",
+    )
+
+
+def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """Parse failures become INVALID_ARGUMENT instead of grpc-python's UNKNOWN."""
+    deserializer = _safe_deserializer(handler.request_deserializer)
+    if handler.unary_unary is not None:
+        behavior = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await abort(context, _refuse(request))
+            return await behavior(request, context)
+
+        return handler._replace(request_deserializer=deserializer, unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
+    if handler.unary_stream is not None:
+        stream = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await abort(context, _refuse(request))
+            async for item in stream(request, context):
+                yield item
+
+        return handler._replace(request_deserializer=deserializer, unary_stream=unary_stream)  # type: ignore[attr-defined,no-any-return]
+    return handler
+
+
+class _Registrar:
+    """Stands in for the server while generated ``add_*Servicer_to_server`` runs."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # registered below, from the same dictionary, with wrapped handlers
+
+    def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
+        wrapped = {method: _wrap(h) for method, h in handlers.items()}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, wrapped),))
+        self.server.add_registered_method_handlers(name, wrapped)
+
+
+def add_servicer(
+    add_to_server: Callable[[Any, Any], None], servicer: Any, server: grpc.aio.Server
+) -> None:
+    """Register ``servicer`` with the generated ``add_*Servicer_to_server`` function, so that
+    a request that does not parse gets INVALID_ARGUMENT naming ``request`` (grpc-python
+    would answer UNKNOWN)."""
+    add_to_server(servicer, _Registrar(server))
