@@ -26,7 +26,11 @@ async def main_async(settings: EncoderSettings) -> None:
 
     async def startup() -> None:
         engine = await asyncio.to_thread(
-            VisionEngine.load, settings.model, device=settings.device, dtype=settings.dtype
+            VisionEngine.load,
+            settings.model,
+            device=settings.device,
+            dtype=settings.dtype,
+            fast_cpu_kernels=settings.fast_cpu_kernels,
         )
         batcher = Batcher(
             engine.encode,
@@ -80,6 +84,21 @@ def main(argv: list[str] | None = None) -> None:
     if not settings.model:
         parser.error("--model (or ENCODER_MODEL) is required")
     configure_logging("encoder")
+    if settings.cpus:
+        import os
+
+        import torch
+
+        from vlcommon.cpus import parse_cpu_list
+
+        cpus = parse_cpu_list(settings.cpus)
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(settings.threads or len(cpus))
+        log.info("pinned to CPUs %s with %d torch threads", cpus, torch.get_num_threads())
+    elif settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)
     run(main_async(settings))
 
 

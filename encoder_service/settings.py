@@ -14,6 +14,13 @@ class EncoderSettings(ServerSettings):
     model: str = Field("", description="Checkpoint directory or hub id.")
     device: str = Field("auto", description="cpu, cuda, cuda:N or auto.")
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    cpus: str = Field(
+        "", description="CPU list to pin to (e.g. '1' or '12-15'); empty = no pinning."
+    )
+    threads: int = Field(0, ge=0, description="torch threads; 0 = one per pinned CPU.")
+    fast_cpu_kernels: bool = Field(
+        True, description="On CPU, run Linear layers through vLLM's oneDNN GEMM when present."
+    )
     max_batch_images: int = Field(8, ge=1, description="Images per ViT call.")
     # 16,384 patches = 16 images of 448x448 (784 patches each) plus room; bounds activation memory.
     max_batch_patches: int = Field(16384, ge=1, description="Patches per ViT call.")

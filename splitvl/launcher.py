@@ -9,6 +9,7 @@ grpc.health.v1 ``Check``; logs go to one file per service.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from vlcommon.cpus import available_cpus, format_cpu_list, split_cpus
 
 SERVICES = ("gateway", "encoder", "cache", "decoder")
 PACKAGES = {
@@ -135,8 +138,9 @@ class Cluster:
             "OTEL_SERVICE_NAME": "",
             **self.env,
         }
+        placement = cpu_placement(env)
         for name in ("decoder", "encoder", "cache", "gateway"):
-            child_env = {**env, "OTEL_SERVICE_NAME": f"splitvl-{name}"}
+            child_env = {**env, "OTEL_SERVICE_NAME": f"splitvl-{name}", **placement.get(name, {})}
             log = (self.log_dir / f"{name}.log").open("wb")
             self.procs[name] = subprocess.Popen(
                 self._command(name),
@@ -229,6 +233,26 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def cpu_placement(env: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Environment that keeps the encoder off the cores vLLM's CPU worker is bound to.
+
+    Only without a GPU, with at least two cores, and unless the user already chose
+    (``VLLM_CPU_OMP_THREADS_BIND`` or ``ENCODER_CPUS`` set).
+    """
+    if shutil.which("nvidia-smi") is not None and env.get("CUDA_VISIBLE_DEVICES") != "":
+        return {}
+    if env.get("VLLM_CPU_OMP_THREADS_BIND") or env.get("ENCODER_CPUS"):
+        return {}
+    split = split_cpus(available_cpus())
+    if split is None:
+        return {}
+    decoder, encoder = split
+    return {
+        "decoder": {"VLLM_CPU_OMP_THREADS_BIND": format_cpu_list(decoder)},
+        "encoder": {"ENCODER_CPUS": format_cpu_list(encoder)},
+    }
 
 
 def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> str:
