@@ -42,7 +42,7 @@ def default_model() -> str:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from splitvl.tiny_model import make_tiny_model
 
-    print(make_tiny_model(args.dir, seed=args.seed))
+    print(make_tiny_model(args.dir, seed=args.seed, bench=args.bench))
     return 0
 
 
@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="build the tiny random-weight checkpoint")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--bench", action="store_true", help="the bench-sized checkpoint instead")
     p.set_defaults(func=cmd_make_tiny_model)
 
     for name, func, text in (
@@ -157,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--max-tokens", type=int, default=16)
+
+    from splitvl import bench
+
+    bench.add_parser(sub)
 
     p = sub.add_parser("generate", help="stream an answer from the gateway")
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")

@@ -1,0 +1,763 @@
+"""``splitvl bench``: splitvl against vLLM alone, side by side, on the same workloads.
+
+Systems, each measured on identical requests (same images, prompts, max_tokens, greedy,
+eos ignored), one system at a time so an idle vLLM worker never steals the other's core:
+
+* ``vllm``        vLLM alone: ``AsyncLLM`` on the raw images (its own ViT in the engine),
+                  images decoded from their bytes inside each timed request;
+* ``vllm_embeds`` the same engine fed precomputed embeddings: the bound at 100% cache hits;
+* ``split_nocache`` splitvl's four services, cache policy OFF (every image is encoded);
+* ``split_cache``   splitvl with the cache on (exact and similarity tiers);
+* ``encoder``     the vision engine alone: batch size 1 against dynamic batching.
+
+Scenarios: ``repeat0`` and ``repeat50`` (closed loop at ``--concurrency``),
+``repeat0_conc1`` and ``repeat50_conc1`` (one at a time), ``repeat100`` (every image a
+repeat of a warmed-up set). Every figure is the median over ``--reps`` repetitions, each
+on a fresh workload, with min-max. Ratios are splitvl over vLLM alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from splitvl.workload import ImageFactory, Request, make_workload
+
+SCENARIOS = ("repeat0", "repeat50", "repeat0_conc1", "repeat50_conc1", "repeat100")
+
+
+@dataclass
+class Sample:
+    """One request's timings: seconds, and what served its images."""
+
+    ttft: float
+    e2e: float
+    itl: list[float]
+    tokens: int
+    tiers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """One (system, scenario, repetition)."""
+
+    samples: list[Sample]
+    elapsed: float
+    peak_rss: dict[str, int]
+
+    def summary(self) -> dict[str, float]:
+        ttft = [s.ttft for s in self.samples]
+        e2e = [s.e2e for s in self.samples]
+        itl = [x for s in self.samples for x in s.itl] or [0.0]
+        tiers = [t for s in self.samples for t in s.tiers]
+        hits = sum(t in ("exact", "similar") for t in tiers)
+        return {
+            "requests_per_s": len(self.samples) / self.elapsed,
+            "output_tokens_per_s": sum(s.tokens for s in self.samples) / self.elapsed,
+            "ttft_mean_ms": 1000 * statistics.fmean(ttft),
+            "ttft_p50_ms": 1000 * pct(ttft, 50),
+            "ttft_p99_ms": 1000 * pct(ttft, 99),
+            "itl_p50_ms": 1000 * pct(itl, 50),
+            "itl_p99_ms": 1000 * pct(itl, 99),
+            "e2e_p50_ms": 1000 * pct(e2e, 50),
+            "e2e_p99_ms": 1000 * pct(e2e, 99),
+            "cache_hit_rate": hits / len(tiers) if tiers else 0.0,
+            "peak_rss_mib": sum(self.peak_rss.values()) / 2**20,
+        }
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+class RssSampler:
+    """Samples the resident memory of process trees every 0.2 s; keeps each tree's peak."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.peak: dict[str, int] = dict.fromkeys(pids, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            for name, pid in self.pids.items():
+                try:
+                    proc = psutil.Process(pid)
+                    rss = proc.memory_info().rss + sum(
+                        c.memory_info().rss for c in proc.children(recursive=True)
+                    )
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                self.peak[name] = max(self.peak[name], rss)
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def closed_loop(
+    requests: list[Request], concurrency: int, call: Any
+) -> tuple[list[Sample], float]:
+    """Run ``call(request)`` for every request, ``concurrency`` at a time."""
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one(req: Request) -> Sample:
+        async with semaphore:
+            return await call(req)  # type: ignore[no-any-return]
+
+    t0 = time.perf_counter()
+    samples = await asyncio.gather(*(one(r) for r in requests))
+    return list(samples), time.perf_counter() - t0
+
+
+class Stream:
+    """Accumulates TTFT and ITL from token deltas."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        self.last = self.t0
+        self.itl: list[float] = []
+        self.tokens = 0
+
+    def tokens_arrived(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.itl.extend([(now - self.last) / n] * n)
+        self.last = now
+        self.tokens += n
+
+    def sample(self, tiers: list[str] | None = None) -> Sample:
+        end = time.perf_counter()
+        return Sample(
+            (self.first or end) - self.t0, end - self.t0, self.itl, self.tokens, tiers or []
+        )
+
+
+# -- vLLM alone ---------------------------------------------------------------------------
+class VllmAlone:
+    """vLLM's AsyncLLM in this process (its engine core in a child process)."""
+
+    def __init__(self, model: str, max_tokens: int, images_per_request: int) -> None:
+        from transformers import AutoProcessor
+        from vllm import AsyncEngineArgs, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        self.llm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=model,
+                dtype="float32",
+                enforce_eager=True,
+                max_model_len=4096,
+                seed=0,
+                enable_mm_embeds=True,
+                limit_mm_per_prompt={"image": images_per_request, "video": 0},
+            )
+        )
+        self.params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        self.processor = AutoProcessor.from_pretrained(model)
+
+    def prompt(self, req: Request) -> str:
+        content = [{"type": "image"}] * len(req.images) + [{"type": "text", "text": req.prompt}]
+        return str(
+            self.processor.apply_chat_template(
+                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+            )
+        )
+
+    async def raw(self, req: Request) -> Sample:
+        from PIL import Image
+
+        stream = Stream()
+        images = [Image.open(io.BytesIO(b)).convert("RGB") for b in req.images]
+        inputs: Any = {"prompt": self.prompt(req), "multi_modal_data": {"image": images}}
+        async for out in self.llm.generate(inputs, self.params, request_id=uuid.uuid4().hex):
+            stream.tokens_arrived(len(out.outputs[0].token_ids))
+        return stream.sample()
+
+    async def embeds(self, req: Request, embeds: Any, grid: Any, uuids: list[str]) -> Sample:
+        stream = Stream()
+        inputs: Any = {
+            "prompt": self.prompt(req),
+            "multi_modal_data": {"image": {"image_embeds": embeds, "image_grid_thw": grid}},
+            "multi_modal_uuids": {"image": uuids},
+        }
+        async for out in self.llm.generate(inputs, self.params, request_id=uuid.uuid4().hex):
+            stream.tokens_arrived(len(out.outputs[0].token_ids))
+        return stream.sample()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+# -- splitvl ------------------------------------------------------------------------------
+async def split_call(stub: Any, req: Request, max_tokens: int, policy: int) -> Sample:
+    from qwenvl.gateway.v1 import gateway_service_pb2 as pb
+
+    from splitvl.client import TIER_NAMES, build_request
+
+    request = build_request(
+        req.images, req.prompt, max_tokens=max_tokens, ignore_eos=True, cache_policy=policy
+    )
+    stream = Stream()
+    tiers: list[str] = []
+    call = stub.Generate(request, timeout=600)
+    async for chunk in call:
+        assert isinstance(chunk, pb.GenerateResponse)
+        if chunk.images:
+            tiers = [TIER_NAMES.get(im.tier, "?") for im in chunk.images]
+        stream.tokens_arrived(len(chunk.token_ids))
+    return stream.sample(tiers)
+
+
+# -- the encoder alone ---------------------------------------------------------------------
+def encoder_batching(
+    model: str,
+    side: int,
+    images: int,
+    concurrency: int,
+    reps: int,
+    max_batch_images: int,
+    threads: int,
+) -> dict[str, Any]:
+    """images/s of the vision engine at batch size 1 and with dynamic batching."""
+    import torch
+
+    from encoder_service.batcher import Batcher
+    from encoder_service.engine import VisionEngine
+    from vlcommon.imaging import plan_resize
+
+    torch.set_num_threads(threads)
+    engine = VisionEngine.load(model, device="auto")
+    factory = ImageFactory(side=side, seed=4242 + side)
+    pre = []
+    for _ in range(images):
+        image = factory.make()
+        plan = plan_resize(image.height, image.width, engine.spec, index=0)
+        pre.append(engine.preprocess(np.asarray(image), plan))
+    engine.encode(pre[:1])  # warm-up
+
+    async def run(batch: int) -> float:
+        b = Batcher(
+            engine.encode,
+            max_batch_images=batch,
+            max_batch_patches=1 << 20,
+            max_wait_ms=5.0,
+            max_queue=1024,
+        )
+        b.start()
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> None:
+            async with sem:
+                await b.submit(f"img{i}", pre[i])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(images)))
+        elapsed = time.perf_counter() - t0
+        await b.stop()
+        return images / elapsed
+
+    single, dynamic = [], []
+    for _ in range(reps):
+        single.append(asyncio.run(run(1)))
+        dynamic.append(asyncio.run(run(max_batch_images)))
+    t0 = time.perf_counter()
+    for p in pre[:4]:
+        engine.encode([p])
+    per_image = (time.perf_counter() - t0) / 4
+    return {
+        "side": side,
+        "images_per_s_batch1": spread(single),
+        "images_per_s_dynamic": spread(dynamic),
+        "speedup": statistics.median(dynamic) / statistics.median(single),
+        "vit_ms_per_image": 1000 * per_image,
+    }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+# -- orchestration -------------------------------------------------------------------------
+@dataclass
+class Plan:
+    concurrency: int
+    requests: int
+    requests_conc1: int
+    max_tokens: int
+    reps: int
+    side: int
+    images_per_request: int
+    seed: int
+
+
+def build_workloads(plan: Plan) -> dict[str, list[dict[str, Any]]]:
+    """Per scenario, per repetition: the requests (and for repeat100 its warm-up set)."""
+    factory = ImageFactory(side=plan.side, seed=plan.seed)
+    out: dict[str, list[dict[str, Any]]] = {s: [] for s in SCENARIOS}
+    for rep in range(plan.reps):
+        seed = plan.seed * 1000 + rep * 10
+        kw: dict[str, Any] = {"images_per_request": plan.images_per_request}
+        out["repeat0"].append(
+            {
+                "requests": make_workload(
+                    factory, requests=plan.requests, repeat_fraction=0.0, seed=seed, **kw
+                )
+            }
+        )
+        out["repeat50"].append(
+            {
+                "requests": make_workload(
+                    factory, requests=plan.requests, repeat_fraction=0.5, seed=seed + 1, **kw
+                )
+            }
+        )
+        out["repeat0_conc1"].append(
+            {
+                "requests": make_workload(
+                    factory, requests=plan.requests_conc1, repeat_fraction=0.0, seed=seed + 2, **kw
+                )
+            }
+        )
+        out["repeat50_conc1"].append(
+            {
+                "requests": make_workload(
+                    factory, requests=plan.requests_conc1, repeat_fraction=0.5, seed=seed + 3, **kw
+                )
+            }
+        )
+        pool = [factory.make() for _ in range(max(4, plan.requests // 4))]
+        warm = make_workload(
+            factory, requests=len(pool), repeat_fraction=1.0, seed=seed + 4, pool=pool, **kw
+        )
+        # Warm-up: each pool image once, exactly; then every measured image is a repeat.
+        from splitvl.workload import png
+
+        for req, image in zip(warm, pool, strict=True):
+            req.images = [png(image)] * plan.images_per_request
+            req.kinds = ["unique"] * plan.images_per_request
+        out["repeat100"].append(
+            {
+                "warmup": warm,
+                "requests": make_workload(
+                    factory,
+                    requests=plan.requests,
+                    repeat_fraction=1.0,
+                    seed=seed + 5,
+                    pool=pool,
+                    **kw,
+                ),
+            }
+        )
+    return out
+
+
+def concurrency_of(scenario: str, plan: Plan) -> int:
+    return 1 if scenario.endswith("conc1") else plan.concurrency
+
+
+def bench_vllm(
+    model: str, plan: Plan, workloads: dict[str, list[dict[str, Any]]], log: Any
+) -> dict[str, dict[str, list[Run]]]:
+    """vLLM alone on raw images, and on precomputed embeddings for repeat100."""
+    import torch
+
+    from encoder_service.engine import VisionEngine
+    from vlcommon.imaging import decode_image, exact_key, plan_resize
+
+    results: dict[str, dict[str, list[Run]]] = {"vllm": {}, "vllm_embeds": {}}
+    engine = VllmAlone(model, plan.max_tokens, plan.images_per_request)
+    vision = VisionEngine.load(model, device="cpu")
+
+    def embeds_for(req: Request) -> tuple[Any, Any, list[str]]:
+        rows, grids, keys = [], [], []
+        for data in req.images:
+            image = decode_image(data, index=0, max_decoded_pixels=10**8)
+            p = plan_resize(image.height, image.width, vision.spec, index=0)
+            [e] = vision.encode([vision.preprocess(np.asarray(image), p)])
+            rows.append(e)
+            grids.append(p.grid)
+            keys.append(exact_key(image, p, "bench"))
+        return torch.cat(rows), torch.tensor(grids, dtype=torch.long), keys
+
+    async def main() -> None:
+        await closed_loop(workloads["repeat0"][0]["requests"][:2], 2, engine.raw)  # warm-up
+        for scenario in SCENARIOS:
+            for rep, work in enumerate(workloads[scenario]):
+                conc = concurrency_of(scenario, plan)
+                if "warmup" in work:
+                    await closed_loop(work["warmup"], conc, engine.raw)
+                with RssSampler({"vllm": os.getpid()}) as rss:
+                    samples, elapsed = await closed_loop(work["requests"], conc, engine.raw)
+                results["vllm"].setdefault(scenario, []).append(Run(samples, elapsed, rss.peak))
+                log(f"  vllm {scenario} rep {rep}: {len(samples) / elapsed:.2f} req/s")
+                if scenario in ("repeat100", "repeat0_conc1"):
+                    # The same requests on precomputed embeddings: at repeat100 the bound of a
+                    # perfect cache; one at a time, the TTFT difference is vLLM's own ViT.
+                    pre = {id(r): embeds_for(r) for r in work["requests"]}
+
+                    async def call(req: Request, pre: dict[int, Any] = pre) -> Sample:
+                        return await engine.embeds(req, *pre[id(req)])
+
+                    with RssSampler({"vllm": os.getpid()}) as rss:
+                        samples, elapsed = await closed_loop(work["requests"], conc, call)
+                    results["vllm_embeds"].setdefault(scenario, []).append(
+                        Run(samples, elapsed, rss.peak)
+                    )
+                    log(f"  vllm_embeds {scenario} rep {rep}: {len(samples) / elapsed:.2f} req/s")
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    return results
+
+
+def bench_split(
+    model: str, plan: Plan, workloads: dict[str, list[dict[str, Any]]], log_dir: Path, log: Any
+) -> dict[str, dict[str, list[Run]]]:
+    """splitvl with the cache off and on."""
+    import grpc
+    from qwenvl.common.v1 import generation_pb2
+    from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+
+    from splitvl.launcher import Cluster, Ports
+    from vlcommon.settings import channel_options
+
+    results: dict[str, dict[str, list[Run]]] = {"split_nocache": {}, "split_cache": {}}
+    cluster = Cluster(
+        model=model,
+        ports=Ports.free(),
+        log_dir=log_dir,
+        decoder_args=[
+            "--limit-mm-per-prompt",
+            json.dumps({"image": plan.images_per_request, "video": 0}),
+        ],
+        env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+        progress=log,
+    )
+    systems = {
+        "split_nocache": (
+            generation_pb2.CACHE_POLICY_OFF,
+            ("repeat0", "repeat50", "repeat0_conc1", "repeat50_conc1"),
+        ),
+        "split_cache": (generation_pb2.CACHE_POLICY_SIMILAR, SCENARIOS),
+    }
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(
+            cluster.ports.address("gateway"), options=channel_options()
+        ) as channel:
+            stub = pb_grpc.GatewayServiceStub(channel)
+            warm = workloads["repeat0"][0]["requests"][:2]
+            await closed_loop(
+                warm,
+                2,
+                lambda r: split_call(stub, r, plan.max_tokens, generation_pb2.CACHE_POLICY_OFF),
+            )
+            pids = {n: p.pid for n, p in cluster.procs.items()}
+            for system, (policy, scenarios) in systems.items():
+                for scenario in scenarios:
+                    for rep, work in enumerate(workloads[scenario]):
+                        conc = concurrency_of(scenario, plan)
+
+                        async def call(r: Request, policy: int = policy) -> Sample:
+                            return await split_call(stub, r, plan.max_tokens, policy)
+
+                        if "warmup" in work:
+                            await closed_loop(work["warmup"], conc, call)
+                        with RssSampler(pids) as rss:
+                            samples, elapsed = await closed_loop(work["requests"], conc, call)
+                        results[system].setdefault(scenario, []).append(
+                            Run(samples, elapsed, rss.peak)
+                        )
+                        log(f"  {system} {scenario} rep {rep}: {len(samples) / elapsed:.2f} req/s")
+
+    with cluster:
+        asyncio.run(main())
+    return results
+
+
+def summarise(runs: dict[str, dict[str, list[Run]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for system, scenarios in runs.items():
+        for scenario, reps in scenarios.items():
+            per = [r.summary() for r in reps]
+            out.setdefault(system, {})[scenario] = {
+                k: spread([p[k] for p in per]) for k in per[0]
+            } | {"peak_rss_mib_by_process": {k: v / 2**20 for k, v in reps[-1].peak_rss.items()}}
+    return out
+
+
+def ratios(
+    table: dict[str, dict[str, dict[str, Any]]],
+    encoder: list[dict[str, Any]],
+    vit_vllm_ms: float | None,
+) -> dict[str, float | None]:
+    def m(system: str, scenario: str, key: str) -> float | None:
+        try:
+            return float(table[system][scenario][key]["median"])
+        except KeyError:
+            return None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or b == 0 else a / b
+
+    enc448 = next((e for e in encoder if e["side"] == 448), encoder[0] if encoder else None)
+    return {
+        "rps_ratio_repeat0": ratio(
+            m("split_cache", "repeat0", "requests_per_s"), m("vllm", "repeat0", "requests_per_s")
+        ),
+        "rps_ratio_repeat50": ratio(
+            m("split_cache", "repeat50", "requests_per_s"), m("vllm", "repeat50", "requests_per_s")
+        ),
+        "ttft_ratio_repeat50": ratio(
+            m("split_cache", "repeat50", "ttft_mean_ms"), m("vllm", "repeat50", "ttft_mean_ms")
+        ),
+        "rps_ratio_repeat0_conc1": ratio(
+            m("split_cache", "repeat0_conc1", "requests_per_s"),
+            m("vllm", "repeat0_conc1", "requests_per_s"),
+        ),
+        "rps_ratio_repeat50_conc1": ratio(
+            m("split_cache", "repeat50_conc1", "requests_per_s"),
+            m("vllm", "repeat50_conc1", "requests_per_s"),
+        ),
+        "ttft_ratio_repeat100_vs_embeds": ratio(
+            m("split_cache", "repeat100", "ttft_mean_ms"),
+            m("vllm_embeds", "repeat100", "ttft_mean_ms"),
+        ),
+        "rps_ratio_repeat100_vs_embeds": ratio(
+            m("split_cache", "repeat100", "requests_per_s"),
+            m("vllm_embeds", "repeat100", "requests_per_s"),
+        ),
+        "encoder_batching_speedup": enc448["speedup"] if enc448 else None,
+        # > 1: splitvl's encoder is faster per image than vLLM's in-engine ViT.
+        "vit_speed_ratio_vs_vllm": ratio(
+            vit_vllm_ms, enc448["vit_ms_per_image"] if enc448 else None
+        ),
+    }
+
+
+def print_table(table: dict[str, dict[str, dict[str, Any]]], out: Any) -> None:
+    cols = [
+        ("requests_per_s", "req/s", 2),
+        ("output_tokens_per_s", "tok/s", 0),
+        ("ttft_mean_ms", "TTFT mean", 0),
+        ("ttft_p50_ms", "TTFT p50", 0),
+        ("ttft_p99_ms", "TTFT p99", 0),
+        ("itl_p50_ms", "ITL p50", 1),
+        ("itl_p99_ms", "ITL p99", 1),
+        ("e2e_p50_ms", "E2E p50", 0),
+        ("e2e_p99_ms", "E2E p99", 0),
+        ("cache_hit_rate", "hit", 2),
+        ("peak_rss_mib", "RSS MiB", 0),
+    ]
+    head = f"| {'scenario':<15} | {'system':<13} | " + " | ".join(c[1] for c in cols) + " |"
+    print(head, file=out)
+    print(
+        "|" + "|".join("-" * (len(x) + 2) for x in head.strip("|").split("|")[:-1]) + "|", file=out
+    )
+    for scenario in SCENARIOS:
+        for system in ("vllm", "vllm_embeds", "split_nocache", "split_cache"):
+            row = table.get(system, {}).get(scenario)
+            if row is None:
+                continue
+            cells = []
+            for key, _, digits in cols:
+                v = row[key]
+                cells.append(
+                    f"{v['median']:.{digits}f} [{v['min']:.{digits}f}-{v['max']:.{digits}f}]"
+                    if key in ("requests_per_s", "ttft_mean_ms")
+                    else f"{v['median']:.{digits}f}"
+                )
+            print(f"| {scenario:<15} | {system:<13} | " + " | ".join(cells) + " |", file=out)
+
+
+def plot_cdf(runs: dict[str, dict[str, list[Run]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, scenario in zip(axes, ("repeat0", "repeat50", "repeat100"), strict=True):
+        for system in ("vllm", "vllm_embeds", "split_nocache", "split_cache"):
+            reps = runs.get(system, {}).get(scenario)
+            if not reps:
+                continue
+            lat = np.sort([1000 * s.e2e for r in reps for s in r.samples])
+            ax.plot(lat, np.arange(1, len(lat) + 1) / len(lat), label=system)
+        ax.set_title(f"end-to-end latency CDF, {scenario}")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args: argparse.Namespace) -> int:
+    from splitvl.cli import splitvl_home
+    from vlcommon.cpus import available_cpus, split_cpus
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    model = args.model or str(bench_model())
+    plan = Plan(
+        concurrency=args.concurrency,
+        requests=args.requests or (32 if args.quick else 64),
+        requests_conc1=args.requests_conc1 or (8 if args.quick else 16),
+        max_tokens=args.max_tokens,
+        reps=args.reps,
+        side=args.image_side,
+        images_per_request=args.images_per_request,
+        seed=args.seed,
+    )
+    log(f"model {model}; plan {plan}")
+    t_start = time.perf_counter()
+    log("building workloads ...")
+    workloads = build_workloads(plan)
+
+    split = split_cpus(available_cpus())
+    threads = len(split[1]) if split else (os.cpu_count() or 1)
+    encoder = []
+    for side in (448, 224) if not args.skip_encoder else ():
+        log(f"encoder alone, {side}x{side}: batch 1 vs dynamic ...")
+        encoder.append(
+            encoder_batching(
+                model,
+                side,
+                images=16,
+                concurrency=16,
+                reps=plan.reps,
+                max_batch_images=8,
+                threads=threads,
+            )
+        )
+    log("vLLM alone ...")
+    runs = bench_vllm(model, plan, workloads, log)
+    log("splitvl ...")
+    runs |= bench_split(model, plan, workloads, splitvl_home() / "bench-logs", log)
+    table = summarise(runs)
+
+    # vLLM's in-engine ViT (with its image preprocessing) per image: mean TTFT on the raw
+    # images minus mean TTFT on precomputed embeddings of the same requests, one at a time.
+    vit_vllm = None
+    try:
+        raw = table["vllm"]["repeat0_conc1"]["ttft_mean_ms"]["median"]
+        emb = table["vllm_embeds"]["repeat0_conc1"]["ttft_mean_ms"]["median"]
+        vit_vllm = (raw - emb) / plan.images_per_request
+    except KeyError:
+        pass
+
+    result: dict[str, Any] = {
+        "command": " ".join(["splitvl", "bench", *sys.argv[2:]]),
+        "plan": plan.__dict__,
+        "model": model,
+        "machine": machine(),
+        "systems": table,
+        "encoder": encoder,
+        "vllm_vit_ms_per_image": vit_vllm,
+        "ratios": ratios(table, encoder, vit_vllm),
+        "seconds": time.perf_counter() - t_start,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_cdf(runs, out_dir / "latency_cdf.png")
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(table, sys.stdout)
+        print()
+        for e in encoder:
+            print(
+                f"encoder {e['side']}x{e['side']}: batch 1 "
+                f"{e['images_per_s_batch1']['median']:.2f} img/s, dynamic "
+                f"{e['images_per_s_dynamic']['median']:.2f} img/s "
+                f"(x{e['speedup']:.2f}); ViT {e['vit_ms_per_image']:.0f} ms/image"
+            )
+        for k, v in result["ratios"].items():
+            print(f"{k}: {'n/a' if v is None else f'{v:.3f}'}")
+        print(
+            f"plot: {out_dir / 'latency_cdf.png'}; raw: {out_dir / 'bench.json'}; "
+            f"{result['seconds']:.0f} s"
+        )
+    return 0
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def bench_model() -> Path:
+    from splitvl.cli import splitvl_home
+    from splitvl.tiny_model import SEED, make_tiny_model
+
+    path = splitvl_home() / f"bench-qwen3-vl-seed{SEED}"
+    if not (path / "SPLITVL_TINY_MODEL").exists():
+        print(f"building the bench checkpoint in {path} ...", file=sys.stderr)
+        make_tiny_model(path, bench=True)
+    return path
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="splitvl against vLLM alone on the same workloads")
+    p.add_argument("--model", help="checkpoint (default: the bench checkpoint, built once)")
+    p.add_argument("--quick", action="store_true", help="smaller workloads (< 10 min here)")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--requests", type=int, default=0, help="requests per closed-loop run")
+    p.add_argument("--requests-conc1", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--image-side", type=int, default=448)
+    p.add_argument("--images-per-request", type=int, default=1)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--skip-encoder", action="store_true")
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)

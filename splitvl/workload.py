@@ -1,0 +1,162 @@
+"""Benchmark workloads over real photos, with designed repeats and nothing else repeated.
+
+Every image is unique unless it is a designed repeat: vLLM and splitvl both hash image
+content, so a workload that cycled a few photos would let both skip work it meant them
+to do. Unique images are random crops (35-100% of the short side, any position, optional
+mirror, per-channel gain 0.8-1.2) of scikit-image's bundled photos, resized to the chosen
+side; each new one is checked against every image made so far (same similarity
+descriptor the cache uses) and redrawn while its cosine similarity is >= 0.75, so no two
+"unique" images could be a similarity hit of each other either. A designed repeat is
+either an exact copy of an earlier image's bytes or a near duplicate (the same pixels
+re-encoded as JPEG quality 90), half each, with a different prompt.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from vlcommon.imaging import similarity_descriptor
+
+PHOTOS = (
+    "astronaut.png",
+    "chelsea.png",
+    "coffee.png",
+    "rocket.jpg",
+    "hubble_deep_field.jpg",
+    "motorcycle_left.png",
+    "retina.jpg",
+    "ihc.png",
+    "color.png",
+    "camera.png",
+    "page.png",
+    "brick.png",
+    "grass.png",
+    "gravel.png",
+    "moon.png",
+    "coins.png",
+)
+PROMPTS = (
+    "Describe this image.",
+    "What is in this picture?",
+    "List the objects you see.",
+    "What colors dominate this photo?",
+    "Write a caption for this image.",
+    "Is there a person in this image?",
+    "Describe the background.",
+    "What could this picture be used for?",
+)
+MAX_UNIQUE_SIMILARITY = 0.75
+
+
+@dataclass
+class Request:
+    """One request of a workload: encoded images, prompt, and what each image is."""
+
+    images: list[bytes]
+    prompt: str
+    kinds: list[str]  # "unique", "exact" or "near" per image
+
+
+@dataclass
+class ImageFactory:
+    """Makes pairwise-dissimilar images from the bundled photos (see the module docstring)."""
+
+    side: int
+    seed: int
+    _rng: random.Random = field(init=False)
+    _photos: list[Image.Image] = field(init=False)
+    _descriptors: list[np.ndarray] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        import skimage
+
+        root = Path(skimage.__file__).parent / "data"
+        self._rng = random.Random(self.seed)
+        self._photos = [Image.open(root / name).convert("RGB") for name in PHOTOS]
+
+    def make(self) -> Image.Image:
+        for _ in range(200):
+            photo = self._rng.choice(self._photos)
+            short = min(photo.size)
+            crop = int(short * self._rng.uniform(0.35, 1.0))
+            x = self._rng.randint(0, photo.width - crop)
+            y = self._rng.randint(0, photo.height - crop)
+            image = photo.crop((x, y, x + crop, y + crop)).resize(
+                (self.side, self.side), Image.Resampling.BILINEAR
+            )
+            if self._rng.random() < 0.5:
+                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            gains = np.array([self._rng.uniform(0.8, 1.2) for _ in range(3)], dtype=np.float32)
+            arr = np.clip(np.asarray(image, dtype=np.float32) * gains, 0, 255).astype(np.uint8)
+            image = Image.fromarray(arr)
+            d = similarity_descriptor(image)
+            if not d.any():
+                continue
+            if self._descriptors and max(float(d @ e) for e in self._descriptors) >= (
+                MAX_UNIQUE_SIMILARITY
+            ):
+                continue
+            self._descriptors.append(d)
+            return image
+        raise RuntimeError("could not draw a dissimilar image; lower the image count")
+
+
+def png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def jpeg(image: Image.Image, quality: int = 90) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def make_workload(
+    factory: ImageFactory,
+    *,
+    requests: int,
+    repeat_fraction: float,
+    images_per_request: int = 1,
+    seed: int,
+    pool: list[Image.Image] | None = None,
+) -> list[Request]:
+    """A list of requests; each image is a designed repeat with probability repeat_fraction.
+
+    Args:
+        factory: Source of unique images (shared across workloads so all stay distinct).
+        requests: Number of requests.
+        repeat_fraction: Probability that an image repeats an earlier one (exact or near).
+        images_per_request: Images in each request.
+        seed: Seed for the repeat decisions and prompts.
+        pool: Earlier images that repeats may also draw from (e.g. a warm-up set); with
+            repeat_fraction 1 every image comes from it.
+    """
+    rng = random.Random(seed)
+    seen: list[Image.Image] = list(pool or [])
+    out: list[Request] = []
+    for i in range(requests):
+        images, kinds = [], []
+        for _ in range(images_per_request):
+            if seen and rng.random() < repeat_fraction:
+                base = rng.choice(seen)
+                if rng.random() < 0.5:
+                    images.append(png(base))
+                    kinds.append("exact")
+                else:
+                    images.append(jpeg(base))
+                    kinds.append("near")
+            else:
+                image = factory.make()
+                seen.append(image)
+                images.append(png(image))
+                kinds.append("unique")
+        out.append(Request(images, f"{PROMPTS[rng.randrange(len(PROMPTS))]} ({i})", kinds))
+    return out
