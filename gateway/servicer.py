@@ -96,8 +96,13 @@ def _grid(plan: ResizePlan) -> tensor_pb2.GridTHW:
     return tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w)
 
 
-def _remaining(context: grpc.aio.ServicerContext, cap: float | None = None) -> float | None:
-    left = context.time_remaining()
+def _remaining(context: grpc.aio.ServicerContext | None, cap: float | None = None) -> float | None:
+    """Seconds left of the request's deadline (capped); None when neither bounds it.
+
+    Raises:
+        ServiceError: DEADLINE_EXCEEDED when no time is left.
+    """
+    left = context.time_remaining() if context is not None else None
     if left is not None and left <= 0:
         raise ServiceError(
             grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED", "the request's deadline expired"
@@ -132,6 +137,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.forbidden_tokens = forbidden_tokens
         self.down = downstream
         self.default_policy = POLICY_NAMES[settings.default_cache_policy]
+        self._background: set[asyncio.Task[None]] = set()
         self._preprocess = ThreadPoolExecutor(
             max_workers=settings.preprocess_threads, thread_name_prefix="preprocess"
         )
@@ -359,7 +365,11 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             im.embedding = emb
 
     async def _put(
-        self, fresh: list[PreparedImage], policy: int, context: grpc.aio.ServicerContext
+        self,
+        fresh: list[PreparedImage],
+        policy: int,
+        context: grpc.aio.ServicerContext | None,
+        timings: pb.StageTimings | None = None,
     ) -> None:
         if self.down.cache is None or policy == generation_pb2.CACHE_POLICY_OFF or not fresh:
             return
@@ -368,6 +378,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             request.entries.add(
                 key=im.key, descriptor=tensors.from_numpy(im.descriptor), embedding=im.embedding
             )
+        t0 = time.perf_counter()
         with tracer.start_as_current_span("gateway.cache_put") as span:
             span.set_attribute("splitvl.transfer_bytes", request.ByteSize())
             try:
@@ -377,6 +388,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             except grpc.aio.AioRpcError as err:
                 CACHE_FAILURES.labels(op="put").inc()
                 log.warning("cache put failed (%s)", err.code().name)
+        if timings is not None:
+            timings.put_ms = (time.perf_counter() - t0) * 1000
 
     # -- the RPC ------------------------------------------------------------------------
     async def Generate(
@@ -424,9 +437,11 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 t = time.perf_counter()
                 await self._encode(misses, context)
                 timings.encode_ms = (time.perf_counter() - t) * 1000
-                t = time.perf_counter()
-                await self._put(misses, policy, context)
-                timings.put_ms = (time.perf_counter() - t) * 1000
+                # The put runs beside the decode: the decoder already has the embeddings, so
+                # TTFT does not wait for the cache (its duration lands in timings.put_ms).
+                put = asyncio.create_task(self._put(misses, policy, None, timings))
+                self._background.add(put)
+                put.add_done_callback(self._background.discard)
 
             decode_request = decoder_service_pb2.GenerateRequest(
                 request_id=uuid.uuid4().hex[:16], messages=messages, sampling=sampling

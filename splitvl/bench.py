@@ -74,7 +74,7 @@ class Run:
             "itl_p99_ms": 1000 * pct(itl, 99),
             "e2e_p50_ms": 1000 * pct(e2e, 50),
             "e2e_p99_ms": 1000 * pct(e2e, 99),
-            "cache_hit_rate": hits / len(tiers) if tiers else 0.0,
+            "cache_hit_rate": hits / len(tiers) if tiers else float("nan"),
             "peak_rss_mib": sum(self.peak_rss.values()) / 2**20,
         }
 
@@ -324,64 +324,53 @@ class Plan:
     seed: int
 
 
-def build_workloads(plan: Plan) -> dict[str, list[dict[str, Any]]]:
-    """Per scenario, per repetition: the requests (and for repeat100 its warm-up set)."""
-    factory = ImageFactory(side=plan.side, seed=plan.seed)
-    out: dict[str, list[dict[str, Any]]] = {s: [] for s in SCENARIOS}
-    for rep in range(plan.reps):
-        seed = plan.seed * 1000 + rep * 10
-        kw: dict[str, Any] = {"images_per_request": plan.images_per_request}
-        out["repeat0"].append(
-            {
-                "requests": make_workload(
-                    factory, requests=plan.requests, repeat_fraction=0.0, seed=seed, **kw
-                )
-            }
-        )
-        out["repeat50"].append(
-            {
-                "requests": make_workload(
-                    factory, requests=plan.requests, repeat_fraction=0.5, seed=seed + 1, **kw
-                )
-            }
-        )
-        out["repeat0_conc1"].append(
-            {
-                "requests": make_workload(
-                    factory, requests=plan.requests_conc1, repeat_fraction=0.0, seed=seed + 2, **kw
-                )
-            }
-        )
-        out["repeat50_conc1"].append(
-            {
-                "requests": make_workload(
-                    factory, requests=plan.requests_conc1, repeat_fraction=0.5, seed=seed + 3, **kw
-                )
-            }
-        )
-        pool = [factory.make() for _ in range(max(4, plan.requests // 4))]
-        warm = make_workload(
-            factory, requests=len(pool), repeat_fraction=1.0, seed=seed + 4, pool=pool, **kw
-        )
-        # Warm-up: each pool image once, exactly; then every measured image is a repeat.
-        from splitvl.workload import png
+def build_workloads(plan: Plan, seed_offset: int = 0) -> dict[str, list[dict[str, Any]]]:
+    """Per scenario, per repetition: the measured requests, and a warm-up set where the
+    scenario repeats images.
 
-        for req, image in zip(warm, pool, strict=True):
-            req.images = [png(image)] * plan.images_per_request
-            req.kinds = ["unique"] * plan.images_per_request
-        out["repeat100"].append(
-            {
-                "warmup": warm,
-                "requests": make_workload(
-                    factory,
-                    requests=plan.requests,
-                    repeat_fraction=1.0,
-                    seed=seed + 5,
-                    pool=pool,
-                    **kw,
-                ),
-            }
-        )
+    Repeats refer to images served BEFORE the measured run (a warm-up set, sent unmeasured
+    to every system alike, so vLLM's own caches get the same chance): at concurrency 32 a
+    repeat of a request still in flight could not hit any cache, which is not what a
+    server with popular images sees. repeat50 also repeats earlier images of its own run.
+    """
+    from splitvl.workload import png
+
+    factory = ImageFactory(side=plan.side, seed=plan.seed + seed_offset)
+    out: dict[str, list[dict[str, Any]]] = {s: [] for s in SCENARIOS}
+    kw: dict[str, Any] = {"images_per_request": plan.images_per_request}
+
+    def warm_pool(n: int, seed: int) -> tuple[list[Any], list[Request]]:
+        pool = [factory.make() for _ in range(n)]
+        warm = [
+            Request(
+                [png(im)] * plan.images_per_request,
+                f"Describe this image. (warm {k})",
+                ["unique"] * plan.images_per_request,
+            )
+            for k, im in enumerate(pool)
+        ]
+        return pool, warm
+
+    for rep in range(plan.reps):
+        seed = plan.seed * 1000 + rep * 10 + seed_offset
+        for scenario in SCENARIOS:
+            n = plan.requests_conc1 if scenario.endswith("conc1") else plan.requests
+            fraction = {"repeat0": 0.0, "repeat50": 0.5, "repeat100": 1.0}[
+                scenario.removesuffix("_conc1")
+            ]
+            work: dict[str, Any] = {}
+            pool = None
+            if fraction > 0:
+                pool, work["warmup"] = warm_pool(max(4, n // 4), seed)
+            work["requests"] = make_workload(
+                factory,
+                requests=n,
+                repeat_fraction=fraction,
+                seed=seed + len(out[scenario]),
+                pool=pool,
+                **kw,
+            )
+            out[scenario].append(work)
     return out
 
 
@@ -447,7 +436,12 @@ def bench_vllm(
 
 
 def bench_split(
-    model: str, plan: Plan, workloads: dict[str, list[dict[str, Any]]], log_dir: Path, log: Any
+    model: str,
+    plan: Plan,
+    workloads: dict[str, list[dict[str, Any]]],
+    nocache_workloads: dict[str, list[dict[str, Any]]],
+    log_dir: Path,
+    log: Any,
 ) -> dict[str, dict[str, list[Run]]]:
     """splitvl with the cache off and on."""
     import grpc
@@ -489,9 +483,17 @@ def bench_split(
                 lambda r: split_call(stub, r, plan.max_tokens, generation_pb2.CACHE_POLICY_OFF),
             )
             pids = {n: p.pid for n, p in cluster.procs.items()}
-            for system, (policy, scenarios) in systems.items():
-                for scenario in scenarios:
-                    for rep, work in enumerate(workloads[scenario]):
+            # Systems alternate within each repetition, so drift over the run (warm-up,
+            # cache growth) cannot favour either.
+            for scenario in SCENARIOS:
+                for rep in range(plan.reps):
+                    for system, (policy, scenarios) in systems.items():
+                        if scenario not in scenarios:
+                            continue
+                        # Cache off runs on its own (equally made) images: the same images
+                        # would reach the decoder's vLLM prefix cache twice otherwise.
+                        source = nocache_workloads if system == "split_nocache" else workloads
+                        work = source[scenario][rep]
                         conc = concurrency_of(scenario, plan)
 
                         async def call(r: Request, policy: int = policy) -> Sample:
@@ -598,6 +600,9 @@ def print_table(table: dict[str, dict[str, dict[str, Any]]], out: Any) -> None:
             cells = []
             for key, _, digits in cols:
                 v = row[key]
+                if v["median"] != v["median"]:  # NaN: not applicable (no cache)
+                    cells.append("-")
+                    continue
                 cells.append(
                     f"{v['median']:.{digits}f} [{v['min']:.{digits}f}-{v['max']:.{digits}f}]"
                     if key in ("requests_per_s", "ttft_mean_ms")
@@ -671,7 +676,8 @@ def main(args: argparse.Namespace) -> int:
     log("vLLM alone ...")
     runs = bench_vllm(model, plan, workloads, log)
     log("splitvl ...")
-    runs |= bench_split(model, plan, workloads, splitvl_home() / "bench-logs", log)
+    nocache = build_workloads(plan, seed_offset=500)
+    runs |= bench_split(model, plan, workloads, nocache, splitvl_home() / "bench-logs", log)
     table = summarise(runs)
 
     # vLLM's in-engine ViT (with its image preprocessing) per image: mean TTFT on the raw
