@@ -272,7 +272,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             )
             key = exact_key(image, plan, self.revision)
             descriptor = similarity_descriptor(image)
-            resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
+            if (image.height, image.width) == (plan.resized_height, plan.resized_width):
+                resized = np.asarray(image, dtype=np.uint8)  # already the planned size
+            else:
+                resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
             del image
             prepared.append(
                 PreparedImage(pixels=resized, plan=plan, key=key, descriptor=descriptor)

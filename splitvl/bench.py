@@ -466,7 +466,7 @@ def bench_split(
     systems = {
         "split_nocache": (
             generation_pb2.CACHE_POLICY_OFF,
-            ("repeat0", "repeat50", "repeat0_conc1", "repeat50_conc1"),
+            ("repeat0", "repeat50", "repeat0_conc1"),
         ),
         "split_cache": (generation_pb2.CACHE_POLICY_SIMILAR, SCENARIOS),
     }
@@ -645,7 +645,7 @@ def main(args: argparse.Namespace) -> int:
     plan = Plan(
         concurrency=args.concurrency,
         requests=args.requests or (32 if args.quick else 64),
-        requests_conc1=args.requests_conc1 or (8 if args.quick else 16),
+        requests_conc1=args.requests_conc1 or (4 if args.quick else 16),
         max_tokens=args.max_tokens,
         reps=args.reps,
         side=args.image_side,
@@ -666,7 +666,7 @@ def main(args: argparse.Namespace) -> int:
             encoder_batching(
                 model,
                 side,
-                images=16,
+                images=12 if args.quick else 32,
                 concurrency=16,
                 reps=plan.reps,
                 max_batch_images=8,

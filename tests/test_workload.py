@@ -1,0 +1,53 @@
+"""The benchmark's workload generator and the FLOPs model behind the bench checkpoint."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+from splitvl.flops import QWEN3_VL_2B, vit_to_llm_ratio
+from splitvl.tiny_model import BENCH_OVERRIDES
+from splitvl.workload import MAX_UNIQUE_SIMILARITY, ImageFactory, make_workload
+from vlcommon.imaging import similarity_descriptor
+
+
+def _descriptor(data: bytes) -> np.ndarray:
+    return similarity_descriptor(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def test_unique_images_are_pairwise_dissimilar_and_repeats_are_designed() -> None:
+    factory = ImageFactory(side=224, seed=3)
+    work = make_workload(factory, requests=24, repeat_fraction=0.5, seed=11)
+    kinds = [k for r in work for k in r.kinds]
+    uniques = [r.images[0] for r in work if r.kinds[0] == "unique"]
+    assert 6 <= kinds.count("unique") <= 18 and kinds.count("exact") + kinds.count("near") > 0
+    d = np.stack([_descriptor(b) for b in uniques])
+    sims = d @ d.T - np.eye(len(uniques)) * 2
+    assert sims.max() < MAX_UNIQUE_SIMILARITY
+    for req in work:
+        assert Image.open(io.BytesIO(req.images[0])).size == (224, 224)
+        if req.kinds[0] == "near":  # a JPEG re-encode of an earlier image: a similarity hit
+            best = max(float(_descriptor(req.images[0]) @ e) for e in d)
+            assert best > 0.95
+
+
+def test_same_seed_same_workload() -> None:
+    a = make_workload(ImageFactory(side=64, seed=5), requests=6, repeat_fraction=0.5, seed=2)
+    b = make_workload(ImageFactory(side=64, seed=5), requests=6, repeat_fraction=0.5, seed=2)
+    assert [r.images for r in a] == [r.images for r in b]
+    assert [r.prompt for r in a] == [r.prompt for r in b]
+
+
+def test_bench_checkpoint_matches_the_2b_vit_to_llm_ratio() -> None:
+    ratio_2b = vit_to_llm_ratio(QWEN3_VL_2B)
+    vision = {
+        "spatial_merge_size": 2,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        **BENCH_OVERRIDES["vision"],
+    }
+    bench = {"vision": vision, "text": BENCH_OVERRIDES["text"]}
+    assert 0.95 < ratio_2b < 1.1
+    assert abs(vit_to_llm_ratio(bench) / ratio_2b - 1) < 0.1
