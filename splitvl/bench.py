@@ -322,6 +322,7 @@ class Plan:
     side: int
     images_per_request: int
     seed: int
+    quick: bool = False
 
 
 def build_workloads(plan: Plan, seed_offset: int = 0) -> dict[str, list[dict[str, Any]]]:
@@ -466,7 +467,9 @@ def bench_split(
     systems = {
         "split_nocache": (
             generation_pb2.CACHE_POLICY_OFF,
-            ("repeat0", "repeat50", "repeat0_conc1"),
+            ("repeat0", "repeat0_conc1")
+            if plan.quick
+            else ("repeat0", "repeat50", "repeat0_conc1"),
         ),
         "split_cache": (generation_pb2.CACHE_POLICY_SIMILAR, SCENARIOS),
     }
@@ -651,6 +654,7 @@ def main(args: argparse.Namespace) -> int:
         side=args.image_side,
         images_per_request=args.images_per_request,
         seed=args.seed,
+        quick=args.quick,
     )
     log(f"model {model}; plan {plan}")
     t_start = time.perf_counter()
