@@ -21,7 +21,7 @@ from decoder_service import metrics
 from decoder_service.engine import DecoderEngine
 from decoder_service.servicer import DecoderServicer
 from decoder_service.validation import Limits
-from vlcommon.server import configure_logging, run, serve
+from vlcommon.server import configure_logging, limit_torch_threads, run, serve
 from vlcommon.settings import ServerSettings
 
 log = logging.getLogger("decoder_service")
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     if not engine_args.enable_mm_embeds:
         parser.error("--enable-mm-embeds is required: the decoder takes precomputed embeddings")
     configure_logging("decoder")
+    limit_torch_threads()
     run(main_async(settings, engine_args))
 
 

@@ -19,7 +19,7 @@ from gateway.servicer import Downstream, GatewayServicer
 from gateway.settings import GatewaySettings
 from vlcommon import telemetry
 from vlcommon.model_info import load_vision_spec, model_revision, resolve_model_dir
-from vlcommon.server import configure_logging, run, serve
+from vlcommon.server import configure_logging, limit_torch_threads, run, serve
 from vlcommon.settings import channel_options
 
 log = logging.getLogger("gateway")
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     if not settings.model:
         parser.error("--model (or GATEWAY_MODEL) is required")
     configure_logging("gateway")
+    limit_torch_threads()
     run(main_async(settings))
 
 
