@@ -281,6 +281,15 @@ def test_c07_bad_embedding_shapes_never_reach_the_engine(cluster) -> None:
     assert health_status(cluster.ports.address("decoder")) == "SERVING"
 
 
+def _wait_for(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return bool(condition())
+
+
 def test_c09_client_cancel_aborts_the_vllm_request(cluster) -> None:
     aborted = metric(cluster, "decoder", "splitvl_decoder_aborted_requests_total")
     request = build_request([photo("coffee.png")], PROMPT, max_tokens=3000, ignore_eos=True)
@@ -288,7 +297,12 @@ def test_c09_client_cancel_aborts_the_vllm_request(cluster) -> None:
         call = gpb_grpc.GatewayServiceStub(channel).Generate(request, timeout=120)
         first = next(call)
         assert first.token_ids
-        assert metric(cluster, "decoder", "splitvl_decoder_engine_unfinished_requests") == 1
+        second = next(call)  # still streaming: the engine holds the request
+        assert second.finish_reason == generation_pb2.FINISH_REASON_UNSPECIFIED
+        running = _wait_for(
+            lambda: metric(cluster, "decoder", "splitvl_decoder_engine_unfinished_requests") >= 1
+        )
+        assert running, "the decoder's engine reports no unfinished request while streaming"
         call.cancel()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
