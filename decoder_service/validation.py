@@ -17,7 +17,7 @@ from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 
 from decoder_service.engine import ImageInput
 from vlcommon import tensors
-from vlcommon.errors import invalid_argument
+from vlcommon.errors import check_no_control_tokens, invalid_argument
 from vlcommon.model_info import VisionSpec
 
 ROLES = ("system", "user", "assistant")
@@ -42,21 +42,8 @@ class Limits:
 
 
 def check_text(text: str, forbidden: tuple[str, ...], field: str) -> None:
-    """Refuse text containing a control token such as ``<|image_pad|>`` (case C05).
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT ``TEXT_CONTAINS_SPECIAL_TOKEN`` naming the field
-            and the token.
-    """
-    for token in forbidden:
-        if token in text:
-            raise invalid_argument(
-                "TEXT_CONTAINS_SPECIAL_TOKEN",
-                f"{field} contains the special token {token!r}; images are given as image "
-                "parts, and control tokens may not appear in text",
-                field=field,
-                token=token,
-            )
+    """Refuse text containing a control token (case C05); see check_no_control_tokens."""
+    check_no_control_tokens(text, forbidden, field)
 
 
 def to_chat_messages(

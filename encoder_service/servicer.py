@@ -18,7 +18,13 @@ from encoder_service import metrics
 from encoder_service.batcher import Batcher
 from encoder_service.engine import Preprocessed, VisionEngine
 from vlcommon import tensors
-from vlcommon.errors import ServiceError, abort, invalid_argument, resource_exhausted
+from vlcommon.errors import (
+    ServiceError,
+    abort,
+    check_count,
+    invalid_argument,
+    resource_exhausted,
+)
 from vlcommon.imaging import MAX_ASPECT_RATIO, ResizePlan
 
 log = logging.getLogger(__name__)
@@ -86,17 +92,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     def _prepare(
         self, request: pb.EncodeRequest, engine: VisionEngine
     ) -> list[tuple[str, np.ndarray, ResizePlan]]:
-        if not request.images:
-            raise invalid_argument(
-                "NO_IMAGES", "images is empty; send at least one", field="images"
-            )
-        if len(request.images) > self.max_images:
-            raise invalid_argument(
-                "TOO_MANY_IMAGES",
-                f"images has {len(request.images)} entries; the limit is {self.max_images}",
-                field="images",
-                limit=self.max_images,
-            )
+        check_count(len(request.images), field="images", limit=self.max_images, noun="images")
         prepared = []
         for i, image in enumerate(request.images):
             field = f"images[{i}]"

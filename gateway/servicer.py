@@ -35,7 +35,14 @@ from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 from gateway.media import image_bytes
 from gateway.settings import GatewaySettings
 from vlcommon import tensors
-from vlcommon.errors import ServiceError, abort, from_rpc_error, invalid_argument
+from vlcommon.errors import (
+    ServiceError,
+    abort,
+    check_count,
+    check_no_control_tokens,
+    from_rpc_error,
+    invalid_argument,
+)
 from vlcommon.imaging import (
     ResizePlan,
     decode_image,
@@ -152,17 +159,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         scanned, so an oversized request is refused without work proportional to its size.
         """
         s = self.settings
-        if not request.messages:
-            raise invalid_argument(
-                "NO_MESSAGES", "messages is empty; send at least one", field="messages"
-            )
-        if len(request.messages) > s.max_messages:
-            raise invalid_argument(
-                "TOO_MANY_MESSAGES",
-                f"messages has {len(request.messages)} entries; the limit is {s.max_messages}",
-                field="messages",
-                limit=s.max_messages,
-            )
+        check_count(len(request.messages), field="messages", limit=s.max_messages)
         parts = sum(len(m.parts) for m in request.messages)
         if parts > s.max_parts:
             raise invalid_argument(
@@ -229,17 +226,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
 
     def _check_text(self, text: str, field: str) -> None:
         """Refuse a control token (``<|image_pad|>``, ``<|im_start|>``, ...) in user text."""
-        if "<" not in text:
-            return
-        for token in self.forbidden_tokens:
-            if token in text:
-                raise invalid_argument(
-                    "TEXT_CONTAINS_SPECIAL_TOKEN",
-                    f"{field} contains the special token {token!r}; images are given as image "
-                    "parts, and control tokens may not appear in text",
-                    field=field,
-                    token=token,
-                )
+        check_no_control_tokens(text, self.forbidden_tokens, field)
 
     def _budget(self, request: pb.GenerateRequest) -> tuple[int, int]:
         lo = request.pixel_budget.min_pixels or self.spec.min_pixels

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -38,6 +41,35 @@ def png_bytes(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+@contextlib.asynccontextmanager
+async def in_process_server(
+    add_to_server: Any, servicer: Any, service_full_name: str
+) -> AsyncIterator[grpc.aio.Channel]:
+    """Serve ``servicer`` on 127.0.0.1:0 through the real bootstrap; yield a channel to it."""
+    from vlcommon.server import serve
+    from vlcommon.settings import ServerSettings
+
+    stop = asyncio.Event()
+    started = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(
+        serve(
+            service_name="test",
+            service_full_names=[service_full_name],
+            settings=ServerSettings(port=0),
+            stop_event=stop,
+            on_started=started.set_result,
+            register=lambda s: add_to_server(servicer, s),
+        )
+    )
+    port = await started
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        stop.set()
+        await task
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,8 @@ from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service.servicer import CacheServicer
 from cache_service.store import EmbeddingStore
+from tests.conftest import in_process_server
 from vlcommon import tensors
-from vlcommon.server import serve
-from vlcommon.settings import ServerSettings
 
 DIM = 16
 
@@ -89,31 +88,17 @@ def test_zero_descriptor_only_hits_exactly() -> None:
 
 @pytest.fixture
 async def cache_stub():
-    import asyncio
 
     store = EmbeddingStore(descriptor_dim=DIM, capacity_bytes=10_000)
     servicer = CacheServicer(
         store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=4
     )
-    stop = asyncio.Event()
-    started = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(
-        serve(
-            service_name="cache-test",
-            service_full_names=["qwenvl.cache.v1.CacheService"],
-            settings=ServerSettings(port=0),
-            stop_event=stop,
-            on_started=started.set_result,
-            register=lambda s: pb_grpc.add_CacheServiceServicer_to_server(servicer, s),
-        )
-    )
-    port = await started
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with in_process_server(
+        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
+    ) as channel:
         stub = pb_grpc.CacheServiceStub(channel)
         stub.raw_channel = channel  # type: ignore[attr-defined]
         yield stub
-    stop.set()
-    await task
 
 
 def _entry(key: str, desc: np.ndarray, rows: int = 4) -> pb.PutEntry:

@@ -15,11 +15,9 @@ from qwenvl.encoder.v1 import encoder_service_pb2_grpc as pb_grpc
 from encoder_service.batcher import Batcher
 from encoder_service.engine import VisionEngine
 from encoder_service.servicer import EncoderServicer
-from tests.conftest import rgb
+from tests.conftest import in_process_server, rgb
 from vlcommon import tensors
 from vlcommon.imaging import plan_resize
-from vlcommon.server import serve
-from vlcommon.settings import ServerSettings
 
 
 @pytest.fixture(scope="module")
@@ -77,23 +75,10 @@ async def encoder_stub(engine):
     servicer = EncoderServicer(
         engine, batcher, max_images_per_request=4, max_patches_per_image=4096
     )
-    stop = asyncio.Event()
-    started = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(
-        serve(
-            service_name="encoder-test",
-            service_full_names=["qwenvl.encoder.v1.EncoderService"],
-            settings=ServerSettings(port=0),
-            stop_event=stop,
-            on_started=started.set_result,
-            register=lambda s: pb_grpc.add_EncoderServiceServicer_to_server(servicer, s),
-        )
-    )
-    port = await started
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with in_process_server(
+        pb_grpc.add_EncoderServiceServicer_to_server, servicer, "qwenvl.encoder.v1.EncoderService"
+    ) as channel:
         yield pb_grpc.EncoderServiceStub(channel)
-    stop.set()
-    await task
     await batcher.stop()
 
 

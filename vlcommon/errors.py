@@ -67,6 +67,47 @@ def resource_exhausted(
     )
 
 
+def check_count(n: int, *, field: str, limit: int, noun: str = "entries") -> None:
+    """Refuse an empty or over-long repeated field.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming ``field`` (and ``limit`` when over it).
+    """
+    if n == 0:
+        raise invalid_argument(
+            f"{field.upper().replace('.', '_')}_EMPTY",
+            f"{field} is empty; send at least one",
+            field=field,
+        )
+    if n > limit:
+        raise invalid_argument(
+            f"TOO_MANY_{field.upper().replace('.', '_')}",
+            f"{field} has {n} {noun}; the limit is {limit}",
+            field=field,
+            limit=limit,
+        )
+
+
+def check_no_control_tokens(text: str, forbidden: tuple[str, ...], field: str) -> None:
+    """Refuse text containing a control token such as ``<|image_pad|>`` (case C05).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``TEXT_CONTAINS_SPECIAL_TOKEN`` naming the field
+            and the token.
+    """
+    if "<" not in text:
+        return
+    for token in forbidden:
+        if token in text:
+            raise invalid_argument(
+                "TEXT_CONTAINS_SPECIAL_TOKEN",
+                f"{field} contains the special token {token!r}; images are given as image "
+                "parts, and control tokens may not appear in text",
+                field=field,
+                token=token,
+            )
+
+
 def to_status(err: ServiceError) -> grpc.Status:
     """Pack ``err`` as a grpc.Status whose trailing metadata holds google.rpc.Status."""
     info = error_details_pb2.ErrorInfo(
