@@ -206,7 +206,7 @@ def tiny_config(tokenizer: Any, **overrides: Any) -> Any:
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "head_dim": 64,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": 32768,
         "hidden_act": "silu",
         "rope_parameters": {
             "rope_type": "default",

@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+LONG_STREAM_TOKENS = 30000
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -147,7 +148,12 @@ def cluster(
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_receiver.port}",
             "OTEL_EXPORTER_OTLP_INSECURE": "true",
             "OTEL_BSP_SCHEDULE_DELAY": "200",
+            # Room for a stream long enough that a cancel always lands mid-generation (the
+            # tiny model decodes thousands of tokens in seconds): see the C09 test.
+            "GATEWAY_MAX_TOKENS_LIMIT": str(LONG_STREAM_TOKENS),
+            "DECODER_MAX_TOKENS_LIMIT": str(LONG_STREAM_TOKENS),
         },
+        decoder_args=["--max-model-len", "32768", "--max-num-batched-tokens", "2048"],
     )
     with c:
         yield c
