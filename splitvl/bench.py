@@ -23,6 +23,7 @@ import asyncio
 import io
 import json
 import os
+import random
 import statistics
 import sys
 import threading
@@ -128,6 +129,24 @@ async def closed_loop(
 
     t0 = time.perf_counter()
     samples = await asyncio.gather(*(one(r) for r in requests))
+    return list(samples), time.perf_counter() - t0
+
+
+async def run_load(
+    requests: list[Request], concurrency: int, call: Any, rate: float | None, seed: int = 0
+) -> tuple[list[Sample], float]:
+    """Closed loop at ``concurrency``, or, with ``rate`` (requests/s), open-loop Poisson
+    arrivals: exponential inter-arrival times from a seeded generator, no cap, so queueing
+    shows in TTFT."""
+    if rate is None or concurrency <= 1:
+        return await closed_loop(requests, concurrency, call)
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    tasks = []
+    for req in requests:
+        tasks.append(asyncio.ensure_future(call(req)))
+        await asyncio.sleep(rng.expovariate(rate))
+    samples = await asyncio.gather(*tasks)
     return list(samples), time.perf_counter() - t0
 
 
@@ -323,6 +342,7 @@ class Plan:
     images_per_request: int
     seed: int
     quick: bool = False
+    rate: float | None = None
 
 
 def build_workloads(plan: Plan, seed_offset: int = 0) -> dict[str, list[dict[str, Any]]]:
@@ -411,7 +431,9 @@ def bench_vllm(
                 if "warmup" in work:
                     await closed_loop(work["warmup"], conc, engine.raw)
                 with RssSampler({"vllm": os.getpid()}) as rss:
-                    samples, elapsed = await closed_loop(work["requests"], conc, engine.raw)
+                    samples, elapsed = await run_load(
+                        work["requests"], conc, engine.raw, plan.rate, rep
+                    )
                 results["vllm"].setdefault(scenario, []).append(Run(samples, elapsed, rss.peak))
                 log(f"  vllm {scenario} rep {rep}: {len(samples) / elapsed:.2f} req/s")
                 if scenario in ("repeat100", "repeat0_conc1"):
@@ -423,7 +445,9 @@ def bench_vllm(
                         return await engine.embeds(req, *pre[id(req)])
 
                     with RssSampler({"vllm": os.getpid()}) as rss:
-                        samples, elapsed = await closed_loop(work["requests"], conc, call)
+                        samples, elapsed = await run_load(
+                            work["requests"], conc, call, plan.rate, rep
+                        )
                     results["vllm_embeds"].setdefault(scenario, []).append(
                         Run(samples, elapsed, rss.peak)
                     )
@@ -505,7 +529,9 @@ def bench_split(
                         if "warmup" in work:
                             await closed_loop(work["warmup"], conc, call)
                         with RssSampler(pids) as rss:
-                            samples, elapsed = await closed_loop(work["requests"], conc, call)
+                            samples, elapsed = await run_load(
+                                work["requests"], conc, call, plan.rate, rep
+                            )
                         results[system].setdefault(scenario, []).append(
                             Run(samples, elapsed, rss.peak)
                         )
@@ -655,6 +681,7 @@ def main(args: argparse.Namespace) -> int:
         images_per_request=args.images_per_request,
         seed=args.seed,
         quick=args.quick,
+        rate=args.rate,
     )
     log(f"model {model}; plan {plan}")
     t_start = time.perf_counter()
@@ -760,6 +787,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", help="checkpoint (default: the bench checkpoint, built once)")
     p.add_argument("--quick", action="store_true", help="smaller workloads (< 10 min here)")
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="open-loop Poisson arrivals at this many requests/s instead of a closed loop",
+    )
     p.add_argument("--requests", type=int, default=0, help="requests per closed-loop run")
     p.add_argument("--requests-conc1", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=32)

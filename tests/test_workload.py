@@ -51,3 +51,27 @@ def test_bench_checkpoint_matches_the_2b_vit_to_llm_ratio() -> None:
     bench = {"vision": vision, "text": BENCH_OVERRIDES["text"]}
     assert 0.95 < ratio_2b < 1.1
     assert abs(vit_to_llm_ratio(bench) / ratio_2b - 1) < 0.1
+
+
+async def test_open_loop_starts_every_request_without_waiting_for_answers() -> None:
+    import asyncio
+
+    from splitvl.bench import Sample, run_load
+    from splitvl.workload import Request
+
+    started: list[str] = []
+    release = asyncio.Event()
+
+    async def call(req: Request) -> Sample:
+        started.append(req.prompt)
+        await release.wait()  # no answer until every request has arrived
+        return Sample(0.0, 0.0, [], 1)
+
+    requests = [Request([], f"p{i}", []) for i in range(5)]
+    task = asyncio.ensure_future(run_load(requests, 32, call, rate=500.0, seed=1))
+    while len(started) < 5:
+        await asyncio.sleep(0.01)
+    assert started == [f"p{i}" for i in range(5)]  # arrivals did not wait for answers
+    release.set()
+    samples, _ = await task
+    assert len(samples) == 5
