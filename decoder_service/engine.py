@@ -18,7 +18,6 @@ image's cached state; measured: two same-grid photos under one UUID gave identic
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +68,7 @@ class DecoderEngine:
         self.max_image_tokens = 0
         self.died = False
         self.forbidden_tokens: tuple[str, ...] = ()
+        self._added_by_id: dict[int, str] = {}
 
     async def start(self) -> None:
         """Start the engine (cold start tens of seconds on CPU) and load the tokenizer."""
@@ -80,9 +80,9 @@ class DecoderEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # Every added token (<|image_pad|>, <|im_start|>, ...) is a control token: user
         # text that spells one must not bind images or forge turns (case C05).
-        self.forbidden_tokens = tuple(
-            sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
-        )
+        added = self.tokenizer.get_added_vocab()
+        self._added_by_id = {i: t for t, i in added.items()}
+        self.forbidden_tokens = tuple(sorted(added, key=len, reverse=True))
         self.llm = AsyncLLM.from_engine_args(self.engine_args)
         self.max_model_len = int(self.llm.model_config.max_model_len)
         limits = self.llm.model_config.multimodal_config.limit_per_prompt
@@ -119,17 +119,18 @@ class DecoderEngine:
             )
         )
 
-    def control_tokens(self, prompt: str) -> list[str]:
-        """The added (control) tokens of ``prompt`` as the tokenizer splits it, in order."""
-        added = self.tokenizer.get_added_vocab()
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        by_id = {i: t for t, i in added.items()}
-        return [by_id[i] for i in ids if i in by_id]
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a rendered prompt (placeholders not yet expanded)."""
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
-    def prompt_tokens(self, prompt: str, images: Sequence[ImageInput]) -> int:
+    def control_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The added (control) tokens among ``ids``, in order."""
+        return [self._added_by_id[i] for i in ids if i in self._added_by_id]
+
+    @staticmethod
+    def prompt_length(ids: Sequence[int], images: Sequence[ImageInput]) -> int:
         """Prompt length after vLLM expands each ``<|image_pad|>`` to the image's tokens."""
-        text_tokens = len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        return text_tokens - len(images) + sum(int(im.embeddings.shape[0]) for im in images)
+        return len(ids) - len(images) + sum(int(im.embeddings.shape[0]) for im in images)
 
     async def generate(
         self, request_id: str, prompt: str, images: Sequence[ImageInput], params: Any
@@ -164,7 +165,3 @@ class DecoderEngine:
                 # AsyncLLM.generate aborts on CancelledError/GeneratorExit itself; abort is
                 # idempotent, and this also covers a consumer that stops iterating early.
                 await self.llm.abort(request_id)
-
-
-def monotonic_ms() -> float:
-    return time.perf_counter() * 1000.0

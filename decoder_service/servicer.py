@@ -19,6 +19,7 @@ from decoder_service import metrics
 from decoder_service.engine import DecoderEngine
 from decoder_service.validation import (
     Limits,
+    blank_texts,
     check_control_tokens,
     check_image,
     to_chat_messages,
@@ -141,14 +142,17 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             ]
             metrics.EMBEDDING_BYTES.inc(sum(len(request.images[i].embeddings.data) for i in order))
             params = sampling_params(request.sampling, limits)
+            # Render and tokenise once; the blank render is the template's own tokens.
+            prompt = self.engine.render(messages)
+            ids = self.engine.tokenize(prompt)
             check_control_tokens(
-                self.engine.render,
-                self.engine.control_tokens,
-                messages,
+                self.engine.control_tokens(ids),
+                self.engine.control_tokens(
+                    self.engine.tokenize(self.engine.render(blank_texts(messages)))
+                ),
                 self.engine.forbidden_tokens,
             )
-            prompt = self.engine.render(messages)
-            n_prompt = self.engine.prompt_tokens(prompt, images)
+            n_prompt = self.engine.prompt_length(ids, images)
             budget = self.engine.max_model_len - params.max_tokens  # type: ignore[attr-defined]
             if n_prompt > budget:
                 raise invalid_argument(

@@ -17,10 +17,9 @@ from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 
 from decoder_service.engine import ImageInput
 from vlcommon import tensors
-from vlcommon.errors import check_no_control_tokens, invalid_argument
+from vlcommon.errors import check_no_control_tokens, check_role, invalid_argument
 from vlcommon.model_info import VisionSpec
 
-ROLES = ("system", "user", "assistant")
 EMBEDDING_DTYPES = (tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_BF16, tensor_pb2.DATA_TYPE_FP16)
 
 
@@ -41,11 +40,6 @@ class Limits:
     max_text_chars: int
 
 
-def check_text(text: str, forbidden: tuple[str, ...], field: str) -> None:
-    """Refuse text containing a control token (case C05); see check_no_control_tokens."""
-    check_no_control_tokens(text, forbidden, field)
-
-
 def to_chat_messages(
     request: pb.GenerateRequest, forbidden: tuple[str, ...], limits: Limits
 ) -> tuple[list[dict[str, Any]], list[int]]:
@@ -63,18 +57,13 @@ def to_chat_messages(
     order: list[int] = []
     chars = 0
     for i, message in enumerate(request.messages):
-        if message.role not in ROLES:
-            raise invalid_argument(
-                "ROLE_INVALID",
-                f"messages[{i}].role is {message.role!r}; expected one of {', '.join(ROLES)}",
-                field=f"messages[{i}].role",
-            )
+        check_role(message.role, f"messages[{i}].role")
         content: list[dict[str, Any]] = []
         for j, part in enumerate(message.parts):
             field = f"messages[{i}].parts[{j}]"
             kind = part.WhichOneof("part")
             if kind == "text":
-                check_text(part.text, forbidden, f"{field}.text")
+                check_no_control_tokens(part.text, forbidden, f"{field}.text")
                 chars += len(part.text)
                 content.append({"type": "text", "text": part.text})
             elif kind == "image_index":
@@ -189,26 +178,30 @@ def check_image(
     return ImageInput(embeddings=tensor, grid=grid, uuid=uuid)
 
 
-def check_control_tokens(
-    engine_render: Any, tokenize: Any, messages: list[dict[str, Any]], forbidden: tuple[str, ...]
-) -> None:
-    """Refuse a prompt whose control tokens differ from what the template alone produces.
-
-    Per-part checks miss tokens formed across parts ("<|im_" + "start|>"), since the
-    template joins adjacent text. So the rendered prompt's control-token counts are
-    compared with those of the same messages with every text emptied (case C05).
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT ``TEXT_CONTAINS_SPECIAL_TOKEN`` naming the token.
-    """
-    blank = [
+def blank_texts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same messages with every text part emptied (the template's own tokens only)."""
+    return [
         {
             **m,
             "content": [{**c, "text": ""} if c.get("type") == "text" else c for c in m["content"]],
         }
         for m in messages
     ]
-    actual, expected = tokenize(engine_render(messages)), tokenize(engine_render(blank))
+
+
+def check_control_tokens(
+    actual: list[str], expected: list[str], forbidden: tuple[str, ...]
+) -> None:
+    """Refuse a prompt whose control tokens differ from what the template alone produces.
+
+    Per-part checks miss tokens formed across parts ("<|im_" + "start|>"), since the
+    template joins adjacent text. So the rendered prompt's control tokens (``actual``) are
+    compared with those of the same messages with every text emptied (``expected``, from
+    :func:`blank_texts`) (case C05).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``TEXT_CONTAINS_SPECIAL_TOKEN`` naming the token.
+    """
     for token in forbidden:
         if actual.count(token) != expected.count(token):
             raise invalid_argument(

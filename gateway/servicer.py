@@ -40,6 +40,7 @@ from vlcommon.errors import (
     abort,
     check_count,
     check_no_control_tokens,
+    check_role,
     from_rpc_error,
     invalid_argument,
 )
@@ -64,7 +65,6 @@ CACHE_FAILURES = Counter(
     ["op"],
 )
 STAGE_SECONDS = Histogram("splitvl_gateway_stage_seconds", "Wall time per stage.", ["stage"])
-ROLES = ("system", "user", "assistant")
 EMBEDDING_DTYPES = (
     tensor_pb2.DATA_TYPE_FP32,
     tensor_pb2.DATA_TYPE_BF16,
@@ -187,12 +187,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         messages: list[decoder_service_pb2.Message] = []
         images: list[bytes] = []
         for i, message in enumerate(request.messages):
-            if message.role not in ROLES:
-                raise invalid_argument(
-                    "ROLE_INVALID",
-                    f"messages[{i}].role is {message.role!r}; expected one of {', '.join(ROLES)}",
-                    field=f"messages[{i}].role",
-                )
+            check_role(message.role, f"messages[{i}].role")
             if not message.parts:
                 raise invalid_argument(
                     "PARTS_EMPTY", f"messages[{i}].parts is empty", field=f"messages[{i}].parts"

@@ -88,6 +88,19 @@ def check_count(n: int, *, field: str, limit: int, noun: str = "entries") -> Non
         )
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def check_role(role: str, field: str) -> None:
+    """Refuse a chat role other than system, user or assistant (INVALID_ARGUMENT)."""
+    if role not in ROLES:
+        raise invalid_argument(
+            "ROLE_INVALID",
+            f"{field} is {role!r}; expected one of {', '.join(ROLES)}",
+            field=field,
+        )
+
+
 def check_no_control_tokens(text: str, forbidden: tuple[str, ...], field: str) -> None:
     """Refuse text containing a control token such as ``<|image_pad|>`` (case C05).
 

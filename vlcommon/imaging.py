@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -269,7 +268,3 @@ def cosine_similarity(a: np.ndarray, b: np.ndarray) -> float:
     if na == 0.0 or nb == 0.0:
         return 0.0
     return max(-1.0, min(1.0, float(np.dot(a, b)) / (na * nb)))
-
-
-def is_finite_number(x: float) -> bool:
-    return not (math.isnan(x) or math.isinf(x))
