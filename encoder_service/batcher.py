@@ -60,6 +60,8 @@ class Batcher:
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_queue = max_queue
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        # An image too big to join the last batch; it leads the next one.
+        self._carry: _Item | None = None
         self._inflight: dict[str, _Item] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vit")
         self._task: asyncio.Task[None] | None = None
@@ -109,7 +111,10 @@ class Batcher:
             item.waiters -= 1
 
     async def _collect(self) -> list[_Item]:
-        first = await self._queue.get()
+        if self._carry is not None:
+            first, self._carry = self._carry, None
+        else:
+            first = await self._queue.get()
         batch, patches = [first], first.image.pixel_values.shape[0]
         deadline = time.perf_counter() + self.max_wait_s
         while len(batch) < self.max_batch_images:
@@ -127,7 +132,7 @@ class Batcher:
             n = item.image.pixel_values.shape[0]
             if patches + n > self.max_batch_patches:
                 # Too big for this batch: it leads the next one.
-                self._queue._queue.appendleft(item)  # type: ignore[attr-defined]
+                self._carry = item
                 break
             batch.append(item)
             patches += n
