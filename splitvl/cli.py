@@ -4,6 +4,8 @@ splitvl make-tiny-model DIR           build the tiny random-weight Qwen3-VL chec
 splitvl up [--model PATH_OR_HUB_ID]   run the four services on loopback until SIGINT/SIGTERM
 splitvl generate --image P... --prompt TEXT [--json]   stream an answer from the gateway
 splitvl demo [--json]                 start the services, ask about real photos, stop
+splitvl load [--concurrency N --duration S --json]   concurrent streams; statuses, latency
+splitvl soak [--requests N --json]    distinct images in a row; RSS growth of each service
 """
 
 from __future__ import annotations
@@ -159,9 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--max-tokens", type=int, default=16)
 
-    from splitvl import bench
+    from splitvl import bench, load, soak
 
     bench.add_parser(sub)
+    load.add_parser(sub)
+    soak.add_parser(sub)
 
     p = sub.add_parser("generate", help="stream an answer from the gateway")
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")

@@ -132,24 +132,31 @@ class Cluster:
     def start(self) -> None:
         """Start all four (decoder first: its engine takes longest to come up)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {
+        env = self._env()
+        for name in ("decoder", "encoder", "cache", "gateway"):
+            self._spawn(name, env)
+
+    def _env(self) -> dict[str, str]:
+        return {
             **os.environ,
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "OTEL_SERVICE_NAME": "",
             **self.env,
         }
+
+    def _spawn(self, name: str, env: dict[str, str], append: bool = False) -> None:
         placement = cpu_placement(env)
-        for name in ("decoder", "encoder", "cache", "gateway"):
-            child_env = {**env, "OTEL_SERVICE_NAME": f"splitvl-{name}", **placement.get(name, {})}
-            log = (self.log_dir / f"{name}.log").open("wb")
-            self.procs[name] = subprocess.Popen(
-                self._command(name),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=child_env,
-                start_new_session=True,
-            )
-            log.close()
+        child_env = {**env, "OTEL_SERVICE_NAME": f"splitvl-{name}", **placement.get(name, {})}
+        # A restarted service's log is appended to the crashed one's.
+        log = (self.log_dir / f"{name}.log").open("ab" if append else "wb")
+        self.procs[name] = subprocess.Popen(
+            self._command(name),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=True,
+        )
+        log.close()
 
     def wait_ready(
         self, timeout_s: float = 600.0, progress: Callable[[str], None] | None = None
@@ -192,6 +199,46 @@ class Cluster:
                 )
             if pending:
                 time.sleep(0.5)
+
+    def pids(self) -> dict[str, int]:
+        """Process id of each running service (the root of its process tree)."""
+        return {name: proc.pid for name, proc in self.procs.items() if proc.poll() is None}
+
+    def kill(self, name: str) -> int | None:
+        """SIGKILL one service's whole process group at once (a crash, for fault tests).
+
+        Returns:
+            The exit code of the service's root process (``-9``).
+        """
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return proc.wait()
+
+    def restart(self, name: str, timeout_s: float = 300.0) -> None:
+        """Start one service again on the same ports and wait until it is SERVING.
+
+        The other services are left alone: their channels to it reconnect on their own.
+
+        Raises:
+            RuntimeError: it exited or did not become SERVING within ``timeout_s``.
+        """
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            self.kill(name)
+        self._spawn(name, self._env(), append=True)
+        start = time.monotonic()
+        while health_status(self.ports.address(name)) != "SERVING":
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with code {self.procs[name].returncode}:\n"
+                    f"{self.log_tail(name)}"
+                )
+            if time.monotonic() - start > timeout_s:
+                raise RuntimeError(f"{name} not SERVING after {timeout_s:.0f}s")
+            time.sleep(0.2)
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"

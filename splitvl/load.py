@@ -1,0 +1,320 @@
+"""``splitvl load``: many concurrent streaming Generate calls against the gateway.
+
+A bounded grpc.aio client on loopback: ``concurrency`` workers, each sending one
+streaming ``GatewayService/Generate`` after another until ``duration`` seconds have
+passed, every call with a deadline. Images come from the workload generator
+(:mod:`splitvl.workload`): a fixed, pre-built list of requests whose images are unique
+or designed repeats (exact copies and JPEG near-copies), cycled through; after the first
+cycle every image has been seen before, which is what a real mix of new and popular
+images looks like to the cache.
+
+Usage::
+
+    splitvl load                                  # own cluster on free ports, 200 x 120 s
+    splitvl load --address 127.0.0.1:50051 --concurrency 50 --duration 30 --json
+
+Reported: requests finished, OK count, every status by code (with one example message
+each), ``hung`` (calls that had neither a result nor a status by deadline + slack: the
+client's own asyncio timeout fired), throughput (requests/s, output tokens/s) and
+latency percentiles (TTFT = first streamed token, end-to-end) in milliseconds.
+The exit status is 1 when any call ended INTERNAL or UNKNOWN or hung.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+BAD_CODES = ("INTERNAL", "UNKNOWN")
+HUNG = "HUNG"
+
+
+@dataclass
+class CallResult:
+    """One call: its final status name (``HUNG`` when the client had to give up)."""
+
+    code: str
+    message: str = ""
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    tokens: int = 0
+    tiers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoadReport:
+    """Everything one load run measured (times in seconds until :meth:`as_dict`)."""
+
+    concurrency: int
+    duration_s: float
+    deadline_s: float
+    results: list[CallResult]
+    elapsed_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        counts = Counter(r.code for r in self.results)
+        ok = [r for r in self.results if r.code == "OK"]
+        examples: dict[str, str] = {}
+        for r in self.results:
+            if r.code != "OK" and r.code not in examples:
+                examples[r.code] = r.message[:300]
+        tiers = Counter(t for r in ok for t in r.tiers)
+        return {
+            "requests": len(self.results),
+            "ok": len(ok),
+            "status_counts": {code: counts[code] for code in sorted(counts) if code != HUNG},
+            "hung": counts[HUNG],
+            "internal_or_unknown": sum(counts[c] for c in BAD_CODES),
+            "error_examples": examples,
+            "concurrency": self.concurrency,
+            "duration_s": self.duration_s,
+            "deadline_s": self.deadline_s,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "requests_per_s": round(len(ok) / self.elapsed_s, 3) if self.elapsed_s else 0.0,
+            "tokens_per_s": (
+                round(sum(r.tokens for r in ok) / self.elapsed_s, 3) if self.elapsed_s else 0.0
+            ),
+            "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+            "e2e_ms": percentiles([r.e2e_s for r in ok]),
+            "image_tiers": dict(tiers),
+        }
+
+
+def percentiles(values_s: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99 (and mean, max) of seconds, in milliseconds; None when empty."""
+    if not values_s:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "max": None}
+    arr = np.asarray(values_s, dtype=np.float64) * 1000
+    return {
+        "p50": round(float(np.percentile(arr, 50)), 1),
+        "p90": round(float(np.percentile(arr, 90)), 1),
+        "p99": round(float(np.percentile(arr, 99)), 1),
+        "mean": round(float(arr.mean()), 1),
+        "max": round(float(arr.max()), 1),
+    }
+
+
+def build_requests(
+    n: int,
+    *,
+    side: int,
+    repeat_fraction: float,
+    max_tokens: int,
+    seed: int,
+) -> list[Any]:
+    """``n`` GatewayService GenerateRequests from the workload generator (one image each).
+
+    Args:
+        n: Requests to build (the load cycles through them).
+        side: Image side, pixels (square RGB PNGs; repeats may be JPEG).
+        repeat_fraction: Probability that an image repeats an earlier one.
+        max_tokens: Tokens to generate per request (``ignore_eos``, greedy).
+        seed: Seed of the images and of the repeat decisions.
+    """
+    from splitvl.client import build_request
+    from splitvl.workload import ImageFactory, make_workload
+
+    work = make_workload(
+        ImageFactory(side=side, seed=seed), requests=n, repeat_fraction=repeat_fraction, seed=seed
+    )
+    return [build_request(r.images, r.prompt, max_tokens=max_tokens, ignore_eos=True) for r in work]
+
+
+async def one_call(
+    stub: Any, request: Any, deadline_s: float, slack_s: float, metadata: Any = None
+) -> CallResult:
+    """One streaming Generate with a gRPC deadline, and an asyncio bound of deadline + slack.
+
+    A call that ends neither with a result nor with a status by then is ``HUNG``.
+    """
+    from splitvl.client import TIER_NAMES
+
+    t0 = time.perf_counter()
+    result = CallResult(code="OK")
+    call = stub.Generate(request, timeout=deadline_s, metadata=metadata)
+
+    async def drain() -> None:
+        async for chunk in call:
+            if chunk.token_ids and result.ttft_s is None:
+                result.ttft_s = time.perf_counter() - t0
+            if chunk.images:
+                result.tiers = [TIER_NAMES.get(im.tier, "?") for im in chunk.images]
+            result.tokens += len(chunk.token_ids)
+
+    try:
+        await asyncio.wait_for(drain(), timeout=deadline_s + slack_s)
+    except grpc.aio.AioRpcError as err:
+        result.code = err.code().name
+        result.message = err.details() or ""
+    except TimeoutError:
+        call.cancel()
+        result.code = HUNG
+        result.message = f"no result or status {deadline_s + slack_s:.1f} s after the start"
+    result.e2e_s = time.perf_counter() - t0
+    return result
+
+
+async def run_load(
+    address: str,
+    requests: list[Any],
+    *,
+    concurrency: int,
+    duration_s: float,
+    deadline_s: float,
+    slack_s: float = 10.0,
+    channels: int = 4,
+    progress: Any = None,
+) -> LoadReport:
+    """Closed-loop load: ``concurrency`` workers calling until ``duration_s`` has passed.
+
+    Calls are spread round-robin over ``channels`` HTTP/2 connections (a single
+    connection would serialise all frames through one socket and one event-loop callback
+    chain on the server). A worker starts no new call after ``duration_s``; the calls in
+    flight then finish (or end by their deadline), so the run lasts at most
+    ``duration_s + deadline_s + slack_s``.
+    """
+    from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+
+    from vlcommon.settings import channel_options
+
+    chans = [grpc.aio.insecure_channel(address, options=channel_options()) for _ in range(channels)]
+    stubs = [pb_grpc.GatewayServiceStub(ch) for ch in chans]
+    results: list[CallResult] = []
+    next_request = 0
+    t0 = time.perf_counter()
+    stop_at = t0 + duration_s
+
+    async def worker(w: int) -> None:
+        nonlocal next_request
+        while time.perf_counter() < stop_at:
+            request = requests[next_request % len(requests)]
+            next_request += 1
+            results.append(await one_call(stubs[w % len(stubs)], request, deadline_s, slack_s))
+
+    async def report_progress() -> None:
+        while True:
+            await asyncio.sleep(15)
+            counts = Counter(r.code for r in results)
+            progress(f"  {time.perf_counter() - t0:.0f} s: {len(results)} done {dict(counts)}")
+
+    ticker = asyncio.ensure_future(report_progress()) if progress is not None else None
+    try:
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+        for ch in chans:
+            await ch.close()
+    return LoadReport(concurrency, duration_s, deadline_s, results, time.perf_counter() - t0)
+
+
+def print_table(report: dict[str, Any], out: Any = sys.stdout) -> None:
+    """The report as a short Markdown table."""
+    rows = [
+        ("concurrency", report["concurrency"]),
+        ("duration (s) / elapsed (s)", f"{report['duration_s']} / {report['elapsed_s']}"),
+        ("deadline per call (s)", report["deadline_s"]),
+        ("requests finished", report["requests"]),
+        ("OK", report["ok"]),
+        (
+            "status counts",
+            ", ".join(f"{k} {v}" for k, v in report["status_counts"].items()) or "-",
+        ),
+        ("hung", report["hung"]),
+        ("INTERNAL + UNKNOWN", report["internal_or_unknown"]),
+        ("throughput (req/s)", report["requests_per_s"]),
+        ("output tokens/s", report["tokens_per_s"]),
+    ]
+    for name in ("ttft_ms", "e2e_ms"):
+        p = report[name]
+        rows.append(
+            (f"{name[:-3].upper()} p50 / p90 / p99 (ms)", f"{p['p50']} / {p['p90']} / {p['p99']}")
+        )
+    rows.append(
+        ("image tiers (OK calls)", ", ".join(f"{k} {v}" for k, v in report["image_tiers"].items()))
+    )
+    print("| metric | value |\n|---|---|", file=out)
+    for k, v in rows:
+        print(f"| {k} | {v} |", file=out)
+    for code, message in report["error_examples"].items():
+        print(f"\n{code} example: {message}", file=out)
+
+
+def main(args: argparse.Namespace) -> int:
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    log(f"building {args.pool} requests ({args.image_side}px images) ...")
+    requests = build_requests(
+        args.pool,
+        side=args.image_side,
+        repeat_fraction=args.repeat_fraction,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+
+    def go(address: str) -> dict[str, Any]:
+        log(f"load: {args.concurrency} concurrent for {args.duration:.0f} s against {address}")
+        report = asyncio.run(
+            run_load(
+                address,
+                requests,
+                concurrency=args.concurrency,
+                duration_s=args.duration,
+                deadline_s=args.deadline,
+                slack_s=args.slack,
+                progress=log,
+            )
+        )
+        return report.as_dict()
+
+    if args.address:
+        result = go(args.address)
+    else:
+        from splitvl.cli import default_model
+        from splitvl.launcher import Cluster, Ports
+
+        log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitvl-load-"))
+        cluster = Cluster(
+            model=args.model or default_model(),
+            ports=Ports.free(),
+            log_dir=log_dir,
+            progress=log,
+        )
+        log(f"starting the four services (logs in {log_dir}) ...")
+        with cluster:
+            result = go(cluster.ports.address("gateway"))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 1 if result["internal_or_unknown"] or result["hung"] else 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("load", help="concurrent streaming Generate calls; statuses and latency")
+    p.add_argument("--address", help="a running gateway (default: start a cluster on free ports)")
+    p.add_argument("--model", help="checkpoint for the own cluster (default: tiny)")
+    p.add_argument("--log-dir", help="service logs of the own cluster (default: a temp dir)")
+    p.add_argument("--concurrency", type=int, default=200, help="calls in flight")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds to keep starting calls")
+    p.add_argument("--deadline", type=float, default=60.0, help="deadline of each call, s")
+    p.add_argument("--slack", type=float, default=10.0, help="past deadline + slack: hung")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--image-side", type=int, default=128)
+    p.add_argument("--pool", type=int, default=400, help="distinct requests to cycle through")
+    p.add_argument("--repeat-fraction", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=main)
