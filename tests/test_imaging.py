@@ -254,3 +254,128 @@ def test_pillow_bomb_guard_reports_our_limit() -> None:
         decode(bytes(png))
     assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert exc.value.metadata["limit"] == str(MAX_PIXELS)
+
+
+# -- every mode and container, with the composited values -------------------------------
+# Half-transparent colour c over white: a * c + (1 - a) * 255 with a = 128 / 255.
+HALF = 128 / 255
+
+
+def over_white(c: int, alpha: float = HALF) -> int:
+    return round(alpha * c + (1 - alpha) * 255)
+
+
+def close(got: tuple, want: tuple, tol: int = 1) -> bool:
+    return all(abs(int(g) - int(w)) <= tol for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP", "TIFF"])
+def test_half_transparent_rgba_is_composited_on_white(fmt) -> None:
+    rgba = Image.new("RGBA", (8, 8), (255, 0, 0, 128))
+    rgba.paste((0, 0, 255, 255), (0, 0, 4, 8))
+    kw = {"lossless": True} if fmt == "WEBP" else {}
+    image = decode(_encode(rgba, fmt, **kw))
+    assert image.mode == "RGB"
+    assert close(image.getpixel((6, 2)), (255, over_white(0), over_white(0)))  # (255,127,127)
+    assert image.getpixel((1, 2)) == (0, 0, 255)
+
+
+def test_palette_with_per_index_alpha_and_grey_and_rgb_trns() -> None:
+    # P + tRNS with partial alpha: index 0 is red at alpha 128, index 1 opaque green.
+    pal = Image.new("P", (8, 8), 0)
+    pal.putpalette([255, 0, 0, 0, 255, 0] + [0] * 762)
+    pal.paste(1, (0, 0, 4, 8))
+    image = decode(_encode(pal, "PNG", transparency=bytes([128, 255])))
+    assert close(image.getpixel((6, 1)), (255, over_white(0), over_white(0)))
+    assert image.getpixel((1, 1)) == (0, 255, 0)
+    # Greyscale PNG with a tRNS grey value: that grey is transparent (white), others stay.
+    grey = Image.new("L", (8, 8), 100)
+    grey.paste(50, (0, 0, 4, 8))
+    image = decode(_encode(grey, "PNG", transparency=100))
+    assert image.getpixel((6, 1)) == (255, 255, 255) and image.getpixel((1, 1)) == (50, 50, 50)
+    # RGB PNG with a tRNS colour.
+    rgb_im = Image.new("RGB", (8, 8), (1, 2, 3))
+    rgb_im.paste((9, 8, 7), (0, 0, 4, 8))
+    image = decode(_encode(rgb_im, "PNG", transparency=(1, 2, 3)))
+    assert image.getpixel((6, 1)) == (255, 255, 255) and image.getpixel((1, 1)) == (9, 8, 7)
+    # GIF with a transparent index.
+    gif = Image.new("P", (8, 8), 0)
+    gif.putpalette([0, 0, 0, 200, 10, 10] + [0] * 762)
+    gif.paste(1, (0, 0, 4, 8))
+    image = decode(_encode(gif, "GIF", transparency=0))
+    assert image.getpixel((6, 1)) == (255, 255, 255) and image.getpixel((1, 1)) == (200, 10, 10)
+
+
+def test_la_and_pa_are_composited() -> None:
+    from vlcommon.imaging import _to_rgb
+
+    la = Image.new("LA", (4, 4), (0, 128))  # black at half alpha -> mid grey
+    g = over_white(0)
+    assert close(decode(_encode(la, "PNG")).getpixel((1, 1)), (g, g, g))
+    assert close(decode(_encode(la, "TIFF")).getpixel((1, 1)), (g, g, g))
+    # No Pillow encoder writes PA; it appears in memory (e.g. a converted palette image).
+    pa = Image.new("P", (4, 4), 0)
+    pa.putpalette([0, 0, 255] * 256)
+    pa = pa.convert("PA")
+    pa.putalpha(128)
+    assert pa.mode == "PA"
+    assert close(_to_rgb(pa).getpixel((1, 1)), (over_white(0), over_white(0), 255))
+
+
+def test_high_bit_depth_grey_follows_the_documented_scaling() -> None:
+    from vlcommon.imaging import _to_rgb
+
+    sixteen = np.array([[0, 65535], [256, 32768]], dtype=np.uint16)
+    little = Image.fromarray(sixteen)
+    big = Image.frombytes("I;16B", (2, 2), sixteen.astype(">u2").tobytes())
+    for source, fmt in ((little, "PNG"), (little, "TIFF"), (big, "TIFF")):
+        with Image.open(io.BytesIO(_encode(source, fmt))) as stored:
+            assert stored.mode == source.mode, (source.mode, fmt)
+        decoded = decode(_encode(source, fmt))
+        assert np.asarray(decoded)[..., 0].tolist() == [[0, 255], [1, 128]], (source.mode, fmt)
+    # 32-bit signed: negatives clip; 8-bit range kept; 16-bit range >> 8; wider by bit length.
+    wide = Image.fromarray(np.array([[0, 70000], [-5, 255]], dtype=np.int32))
+    assert np.asarray(decode(_encode(wide, "TIFF")))[..., 0].tolist() == [[0, 70000 >> 9], [0, 0]]
+    small = Image.fromarray(np.array([[0, 200], [-1, 255]], dtype=np.int32))
+    assert np.asarray(_to_rgb(small))[..., 1].tolist() == [[0, 200], [0, 255]]
+    mid = Image.fromarray(np.array([[0, 1000], [512, 65535]], dtype=np.int32))
+    assert np.asarray(_to_rgb(mid))[..., 2].tolist() == [[0, 3], [2, 255]]
+    # Float: [0, 1] scales by 255; any other range clips; NaN is 0.
+    unit = Image.fromarray(np.array([[0.0, 0.5], [1.0, 0.25]], dtype=np.float32))
+    assert np.asarray(decode(_encode(unit, "TIFF")))[..., 0].tolist() == [[0, 128], [255, 64]]
+    other = Image.fromarray(np.array([[-3.0, 300.0], [12.4, np.nan]], dtype=np.float32))
+    assert np.asarray(_to_rgb(other))[..., 0].tolist() == [[0, 255], [12, 0]]
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "BMP", "TIFF"])
+def test_bilevel_images_are_black_and_white(fmt) -> None:
+    bits = Image.new("1", (8, 8), 0)
+    bits.paste(1, (0, 0, 4, 8))
+    image = decode(_encode(bits, fmt))
+    assert image.getpixel((1, 1)) == (255, 255, 255) and image.getpixel((6, 1)) == (0, 0, 0)
+
+
+def test_cmyk_tiff_and_plain_containers_keep_exact_pixels() -> None:
+    cmyk = Image.new("CMYK", (8, 8), (0, 255, 255, 0))
+    assert decode(_encode(cmyk, "TIFF")).getpixel((4, 4)) == (255, 0, 0)
+    source = rgb("chelsea.png").crop((0, 0, 64, 48))
+    for fmt, kw in (("BMP", {}), ("TIFF", {}), ("WEBP", {"lossless": True}), ("PNG", {})):
+        assert np.array_equal(np.asarray(decode(_encode(source, fmt, **kw))), np.asarray(source))
+    lossy = np.asarray(decode(_encode(source, "WEBP", quality=90)), dtype=np.int32)
+    assert np.abs(lossy - np.asarray(source, dtype=np.int32)).mean() < 6
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])
+def test_animated_images_use_their_first_frame(fmt) -> None:
+    frames = [
+        Image.new("RGBA", (16, 16), c) for c in ((255, 0, 0, 128), (0, 0, 255, 255))
+    ]
+    if fmt == "GIF":  # GIF has no partial alpha: an opaque first frame
+        frames = [f.convert("RGB") for f in frames]
+    kw = {"lossless": True} if fmt == "WEBP" else {}
+    data = _encode(frames[0], fmt, save_all=True, append_images=frames[1:], duration=100, **kw)
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.n_frames == 2
+    got = decode(data).getpixel((8, 8))
+    want = (255, 0, 0) if fmt == "GIF" else (255, over_white(0), over_white(0))
+    assert close(got, want, tol=2), (fmt, got)

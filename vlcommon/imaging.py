@@ -60,9 +60,10 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
     """Decode one encoded image to upright 8-bit RGB.
 
     EXIF orientation is applied (``ImageOps.exif_transpose``) before anything else sees
-    the pixels; transparency is composited on white; animated images use their first
-    frame; 16-bit grayscale is scaled to 8 bits. Truncated files are rejected: Pillow's
-    ``LOAD_TRUNCATED_IMAGES`` is never switched on.
+    the pixels; animated images (GIF, APNG, WebP, multi-page TIFF) use their first frame
+    (``seek(0)``); every mode becomes RGB by the rules of :func:`_to_rgb` (transparency
+    composited on white, high bit depths scaled to 8 bits). Truncated files are rejected:
+    Pillow's ``LOAD_TRUNCATED_IMAGES`` is never switched on.
 
     Args:
         data: The encoded file (PNG, JPEG, WebP, GIF, BMP, TIFF, ...).
@@ -130,13 +131,36 @@ def _clean(exc: BaseException) -> str:
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
-    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
-        # 16/32-bit grayscale: keep the top 8 significant bits (negative values clip to 0).
+    """Any Pillow mode to 8-bit RGB, by fixed rules (not by Pillow's clipping defaults).
+
+    - ``I;16``/``I;16L``/``I;16B``/``I;16N`` (16-bit grayscale): ``value >> 8``, so 65535
+      is white (Pillow's own conversion clips at 255, turning most of the range white).
+    - ``I`` (32-bit signed): negatives clip to 0; values that fit 8 bits are kept, values
+      that fit 16 bits are shifted as 16-bit, larger ones by their bit length (top 8 bits).
+    - ``F`` (32-bit float): NaN is 0; an image within [0, 1] is scaled by 255, any other
+      range is clipped to [0, 255] (Pillow's rule), both rounded.
+    - ``1`` (bilevel): 0 is black, 1 white. ``CMYK`` (incl. Adobe inverted JPEG),
+      ``YCbCr``, ``L``, ``P``: Pillow's conversion.
+    - Transparency (``RGBA``, ``LA``, ``PA``, premultiplied ``RGBa``/``La``, and a
+      ``transparency`` key on ``P``/``L``/``RGB``, i.e. PNG tRNS or a GIF transparent
+      index): alpha-composited over ``ALPHA_BACKGROUND`` (white), as a browser shows the
+      image on a page: ``out = a * colour + (1 - a) * 255`` per channel.
+    """
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N"):
+        arr = np.asarray(im).astype(np.uint32)
+        im = Image.fromarray(np.right_shift(arr, 8).astype(np.uint8))
+    elif im.mode == "I":
         arr = np.clip(np.asarray(im).astype(np.int64), 0, None)
-        bits = 16 if im.mode != "I" else max(8, int(arr.max()).bit_length())
+        top = int(arr.max()) if arr.size else 0
+        bits = 8 if top <= 0xFF else 16 if top <= 0xFFFF else top.bit_length()
         im = Image.fromarray(np.right_shift(arr, bits - 8).astype(np.uint8))
-    if im.mode == "P" and "transparency" in im.info:
-        im = im.convert("RGBA")
+    elif im.mode == "F":
+        arr = np.nan_to_num(np.asarray(im, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
+        if arr.size and arr.min() >= 0.0 and arr.max() <= 1.0:
+            arr = arr * 255.0
+        im = Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8))
+    if im.mode in ("P", "L", "RGB") and "transparency" in im.info:
+        im = im.convert("RGBA")  # tRNS / transparent index becomes an alpha channel
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
         rgba = im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (*ALPHA_BACKGROUND, 255))
