@@ -1,6 +1,9 @@
-"""Media intake: encoded image bytes or RFC 2397 data URLs, with size limits.
+"""Media intake: encoded image bytes, RFC 2397 data URLs, image URLs, video frames.
 
-URL fetching (with its SSRF guard) is not offered yet: ``ImageInput`` has no url field.
+Bytes and data URLs are resolved here, synchronously; a URL comes back as
+:class:`ImageUrl` for :class:`gateway.fetch.UrlFetcher` to fetch (asynchronously, with
+its SSRF guard) before the images are decoded. Videos are refused with a clear status
+(:func:`check_video`): the decoder does not take video embeddings yet.
 """
 
 from __future__ import annotations
@@ -8,18 +11,27 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from dataclasses import dataclass
 
+import grpc
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 
-from vlcommon.errors import invalid_argument, resource_exhausted
+from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 
 _DATA_URL = re.compile(
     r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?),(?P<data>.*)$", re.DOTALL
 )
 
 
-def image_bytes(image: pb.ImageInput, *, index: int, max_bytes: int) -> bytes:
-    """The encoded bytes of one image input.
+@dataclass(frozen=True)
+class ImageUrl:
+    """An image still to be fetched (``ImageInput.url``)."""
+
+    url: str
+
+
+def image_bytes(image: pb.ImageInput, *, index: int, max_bytes: int) -> bytes | ImageUrl:
+    """The encoded bytes of one image input, or the URL to fetch them from.
 
     Raises:
         ServiceError: INVALID_ARGUMENT for a missing source or malformed data URL;
@@ -27,6 +39,8 @@ def image_bytes(image: pb.ImageInput, *, index: int, max_bytes: int) -> bytes:
     """
     field = f"images[{index}]"
     kind = image.WhichOneof("source")
+    if kind == "url":
+        return ImageUrl(image.url)  # checked and fetched by gateway.fetch.UrlFetcher
     if kind == "data":
         data = image.data
     elif kind == "data_url":
@@ -63,7 +77,7 @@ def image_bytes(image: pb.ImageInput, *, index: int, max_bytes: int) -> bytes:
             ) from exc
     else:
         raise invalid_argument(
-            "IMAGE_SOURCE_MISSING", f"{field} has neither data nor data_url", field=field
+            "IMAGE_SOURCE_MISSING", f"{field} has none of data, data_url, url", field=field
         )
     if len(data) > max_bytes:
         raise resource_exhausted(
@@ -73,3 +87,35 @@ def image_bytes(image: pb.ImageInput, *, index: int, max_bytes: int) -> bytes:
             limit=max_bytes,
         )
     return data
+
+
+def check_video(video: pb.VideoInput, *, field: str, temporal_patch_size: int) -> None:
+    """Refuse a video part with a clear status (case C14); always raises.
+
+    Qwen3-VL patches video in time by ``temporal_patch_size`` (2) frames; transformers'
+    Qwen3-VL video processor pads a short clip by repeating its last frame, while
+    qwen-vl-utils refuses fewer than 2 sampled frames. splitvl does not serve video yet
+    (the decoder refuses grids with t > 1, and vLLM's video-embedding input with
+    Qwen3-VL's per-frame timestamps is unverified here), so:
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``VIDEO_TOO_FEW_FRAMES`` naming the frame count when
+            it is below ``temporal_patch_size``; otherwise UNIMPLEMENTED
+            ``VIDEO_NOT_SUPPORTED``.
+    """
+    frames = len(video.frames)
+    if frames < temporal_patch_size:
+        raise invalid_argument(
+            "VIDEO_TOO_FEW_FRAMES",
+            f"{field}.frames has {frames} frame(s); a video needs at least "
+            f"{temporal_patch_size} (the model's temporal patch size)",
+            field=f"{field}.frames",
+            limit=temporal_patch_size,
+        )
+    raise ServiceError(
+        grpc.StatusCode.UNIMPLEMENTED,
+        "VIDEO_NOT_SUPPORTED",
+        f"{field} is a video of {frames} frames; video input is not served yet: send the "
+        "frames as images",
+        {"field": field},
+    )

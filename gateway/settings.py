@@ -29,6 +29,21 @@ class GatewaySettings(ServerSettings):
     max_tokens_limit: int = Field(4096, ge=1)
     max_messages: int = Field(64, ge=1)
     max_parts: int = Field(256, ge=1, description="Content parts over all messages.")
+    # Images by URL (gateway/fetch.py): off by default, since fetching makes the gateway a
+    # client of whatever the caller names (SSRF); the guard checks every connected address.
+    allow_urls: bool = Field(False, description="Accept ImageInput.url (http/https).")
+    url_allow_private: bool = Field(
+        False,
+        description="Let URLs reach loopback/private/link-local addresses (tests, trusted "
+        "networks); cloud-metadata addresses stay refused.",
+    )
+    url_max_chars: int = Field(8192, ge=16, description="Length of one image URL.")
+    url_connect_timeout_s: float = Field(3.0, gt=0, description="TCP+TLS connect per hop.")
+    url_read_timeout_s: float = Field(5.0, gt=0, description="Longest wait for the next bytes.")
+    url_total_timeout_s: float = Field(
+        15.0, gt=0, description="One fetch with its redirects (also capped by the deadline)."
+    )
+    url_max_redirects: int = Field(3, ge=0, description="Redirects followed per URL.")
     preprocess_threads: int = Field(
         2, ge=1, description="Threads decoding and resizing images (bounds their memory)."
     )

@@ -1,0 +1,372 @@
+"""Images by URL (gateway/fetch.py): a real HTTP server on loopback, the real fetcher, and a
+real gateway (in process) in front of the session cluster's encoder, cache and decoder."""
+
+from __future__ import annotations
+
+import io
+import ipaddress
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import pytest
+from PIL import Image
+from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
+
+from gateway.fetch import UrlFetcher, address_kind, refused_kind
+from gateway.settings import GatewaySettings
+from tests.conftest import photo
+from vlcommon.errors import ServiceError
+
+LIMIT = 4096  # max_image_bytes for the fetcher tests
+
+
+class ImageServer:
+    """http.server on 127.0.0.1:0 in a thread; counts the requests it answers."""
+
+    def __init__(self) -> None:
+        server = self
+        self.hits: list[str] = []
+        self.body = b""
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                server.hits.append(self.path)
+                parts = self.path.split("?", 1)[0].strip("/").split("/")
+                route, arg = parts[0], (parts[1] if len(parts) > 1 else "")
+                if route == "img":
+                    self._send(200, server.body)
+                elif route == "bytes":  # /bytes/N: N bytes with a Content-Length
+                    self._send(200, b"x" * int(arg))
+                elif route == "chunked":  # /chunked/N: N bytes, chunked, no Content-Length
+                    self.send_response(200)
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    left = int(arg)
+                    while left:
+                        n = min(left, 1000)
+                        self.wfile.write(b"%x\r\n" % n + b"y" * n + b"\r\n")
+                        left -= n
+                    self.wfile.write(b"0\r\n\r\n")
+                elif route == "status":
+                    self._send(int(arg), b"nope")
+                elif route == "redirect":  # /redirect/N -> ... -> /img after N hops
+                    n = int(arg)
+                    self._redirect("/img" if n <= 1 else f"/redirect/{n - 1}")
+                elif route == "loop":
+                    self._redirect("/loop")
+                elif route == "to":  # /to/metadata or /to/localhost
+                    target = {
+                        "metadata": "http://169.254.169.254/latest/meta-data/",
+                        "file": "file:///etc/passwd",
+                    }[arg]
+                    self._redirect(target)
+                elif route == "slow":  # headers, then silence for float(arg) seconds
+                    self.send_response(200)
+                    self.send_header("Content-Length", "10")
+                    self.end_headers()
+                    self.wfile.flush()
+                    time.sleep(float(arg))
+                    self.wfile.write(b"z" * 10)
+                else:
+                    self._send(404, b"")
+
+            def _send(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _redirect(self, location: str) -> None:
+                self.send_response(302)
+                self.send_header("Location", location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ImageServer]:
+    s = ImageServer()
+    yield s
+    s.stop()
+
+
+def fetcher(**kw: object) -> UrlFetcher:
+    values: dict[str, object] = {
+        "allow_urls": True,
+        "url_allow_private": True,
+        "max_image_bytes": LIMIT,
+        "url_connect_timeout_s": 2.0,
+        "url_read_timeout_s": 2.0,
+    }
+    values.update(kw)
+    return UrlFetcher(GatewaySettings(**values))  # type: ignore[arg-type]
+
+
+async def fetch_error(f: UrlFetcher, url: str, time_left: float | None = 30.0) -> ServiceError:
+    with pytest.raises(ServiceError) as exc:
+        await f.fetch_all([(1, url)], time_left)
+    return exc.value
+
+
+# -- the SSRF guard ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("address", "kind"),
+    [
+        ("127.0.0.1", "loopback"),
+        ("::1", "loopback"),
+        ("::ffff:127.0.0.1", "loopback"),  # IPv4-mapped IPv6
+        ("10.1.2.3", "private"),
+        ("192.168.0.1", "private"),
+        ("172.16.0.1", "private"),
+        ("fd12::1", "private"),
+        ("169.254.169.254", "cloud-metadata"),
+        ("fd00:ec2::254", "cloud-metadata"),
+        ("169.254.1.1", "link-local"),
+        ("fe80::1", "link-local"),
+        ("224.0.0.1", "multicast"),
+        ("ff02::1", "multicast"),
+        ("0.0.0.0", "unspecified"),
+        ("240.0.0.1", "reserved"),
+        ("100.64.0.1", "non-global"),  # carrier-grade NAT
+        ("8.8.8.8", None),
+        ("2606:4700::1111", None),
+    ],
+)
+def test_address_classes(address: str, kind: str | None) -> None:
+    ip = ipaddress.ip_address(address)
+    assert address_kind(ip) == kind
+    assert refused_kind(ip, allow_private=False) == kind
+    # The test switch opens private ranges but never the metadata endpoints.
+    expected = "cloud-metadata" if kind == "cloud-metadata" else None
+    assert refused_kind(ip, allow_private=True) == expected
+
+
+async def test_loopback_is_refused_by_default_without_a_request(server: ImageServer) -> None:
+    server.body = photo("coffee.png")
+    before = len(server.hits)
+    err = await fetch_error(fetcher(url_allow_private=False), server.url("/img"))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.reason == "URL_ADDRESS_FORBIDDEN"
+    assert "images[1].url" in err.message and "loopback" in err.message
+    assert len(server.hits) == before
+
+
+async def test_a_name_resolving_to_loopback_is_refused_at_connect(server: ImageServer) -> None:
+    # "localhost" is no IP literal: only the connect-time check on the resolved address
+    # (aiohttp socket_factory) can refuse it, so this is the DNS-rebinding path.
+    before = len(server.hits)
+    err = await fetch_error(fetcher(url_allow_private=False), server.url("/img", "localhost"))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.reason == "URL_ADDRESS_FORBIDDEN"
+    assert "host localhost" in err.message and "loopback" in err.message
+    assert len(server.hits) == before
+
+
+async def test_redirect_targets_are_checked_again(server: ImageServer) -> None:
+    err = await fetch_error(fetcher(), server.url("/to/metadata"))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.reason == "URL_ADDRESS_FORBIDDEN"
+    assert "169.254.169.254" in err.message and "cloud-metadata" in err.message
+    err = await fetch_error(fetcher(), server.url("/to/file"))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "'file'" in err.message
+
+
+async def test_switch_off_scheme_and_length_are_refused_before_any_request(server) -> None:
+    before = len(server.hits)
+    err = await fetch_error(fetcher(allow_urls=False), server.url("/img"))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "GATEWAY_ALLOW_URLS" in err.message
+    for url in ("ftp://example.com/a.png", "file:///etc/passwd", "http:///nohost"):
+        err = await fetch_error(fetcher(), url)
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT, url
+        assert err.reason == "URL_INVALID"
+    edge = server.url("/bytes/1?") + "a" * (100 - len(server.url("/bytes/1?")))
+    assert len(edge) == 100
+    await fetcher(url_max_chars=100).fetch_all([(0, edge)], 30.0)  # the limit is accepted
+    err = await fetch_error(fetcher(url_max_chars=100), edge + "a")
+    assert err.reason == "URL_TOO_LONG" and "101 characters; the limit is 100" in err.message
+    assert len(server.hits) == before + 1
+
+
+# -- what comes back --------------------------------------------------------------------------
+async def test_fetched_bytes_are_the_served_bytes(server: ImageServer) -> None:
+    server.body = photo("coffee.png")
+    big = fetcher(max_image_bytes=len(server.body))
+    got = await big.fetch_all([(0, server.url("/img")), (3, server.url("/redirect/2"))], 30.0)
+    assert got == {0: server.body, 3: server.body}
+
+
+async def test_size_cap_at_its_edge_with_and_without_content_length(server) -> None:
+    f = fetcher()
+    for route in ("bytes", "chunked"):
+        got = await f.fetch_all([(0, server.url(f"/{route}/{LIMIT}"))], 30.0)
+        assert len(got[0]) == LIMIT, route
+        err = await fetch_error(f, server.url(f"/{route}/{LIMIT + 1}"))
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED, route
+        assert err.metadata["limit"] == str(LIMIT)
+        assert f"the image limit is {LIMIT} bytes" in err.message
+
+
+async def test_upstream_status_and_host_are_named_without_the_query(server) -> None:
+    f = fetcher()
+    err = await fetch_error(f, server.url("/status/404?token=s3cret"))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.reason == "URL_FETCH_REJECTED"
+    assert "host 127.0.0.1 answered HTTP 404" in err.message
+    assert "s3cret" not in err.message and "/status" not in err.message
+    err = await fetch_error(f, server.url("/status/503"))
+    assert err.code == grpc.StatusCode.UNAVAILABLE
+    assert "host 127.0.0.1 answered HTTP 503" in err.message
+    assert err.metadata["http_status"] == "503"
+
+
+async def test_redirects_are_bounded(server: ImageServer) -> None:
+    server.body = b"ok"
+    f = fetcher(url_max_redirects=3)
+    assert (await f.fetch_all([(0, server.url("/redirect/3"))], 30.0))[0] == b"ok"
+    err = await fetch_error(f, server.url("/redirect/4"))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.reason == "URL_TOO_MANY_REDIRECTS" and "more than 3 redirects" in err.message
+    err = await fetch_error(f, server.url("/loop"))
+    assert err.reason == "URL_TOO_MANY_REDIRECTS"
+
+
+async def test_read_timeout_and_deadline(server: ImageServer) -> None:
+    t0 = time.monotonic()
+    err = await fetch_error(fetcher(url_read_timeout_s=0.5), server.url("/slow/5"))
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "timed out" in err.message
+    assert "host 127.0.0.1" in err.message
+    assert time.monotonic() - t0 < 4.5  # well before the server's 5 s
+    # The request's deadline, not the 15 s fetch budget, bounds the wait.
+    t0 = time.monotonic()
+    err = await fetch_error(fetcher(url_read_timeout_s=30), server.url("/slow/5"), time_left=1.5)
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 4.5
+    # A refused connection (nothing listens on the port) is UNAVAILABLE naming the host.
+    err = await fetch_error(fetcher(), "http://127.0.0.1:9/x.png")
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "host 127.0.0.1" in err.message
+
+
+# -- through a real gateway -------------------------------------------------------------------
+def _gateway_servicer(cluster, tiny_model, **kw: object):  # type: ignore[no-untyped-def]
+    from qwenvl.cache.v1 import cache_service_pb2_grpc
+    from qwenvl.decoder.v1 import decoder_service_pb2_grpc
+    from qwenvl.encoder.v1 import encoder_service_pb2_grpc
+
+    from gateway.__main__ import forbidden_tokens
+    from gateway.servicer import Downstream, GatewayServicer
+    from vlcommon.model_info import load_vision_spec, model_revision
+    from vlcommon.settings import channel_options
+
+    channels = [
+        grpc.aio.insecure_channel(cluster.ports.address(name), options=channel_options())
+        for name in ("encoder", "decoder", "cache")
+    ]
+    downstream = Downstream(
+        encoder=encoder_service_pb2_grpc.EncoderServiceStub(channels[0]),
+        decoder=decoder_service_pb2_grpc.DecoderServiceStub(channels[1]),
+        cache=cache_service_pb2_grpc.CacheServiceStub(channels[2]),
+    )
+    settings = GatewaySettings(model=str(tiny_model), **kw)  # type: ignore[arg-type]
+    servicer = GatewayServicer(
+        settings,
+        load_vision_spec(tiny_model),
+        model_revision(tiny_model),
+        forbidden_tokens(tiny_model),
+        downstream,
+    )
+    return servicer, channels
+
+
+async def _ask(channel: grpc.aio.Channel, image: gpb.ImageInput) -> tuple[list[int], list]:
+    from qwenvl.gateway.v1 import gateway_service_pb2_grpc as gpb_grpc
+
+    request = gpb.GenerateRequest()
+    message = request.messages.add(role="user")
+    message.parts.add(image=image)
+    message.parts.add(text="Describe this image.")
+    request.sampling.max_tokens = 6
+    request.sampling.ignore_eos = True
+    tokens: list[int] = []
+    infos: list = []
+    async for chunk in gpb_grpc.GatewayServiceStub(channel).Generate(request, timeout=120):
+        tokens.extend(chunk.token_ids)
+        infos.extend(chunk.images)
+    return tokens, infos
+
+
+@pytest.mark.e2e
+async def test_url_image_through_a_real_gateway(cluster, tiny_model, server) -> None:
+    from qwenvl.gateway.v1 import gateway_service_pb2_grpc as gpb_grpc
+
+    from tests.conftest import in_process_server
+
+    # A fresh image (not cached by other tests): a URL and its bytes give the same tokens,
+    # and the second is an exact cache hit on the first one's key.
+    img = Image.open(io.BytesIO(photo("chelsea.png"))).convert("RGB").rotate(7)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    server.body = buf.getvalue()
+    name = gpb.DESCRIPTOR.services_by_name["GatewayService"].full_name
+    add = gpb_grpc.add_GatewayServiceServicer_to_server
+
+    servicer, channels = _gateway_servicer(
+        cluster, tiny_model, allow_urls=True, url_allow_private=True
+    )
+    async with in_process_server(add, servicer, name) as channel:
+        by_url, url_infos = await _ask(channel, gpb.ImageInput(url=server.url("/img?k=1")))
+        by_bytes, byte_infos = await _ask(channel, gpb.ImageInput(data=server.body))
+        assert len(by_url) == 6 and by_url == by_bytes
+        assert url_infos[0].key == byte_infos[0].key
+        # An upstream 404 fails before the stream, naming host and status.
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await _ask(channel, gpb.ImageInput(url=server.url("/status/404")))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "images[0].url: host 127.0.0.1 answered HTTP 404" in exc.value.details()
+    for ch in channels:
+        await ch.close()
+
+    # The same gateway with default URL settings: loopback refused, nothing fetched.
+    servicer, channels = _gateway_servicer(cluster, tiny_model, allow_urls=True)
+    before = len(server.hits)
+    async with in_process_server(add, servicer, name) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await _ask(channel, gpb.ImageInput(url=server.url("/img")))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "loopback" in exc.value.details()
+    assert len(server.hits) == before
+    for ch in channels:
+        await ch.close()
+
+
+@pytest.mark.e2e
+def test_cluster_gateway_refuses_urls_when_switched_off(cluster, server) -> None:
+    from splitvl.client import build_request, generate
+
+    request = build_request([], "Describe this image.", max_tokens=2)
+    request.messages[0].parts.add(image=gpb.ImageInput(url=server.url("/img")))
+    with pytest.raises(grpc.RpcError) as exc:
+        generate(cluster.ports.address("gateway"), request, timeout_s=60)
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "images[0].url" in exc.value.details()
