@@ -6,33 +6,97 @@ Settings come from ``CACHE_*`` environment variables; flags override them.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import logging
 
+import faiss
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
 
+from cache_service.index import IndexParams, gpu_count
 from cache_service.servicer import POLICIES, CacheServicer
 from cache_service.settings import CacheSettings
 from cache_service.store import EmbeddingStore
 from vlcommon.server import configure_logging, run, serve
 
 SERVICE = cache_service_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
+log = logging.getLogger("cache_service")
 
 
-def build_servicer(settings: CacheSettings) -> CacheServicer:
+def build_store(settings: CacheSettings) -> EmbeddingStore:
+    """The store the settings describe; checks the GPU capability once, at startup.
+
+    Raises:
+        RuntimeError: ``gpu=on`` but FAISS sees no GPU (faiss-cpu, or no device).
+    """
+    gpus = gpu_count()
+    if settings.gpu == "on" and gpus == 0:
+        raise RuntimeError("CACHE_GPU=on but FAISS sees no GPU (install faiss-gpu-cu12)")
+    use_gpu = gpus > 0 and settings.gpu != "off"
     store = EmbeddingStore(
         descriptor_dim=settings.descriptor_dim,
         capacity_bytes=settings.capacity_bytes,
         threshold=settings.threshold,
+        search_k=settings.search_k,
+        ttl_s=settings.ttl_s,
+        index_threshold=settings.index_threshold,
+        index_params=IndexParams(
+            projected_dim=settings.projected_dim,
+            hnsw_m=settings.hnsw_m,
+            ef_construction=settings.hnsw_ef_construction,
+            ef_search=settings.hnsw_ef_search,
+            k_factor=settings.refine_k_factor,
+        ),
+        use_gpu=use_gpu,
+        rebuild_fraction=settings.rebuild_fraction,
+        background_rebuild=True,
     )
+    log.info(
+        "FAISS %s, GPUs seen: %d; similarity index: %s",
+        faiss.__version__,
+        gpus,
+        "exact on GPU 0 (GpuIndexFlatIP; removals by tombstones + rebuild)"
+        if use_gpu
+        else f"exact (IndexFlatIP) below {settings.index_threshold} entries, HNSW on a "
+        f"{settings.projected_dim}-dim projection with exact re-scoring above",
+    )
+    return store
+
+
+def build_servicer(settings: CacheSettings) -> CacheServicer:
     return CacheServicer(
-        store,
+        build_store(settings),
         default_policy=POLICIES[settings.default_policy],
         max_queries=settings.max_queries,
         spatial_merge_size=settings.spatial_merge_size,
     )
 
 
+async def _reclaim_expired(store: EmbeddingStore, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        n = store.expire()
+        if n:
+            log.info("reclaimed %d expired entries", n)
+
+
 async def main_async(settings: CacheSettings) -> None:
     servicer = build_servicer(settings)
+    reclaim: asyncio.Task[None] | None = None
+
+    async def startup() -> None:
+        nonlocal reclaim
+        if settings.ttl_s > 0:
+            reclaim = asyncio.create_task(
+                _reclaim_expired(servicer.store, settings.expire_interval_s)
+            )
+
+    async def shutdown() -> None:
+        if reclaim is not None:
+            reclaim.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reclaim
+
     await serve(
         service_name="cache",
         service_full_names=[SERVICE],
@@ -40,6 +104,8 @@ async def main_async(settings: CacheSettings) -> None:
         register=lambda server: cache_service_pb2_grpc.add_CacheServiceServicer_to_server(
             servicer, server
         ),
+        startup=startup,
+        shutdown=shutdown,
     )
 
 
@@ -49,7 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--metrics-port", type=int)
     parser.add_argument("--capacity-bytes", type=int)
+    parser.add_argument("--ttl-s", type=float)
     parser.add_argument("--threshold", type=float)
+    parser.add_argument("--index-threshold", type=int)
+    parser.add_argument("--gpu", choices=["auto", "on", "off"])
     args = parser.parse_args(argv)
     settings = CacheSettings(**{k: v for k, v in vars(args).items() if v is not None})
     configure_logging("cache")

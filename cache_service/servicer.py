@@ -12,7 +12,7 @@ from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service import metrics
-from cache_service.store import EmbeddingStore, Entry
+from cache_service.store import CacheFullError, EmbeddingStore, Entry, Match
 from vlcommon import tensors
 from vlcommon.errors import ServiceError, abort, invalid_argument, resource_exhausted
 
@@ -87,10 +87,27 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 limit=self.max_queries,
             )
 
+    def _release_all(self, leased: list[Entry]) -> None:
+        while leased:
+            self.store.release(leased.pop())
+
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
+        """Answer each query from the exact tier, then (policy permitting) the similar one.
+
+        Entries returned with their embeddings are leased until the RPC is done (the
+        response sent, or the call failed or was cancelled), so eviction cannot pick them.
+
+        Raises (as status): INVALID_ARGUMENT for a bad key, grid, descriptor, policy or too
+        many queries.
+        """
         t0 = time.perf_counter()
+        rpc_span = trace.get_current_span()
+        leased: list[Entry] = []
+        # Runs when the call completes, whatever the outcome; releasing twice is impossible
+        # because the list is emptied.
+        context.add_done_callback(lambda _ctx: self._release_all(leased))
         try:
             self._check_count(len(request.queries), "queries")
             if request.policy not in generation_pb2.CachePolicy.values():
@@ -101,6 +118,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 )
             policy = request.policy or self.default_policy
             response = pb.LookupResponse()
+            tiers: list[str] = []
+            scores: list[float] = []
             for i, query in enumerate(request.queries):
                 field = f"queries[{i}]"
                 if not query.key:
@@ -111,8 +130,6 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 descriptor = _descriptor(query.descriptor, self.store.dim, f"{field}.descriptor")
                 with tracer.start_as_current_span("cache.lookup") as span:
                     if policy == generation_pb2.CACHE_POLICY_OFF:
-                        from cache_service.store import Match
-
                         match = Match("miss", 0.0, None)
                     else:
                         match = self.store.lookup(
@@ -120,28 +137,58 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                             descriptor,
                             grid,
                             similar=policy == generation_pb2.CACHE_POLICY_SIMILAR,
+                            lease=request.include_embeddings,
                         )
+                    if match.entry is not None and request.include_embeddings:
+                        leased.append(match.entry)
                     span.set_attribute("splitvl.cache.tier", match.tier)
                     span.set_attribute("splitvl.cache.similarity", match.similarity)
-                self.hits[match.tier] += 1
-                metrics.LOOKUPS.labels(tier=match.tier).inc()
+                self._count(match)
+                tiers.append(match.tier)
+                scores.append(match.similarity)
                 result = response.results.add(tier=TIERS[match.tier], similarity=match.similarity)
                 if match.entry is not None:
                     result.matched_key = match.entry.key
                     if request.include_embeddings:
                         result.embedding.CopyFrom(_embedding_proto(match.entry))
+            rpc_span.set_attribute("splitvl.cache.tiers", tiers)
+            rpc_span.set_attribute("splitvl.cache.similarities", scores)
+            if len(tiers) == 1:
+                rpc_span.set_attribute("splitvl.cache.tier", tiers[0])
+                rpc_span.set_attribute("splitvl.cache.similarity", scores[0])
             return response
         except ServiceError as err:
             await abort(context, err)
         finally:
             metrics.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
 
+    def _count(self, match: Match) -> None:
+        self.hits[match.tier] += 1
+        metrics.LOOKUPS.labels(tier=match.tier).inc()
+        if match.tier == "exact":
+            metrics.HITS.labels(tier="exact").inc()
+        else:
+            metrics.MISSES.labels(tier="exact").inc()
+            if match.tier == "similar":
+                metrics.HITS.labels(tier="similar").inc()
+            elif match.consulted_similar:
+                metrics.MISSES.labels(tier="similar").inc()
+        total = sum(self.hits.values())
+        metrics.HIT_RATIO.set((self.hits["exact"] + self.hits["similar"]) / total)
+
     async def Put(
         self, request: pb.PutRequest, context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
+        """Validate every entry, then store them in order.
+
+        Raises (as status): INVALID_ARGUMENT for a bad key, grid, descriptor or tensor (then
+        nothing is stored); RESOURCE_EXHAUSTED for an entry larger than the byte budget
+        (nothing stored) or one that cannot fit because leased entries hold the budget (the
+        entries before it were stored; the message says how many).
+        """
         try:
             self._check_count(len(request.entries), "entries")
-            stored = evicted = 0
+            checked = []
             for i, entry in enumerate(request.entries):
                 field = f"entries[{i}]"
                 if not entry.key:
@@ -176,21 +223,34 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         field=f"{field}.embedding.embeddings",
                     )
                 if len(emb.data) > self.store.capacity_bytes:
+                    metrics.PUTS_REFUSED.labels(reason="too_large").inc()
                     raise resource_exhausted(
                         "ENTRY_TOO_LARGE",
-                        f"{field} holds {len(emb.data)} bytes; the cache's budget is "
-                        f"{self.store.capacity_bytes} bytes",
-                        field=field,
+                        f"{field}.embedding.embeddings holds {len(emb.data)} bytes; the "
+                        f"cache's byte budget (capacity_bytes) is {self.store.capacity_bytes}",
+                        field=f"{field}.embedding.embeddings",
                         limit=self.store.capacity_bytes,
                     )
-                evicted += self.store.put(
-                    entry.key, descriptor, grid, emb.dtype, tuple(emb.shape), emb.data
-                )
+                checked.append((entry.key, descriptor, grid, emb))
+            stored = evicted = 0
+            for i, (key, descriptor, grid, emb) in enumerate(checked):
+                try:
+                    evicted += self.store.put(
+                        key, descriptor, grid, emb.dtype, tuple(emb.shape), emb.data
+                    )
+                except CacheFullError as err:
+                    metrics.PUTS_REFUSED.labels(reason="leased").inc()
+                    raise resource_exhausted(
+                        "CACHE_FULL_LEASED",
+                        f"entries[{i}] needs {err.needed} bytes but {err.leased_bytes} of the "
+                        f"{err.capacity_bytes}-byte budget (capacity_bytes) are leased by "
+                        f"lookups in flight; the {i} entries before it were stored; retry later",
+                        field=f"entries[{i}]",
+                        limit=err.capacity_bytes,
+                        retry_after_ms=100,
+                    ) from err
                 stored += 1
-            metrics.PUTS.inc(stored)
-            metrics.EVICTIONS.inc(evicted)
-            metrics.ENTRIES.set(len(self.store))
-            metrics.BYTES.set(self.store.bytes)
+                metrics.PUTS.inc()
             return pb.PutResponse(stored=stored, evicted=evicted)
         except ServiceError as err:
             await abort(context, err)
@@ -205,5 +265,5 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             exact_hits=self.hits["exact"],
             similar_hits=self.hits["similar"],
             misses=self.hits["miss"],
-            evictions=self.store.evictions,
+            evictions=sum(self.store.evictions.values()),
         )

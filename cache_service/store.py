@@ -1,31 +1,87 @@
-"""The embedding store: exact tier + similarity tier, byte-budgeted LRU.
+"""The embedding store: exact tier + similarity tier, byte budget, LRU + TTL, leases.
 
 * Exact tier: a dict from the full content digest to the entry.
-* Similarity tier: a FAISS ``IndexIDMap2(IndexFlatIP)`` over L2-normalised descriptors, so
-  the inner product is the cosine similarity. A similarity hit needs cosine >= threshold
-  (with a small tolerance for float rounding) AND a stored ``image_grid_thw`` equal to the
-  query's: embeddings of another grid would bind the wrong number of placeholder tokens.
-* Capacity: stored embedding bytes never exceed ``capacity_bytes``; the least recently
-  used entries are evicted, and their index vectors are removed with them (no orphans).
+* Similarity tier: a FAISS index over L2-normalised descriptors (inner product = cosine
+  similarity); exact (``IndexFlatIP``) below ``index_threshold`` entries, approximate HNSW
+  with exact re-scoring above it, exact on a GPU when FAISS sees one (``cache_service.index``).
+  A similarity hit needs cosine >= threshold (with a small tolerance for float rounding)
+  AND a stored ``image_grid_thw`` equal to the query's: embeddings of another grid would
+  bind the wrong number of placeholder tokens.
 
-All methods run on the service's event loop thread, so no lock is needed; FAISS calls are
-short at this issue's sizes (an approximate index and sharding come with issue 4).
+Capacity rules (``check_invariants`` verifies the bookkeeping they rely on):
+
+* Byte budget: stored embedding bytes never exceed ``capacity_bytes``, not even for a
+  moment. An entry larger than the whole budget is refused (:class:`EntryTooLargeError`).
+* LRU: to make room, the least recently used (looked up or stored) entries are evicted.
+* TTL: with ``ttl_s > 0`` an entry expires ``ttl_s`` seconds after it was last stored (a
+  Put of its key refreshes it; lookups do not, so stale embeddings cannot live forever
+  through popularity). Expired entries are never served; they are reclaimed on every Put
+  and by :meth:`EmbeddingStore.expire` (the service calls it periodically).
+* Leases: a lookup made with ``lease=True`` leases the entry it returns until
+  :meth:`EmbeddingStore.release`; the service holds the lease until the Lookup RPC is done
+  (response sent or the call ended). Eviction and TTL reclaim skip leased entries. When
+  the unleased entries cannot free enough bytes, the Put is refused
+  (:class:`CacheFullError`, RESOURCE_EXHAUSTED) rather than exceeding the budget or
+  waiting: the cache is an optimisation, and the caller (the gateway) already has the
+  embeddings, so a refused Put costs one future encode, while waiting would hold a
+  request. A leased entry that expires is not served again and is reclaimed once released.
+* No orphans: an entry's index vector is removed (or tombstoned) with its payload, and an
+  entry is only stored after its vector is indexed.
+
+Thread safety: every public method takes one lock, so concurrent adds and searches from
+threads or asyncio tasks are safe (case C13; FAISS indexes are not safe for an add during a
+search). Index rebuilds (a migration across ``index_threshold`` or a tombstone purge) build
+the new index outside the lock, in a background thread when ``background_rebuild`` is set,
+from a snapshot of the live vectors; adds and removals made meanwhile are replayed onto the
+new index before it is swapped in under the lock, so searches never stop.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import math
+import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-import faiss
 import numpy as np
+
+from cache_service import metrics
+from cache_service.index import IndexParams, VectorIndex, build_index, choose_kind, gpu_count
+
+log = logging.getLogger(__name__)
 
 # Cosine similarities are float32 inner products; accept a score this far below the threshold.
 SCORE_TOLERANCE = 1e-5
 
 
-@dataclass
+class EntryTooLargeError(ValueError):
+    """An entry alone is larger than the byte budget (RESOURCE_EXHAUSTED)."""
+
+
+class CacheFullError(RuntimeError):
+    """Leased entries hold so many bytes that an entry cannot fit (RESOURCE_EXHAUSTED).
+
+    Attributes:
+        needed: Bytes of the refused entry.
+        leased_bytes: Bytes held by leased entries.
+        capacity_bytes: The budget.
+    """
+
+    def __init__(self, needed: int, leased_bytes: int, capacity_bytes: int) -> None:
+        super().__init__(
+            f"an entry of {needed} bytes does not fit: {leased_bytes} of the "
+            f"{capacity_bytes}-byte budget are leased by lookups in flight"
+        )
+        self.needed = needed
+        self.leased_bytes = leased_bytes
+        self.capacity_bytes = capacity_bytes
+
+
+@dataclass(eq=False)
 class Entry:
     """One stored image.
 
@@ -36,6 +92,8 @@ class Entry:
         shape: ``[tokens, width]``.
         data: Raw embedding bytes.
         index_id: The entry's id in the FAISS index (-1 when it has no descriptor).
+        expires_at: Clock time (seconds) after which it is never served; inf without TTL.
+        leases: Lookups in flight that hold it (never evicted while > 0).
     """
 
     key: str
@@ -44,6 +102,8 @@ class Entry:
     shape: tuple[int, ...]
     data: bytes
     index_id: int
+    expires_at: float = math.inf
+    leases: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -52,21 +112,42 @@ class Entry:
 
 @dataclass(frozen=True)
 class Match:
-    """Result of one lookup: tier is ``exact``, ``similar`` or ``miss``."""
+    """Result of one lookup: tier is ``exact``, ``similar`` or ``miss``.
+
+    ``consulted_similar`` says whether the similarity tier was searched (for metrics).
+    """
 
     tier: str
     similarity: float
     entry: Entry | None
+    consulted_similar: bool = False
+
+
+@dataclass
+class _Rebuild:
+    kind: str
+    snapshot: set[int]
+    adds: list[int] = field(default_factory=list)
+    removes: set[int] = field(default_factory=set)
 
 
 class EmbeddingStore:
-    """Exact + similarity cache of vision embeddings with a byte budget.
+    """Exact + similarity cache of vision embeddings with a byte budget, LRU, TTL, leases.
 
     Args:
         descriptor_dim: Length of similarity descriptors.
         capacity_bytes: Budget over stored embedding bytes.
         threshold: Cosine similarity at or above which a similar entry is reused.
         search_k: Nearest neighbours examined for an equal grid.
+        ttl_s: Seconds an entry lives after its last Put; 0 = no expiry.
+        clock: Monotonic clock in seconds (injectable for tests).
+        index_threshold: Live vectors at which the exact index migrates to HNSW (and below
+            half of which it migrates back).
+        index_params: Shape of the HNSW index.
+        use_gpu: FAISS GPU index; None = when ``faiss.get_num_gpus() > 0``.
+        rebuild_fraction: Tombstones / indexed vectors that trigger a rebuild.
+        min_rebuild_tombstones: Do not rebuild for fewer tombstones than this.
+        background_rebuild: Build new indexes in a thread (the service) or inline (tests).
     """
 
     def __init__(
@@ -76,23 +157,66 @@ class EmbeddingStore:
         capacity_bytes: int,
         threshold: float = 0.85,
         search_k: int = 8,
+        ttl_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        index_threshold: int = 2048,
+        index_params: IndexParams | None = None,
+        use_gpu: bool | None = None,
+        rebuild_fraction: float = 0.25,
+        min_rebuild_tombstones: int = 64,
+        background_rebuild: bool = False,
     ) -> None:
         self.dim = descriptor_dim
         self.capacity_bytes = capacity_bytes
         self.threshold = threshold
         self.search_k = search_k
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.index_threshold = index_threshold
+        self.index_params = index_params or IndexParams()
+        self.gpu = gpu_count() > 0 if use_gpu is None else use_gpu
+        self.rebuild_fraction = rebuild_fraction
+        self.min_rebuild_tombstones = min_rebuild_tombstones
+        self.background_rebuild = background_rebuild
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order, oldest first
+        self._by_put: OrderedDict[str, None] = OrderedDict()  # last-Put order = expiry order
         self._by_id: dict[int, Entry] = {}
-        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(descriptor_dim))
         self._ids = itertools.count()
+        self._index = VectorIndex(
+            choose_kind(0, index_threshold, self.gpu), descriptor_dim, self.index_params
+        )
+        self._rebuild: _Rebuild | None = None
+        self._rebuild_done = threading.Condition(self._lock)
         self.bytes = 0
-        self.evictions = 0
+        self.evictions = {"lru": 0, "ttl": 0}
+        self.rebuilds = 0
+        metrics.CAPACITY_BYTES.set(capacity_bytes)
 
+    # -- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
+
+    @property
+    def index_kind(self) -> str:
+        return self._index.kind
+
+    @property
+    def index_size(self) -> int:
+        """Vectors in the FAISS index, tombstones included."""
+        return self._index.ntotal
+
+    @property
+    def tombstones(self) -> int:
+        return len(self._index.tombstones)
+
+    @property
+    def leased(self) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.leases)
 
     @staticmethod
     def normalise(descriptor: np.ndarray) -> np.ndarray | None:
@@ -105,41 +229,79 @@ class EmbeddingStore:
             return None
         return vec / norm
 
-    def get_exact(self, key: str) -> Entry | None:
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
-
     def lookup(
-        self, key: str, descriptor: np.ndarray | None, grid: tuple[int, int, int], *, similar: bool
+        self,
+        key: str,
+        descriptor: np.ndarray | None,
+        grid: tuple[int, int, int],
+        *,
+        similar: bool,
+        lease: bool = False,
     ) -> Match:
         """Find ``key`` exactly, else (when ``similar``) the most similar entry with an equal
-        grid. Scores are clamped to [-1, 1]; ``similarity`` reports the best candidate seen."""
-        entry = self.get_exact(key)
+        grid. Scores are clamped to [-1, 1]; ``similarity`` reports the best candidate seen.
+        Expired entries are never returned. With ``lease``, a returned entry stays leased
+        (not evictable) until :meth:`release`."""
+        with self._lock:
+            now = self.clock()
+            match = self._lookup(key, descriptor, grid, similar, now)
+            if match.entry is not None:
+                self._entries.move_to_end(match.entry.key)
+                if lease:
+                    match.entry.leases += 1
+            self._publish()
+            return match
+
+    def _lookup(
+        self,
+        key: str,
+        descriptor: np.ndarray | None,
+        grid: tuple[int, int, int],
+        similar: bool,
+        now: float,
+    ) -> Match:
+        entry = self._entries.get(key)
+        if entry is not None and self._expired(entry, now):
+            entry = None
         if entry is not None:
             return Match("exact", 1.0, entry)
-        if not similar or descriptor is None or self._index.ntotal == 0:
+        if not similar or descriptor is None or self._index.live == 0:
             return Match("miss", 0.0, None)
         vec = self.normalise(descriptor)
-        if vec is None:
-            return Match("miss", 0.0, None)
-        k = min(self.search_k, self._index.ntotal)
-        scores, ids = self._index.search(vec.reshape(1, -1), k)
+        if vec is None or vec.shape[0] != self.dim:
+            return Match("miss", 0.0, None, consulted_similar=True)
+        scores, ids = self._index.search(vec, self.search_k)
         best = 0.0
-        for score, idx in zip(scores[0], ids[0], strict=True):
-            if idx < 0:
+        for score, idx in zip(scores, ids, strict=True):
+            cand = self._by_id.get(int(idx))
+            if cand is None or self._expired(cand, now):
                 continue
             s = float(np.clip(score, -1.0, 1.0))
-            cand = self._by_id.get(int(idx))
-            if cand is None:
-                continue
             best = max(best, s)
             if cand.grid == grid and s >= self.threshold - SCORE_TOLERANCE:
-                self._entries.move_to_end(cand.key)
-                return Match("similar", s, cand)
-        return Match("miss", best, None)
+                return Match("similar", s, cand, consulted_similar=True)
+        return Match("miss", best, None, consulted_similar=True)
 
+    def _expired(self, entry: Entry, now: float) -> bool:
+        """True when past its TTL; reclaims it at once unless it is leased."""
+        if entry.expires_at > now:
+            return False
+        if entry.leases == 0:
+            self._remove(entry, "ttl")
+        return True
+
+    def release(self, entry: Entry) -> None:
+        """End one lease taken by ``lookup(..., lease=True)``."""
+        with self._lock:
+            if entry.leases <= 0:
+                raise RuntimeError(f"entry {entry.key[:16]} released more often than leased")
+            entry.leases -= 1
+            if entry.leases == 0 and entry.expires_at <= self.clock():
+                if self._entries.get(entry.key) is entry:
+                    self._remove(entry, "ttl")
+            self._publish()
+
+    # -- writing --------------------------------------------------------------------------
     def put(
         self,
         key: str,
@@ -149,43 +311,220 @@ class EmbeddingStore:
         shape: tuple[int, ...],
         data: bytes,
     ) -> int:
-        """Store (or refresh) an entry, evicting LRU entries to fit. Returns evictions.
+        """Store an entry, evicting unleased LRU entries to fit. Returns evictions.
+
+        A key already held is refreshed (LRU position and TTL) and not replaced: the key is a
+        digest of the content and model revision, so its embeddings are the same.
 
         Raises:
-            ValueError: the entry alone is larger than the byte budget.
+            EntryTooLargeError: the entry alone is larger than the byte budget.
+            CacheFullError: leased entries hold too many bytes for it to fit; nothing was
+                evicted.
         """
-        if len(data) > self.capacity_bytes:
-            raise ValueError(
-                f"entry of {len(data)} bytes exceeds the budget of {self.capacity_bytes} bytes"
+        size = len(data)
+        if size > self.capacity_bytes:
+            raise EntryTooLargeError(
+                f"entry of {size} bytes exceeds the budget of {self.capacity_bytes} bytes"
             )
-        if key in self._entries:
-            self._remove(self._entries[key])
-        evicted = 0
-        while self._entries and self.bytes + len(data) > self.capacity_bytes:
-            _, oldest = next(iter(self._entries.items()))
-            self._remove(oldest)
-            evicted += 1
-        vec = self.normalise(descriptor) if descriptor is not None else None
-        index_id = -1
-        if vec is not None and vec.shape[0] == self.dim:
-            index_id = next(self._ids)
-            self._index.add_with_ids(vec.reshape(1, -1), np.array([index_id], dtype=np.int64))
-        entry = Entry(key, grid, dtype, tuple(shape), data, index_id)
-        self._entries[key] = entry
-        if index_id >= 0:
-            self._by_id[index_id] = entry
-        self.bytes += entry.nbytes
-        self.evictions += evicted
-        return evicted
+        with self._lock:
+            now = self.clock()
+            self._expire(now)
+            old = self._entries.get(key)
+            if old is not None:
+                old.expires_at = now + self.ttl_s if self.ttl_s > 0 else math.inf
+                self._entries.move_to_end(key)
+                self._by_put.move_to_end(key)
+                return 0
+            victims: list[Entry] = []
+            free = self.capacity_bytes - self.bytes
+            if free < size:
+                for entry in self._entries.values():  # oldest first
+                    if entry.leases:
+                        continue
+                    victims.append(entry)
+                    free += entry.nbytes
+                    if free >= size:
+                        break
+                if free < size:
+                    leased = sum(e.nbytes for e in self._entries.values() if e.leases)
+                    raise CacheFullError(size, leased, self.capacity_bytes)
+            for victim in victims:
+                self._remove(victim, "lru")
+            vec = self.normalise(descriptor) if descriptor is not None else None
+            index_id = -1
+            if vec is not None and vec.shape[0] == self.dim:
+                index_id = next(self._ids)
+                self._index.add(np.array([index_id], np.int64), vec.reshape(1, -1))
+                if self._rebuild is not None:
+                    self._rebuild.adds.append(index_id)
+            entry = Entry(
+                key,
+                grid,
+                dtype,
+                tuple(shape),
+                data,
+                index_id,
+                expires_at=now + self.ttl_s if self.ttl_s > 0 else math.inf,
+            )
+            self._entries[key] = entry
+            self._by_put[key] = None
+            if index_id >= 0:
+                self._by_id[index_id] = entry
+            self.bytes += size
+            self._maybe_rebuild()
+            self._publish()
+            return len(victims)
 
-    def _remove(self, entry: Entry) -> None:
+    def expire(self) -> int:
+        """Reclaim every expired, unleased entry now. Returns how many were removed."""
+        with self._lock:
+            n = self._expire(self.clock())
+            if n:
+                self._maybe_rebuild()
+            self._publish()
+            return n
+
+    def _expire(self, now: float) -> int:
+        if self.ttl_s <= 0:
+            return 0
+        removed = 0
+        # Uniform TTL: last-Put order is expiry order, so stop at the first live entry.
+        for key in list(self._by_put):
+            entry = self._entries[key]
+            if entry.expires_at > now:
+                break
+            if entry.leases == 0:
+                self._remove(entry, "ttl")
+                removed += 1
+        return removed
+
+    def _remove(self, entry: Entry, reason: str) -> None:
+        if entry.leases:
+            raise RuntimeError(f"entry {entry.key[:16]} is leased and cannot be removed")
         del self._entries[entry.key]
+        del self._by_put[entry.key]
         if entry.index_id >= 0:
-            self._by_id.pop(entry.index_id, None)
-            self._index.remove_ids(np.array([entry.index_id], dtype=np.int64))  # type: ignore[arg-type]
+            del self._by_id[entry.index_id]
+            self._index.remove(entry.index_id)
+            if self._rebuild is not None:
+                self._rebuild.removes.add(entry.index_id)
         self.bytes -= entry.nbytes
+        self.evictions[reason] += 1
+        metrics.EVICTIONS.labels(reason=reason).inc()
 
-    @property
-    def index_size(self) -> int:
-        """Vectors in the FAISS index (equals entries with a descriptor)."""
-        return int(self._index.ntotal)
+    # -- index maintenance ----------------------------------------------------------------
+    def _rebuild_due(self) -> str | None:
+        """The kind to rebuild into, or None when the index is fine as it is."""
+        index = self._index
+        live = len(self._by_id)
+        kind = index.kind
+        if not self.gpu:
+            if kind == "flat" and live >= self.index_threshold:
+                return "hnsw"
+            if kind == "hnsw" and live < self.index_threshold // 2:
+                return "flat"
+        dead = len(index.tombstones)
+        if dead >= self.min_rebuild_tombstones and dead > self.rebuild_fraction * index.ntotal:
+            return kind  # a purge: same kind, only the live vectors
+        return None
+
+    def _maybe_rebuild(self) -> None:
+        if self._rebuild is not None:
+            return
+        kind = self._rebuild_due()
+        if kind is None:
+            return
+        ids = np.fromiter(self._by_id, dtype=np.int64, count=len(self._by_id))
+        vectors = self._index.reconstruct(ids)
+        state = _Rebuild(kind, set(ids.tolist()))
+        self._rebuild = state
+        log.info(
+            "rebuilding the similarity index: %s -> %s, %d vectors, %d tombstones",
+            self._index.kind,
+            kind,
+            len(ids),
+            len(self._index.tombstones),
+        )
+        if self.background_rebuild:
+            threading.Thread(
+                target=self._build_and_swap,
+                args=(state, ids, vectors),
+                name="cache-index-rebuild",
+                daemon=True,
+            ).start()
+        else:
+            self._build_and_swap(state, ids, vectors)
+
+    def _build_and_swap(self, state: _Rebuild, ids: np.ndarray, vectors: np.ndarray) -> None:
+        try:
+            new = build_index(state.kind, self.dim, self.index_params, ids, vectors)
+        except Exception:
+            log.exception("similarity index rebuild failed; keeping the current index")
+            with self._lock:
+                self._rebuild = None
+                self._rebuild_done.notify_all()
+            return
+        with self._lock:
+            # Replay what changed while the new index was built.
+            adds = np.array([i for i in state.adds if i in self._by_id], dtype=np.int64)
+            new.add(adds, self._index.reconstruct(adds))
+            for index_id in state.removes & state.snapshot:
+                new.remove(index_id)
+            self._index = new
+            self._rebuild = None
+            self.rebuilds += 1
+            metrics.INDEX_REBUILDS.labels(kind=new.kind).inc()
+            self._rebuild_done.notify_all()
+            self._maybe_rebuild()
+            self._publish()
+
+    def wait_for_rebuild(self, timeout: float | None = None) -> bool:
+        """Block until no rebuild is running; False on timeout."""
+        with self._lock:
+            return self._rebuild_done.wait_for(lambda: self._rebuild is None, timeout)
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _publish(self) -> None:
+        metrics.ENTRIES.set(len(self._entries))
+        metrics.BYTES.set(self.bytes)
+        metrics.INDEX_VECTORS.set(self._index.ntotal)
+        metrics.INDEX_TOMBSTONES.set(len(self._index.tombstones))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the store's bookkeeping is inconsistent.
+
+        Checks: bytes equal the sum of entry sizes and stay within the budget; the LRU and
+        expiry orders hold the same keys; every indexed entry's vector is in the index and
+        every live index id belongs to an entry (no orphans either way); tombstones are
+        index ids no entry holds; lease counts are not negative.
+        """
+        with self._lock:
+            problems: list[str] = []
+            total = sum(e.nbytes for e in self._entries.values())
+            if total != self.bytes:
+                problems.append(f"bytes {self.bytes} != sum of entries {total}")
+            if self.bytes > self.capacity_bytes:
+                problems.append(f"bytes {self.bytes} exceed the budget {self.capacity_bytes}")
+            if set(self._entries) != set(self._by_put):
+                problems.append("LRU and expiry orders hold different keys")
+            for key, entry in self._entries.items():
+                if entry.key != key:
+                    problems.append(f"entry under {key[:16]} has key {entry.key[:16]}")
+                if entry.leases < 0:
+                    problems.append(f"entry {key[:16]} has {entry.leases} leases")
+                if entry.index_id >= 0 and self._by_id.get(entry.index_id) is not entry:
+                    problems.append(f"entry {key[:16]} id {entry.index_id} not mapped back")
+            indexed = {e.index_id for e in self._entries.values() if e.index_id >= 0}
+            if set(self._by_id) != indexed:
+                problems.append("id map holds ids of no entry")
+            in_index = set(self._index.ids().tolist())
+            tomb = self._index.tombstones
+            if in_index - tomb != indexed:
+                problems.append(
+                    f"index ids without entries: {sorted(in_index - tomb - indexed)[:5]}, "
+                    f"entries without index ids: {sorted(indexed - (in_index - tomb))[:5]}"
+                )
+            if not tomb <= in_index or tomb & indexed:
+                problems.append("tombstones are not dead index ids")
+            if problems:
+                raise AssertionError("; ".join(problems))

@@ -1,0 +1,197 @@
+"""The similarity tier's FAISS index: exact below a size threshold, approximate above it.
+
+Kinds (one :class:`VectorIndex` holds one of them; :func:`build_index` picks):
+
+* ``flat``: ``IndexIDMap2(IndexFlatIP(dim))``: exact inner product (= cosine similarity on
+  L2-normalised descriptors). Supports ``remove_ids``, so evictions remove vectors at once.
+* ``hnsw``: ``IndexIDMap2(IndexRefineFlat(IndexPreTransform(RandomRotationMatrix(dim, r),
+  IndexHNSWFlat(r, M, METRIC_INNER_PRODUCT))))``. The HNSW graph (Malkov & Yashunin 2018)
+  runs on an ``r``-dimensional random orthonormal projection of the descriptor (a
+  Johnson-Lindenstrauss projection: inner products are kept up to noise of about
+  ``1/sqrt(r)``), and its ``k * k_factor`` candidates are re-scored with the exact inner
+  product on the full descriptor (``IndexRefineFlat``). So every score the cache compares
+  with its threshold is exact; only which candidates are seen is approximate (recall is
+  measured by ``splitvl cache-bench``). Why the projection: HNSW on the full 3,072-dim
+  descriptor took 1.5 ms (p50) per search at 20k entries on this CPU and 26 s to build
+  20k entries; on 128 dimensions both are ~20x cheaper. No training on data is needed
+  (the rotation is seeded), so the index can be rebuilt at any moment from any vectors.
+* ``gpu_flat``: ``IndexIDMap2(GpuIndexFlatIP(dim))`` on GPU 0, chosen at startup when
+  ``faiss.get_num_gpus() > 0``: exact brute force is faster on a GPU than any CPU graph at
+  these sizes, so no approximate index is used there.
+
+Removal: HNSW graphs and GPU indexes cannot ``remove_ids``. Their removed ids become
+tombstones: the vector stays in the index, searches over-fetch by the number of
+tombstones (capped) and the caller drops ids it no longer holds; when tombstones exceed a
+fraction of the index, the owner rebuilds the index from the live vectors
+(:meth:`VectorIndex.reconstruct`) and swaps it in (see ``EmbeddingStore``).
+
+A ``VectorIndex`` is not thread-safe (FAISS indexes are not safe for an add concurrent with
+a search); its owner serialises every call under one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import faiss
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+KINDS = ("flat", "hnsw", "gpu_flat")
+# Seed of the random projection: fixed so two replicas (or a rebuild) project the same way.
+PROJECTION_SEED = 1234
+# Over-fetch at most this many times k to step over tombstones; beyond it, a rebuild is due.
+MAX_OVERFETCH = 8
+
+
+@dataclass(frozen=True)
+class IndexParams:
+    """Shape of the approximate index.
+
+    Attributes:
+        projected_dim: Dimensions of the random projection HNSW searches in.
+        hnsw_m: Graph neighbours per node (FAISS ``M``); memory is ~``2*M*4`` bytes/entry.
+        ef_construction: Candidate list while inserting (build time vs graph quality).
+        ef_search: Candidate list while searching (latency vs recall).
+        k_factor: Candidates re-scored exactly per requested neighbour.
+    """
+
+    projected_dim: int = 128
+    hnsw_m: int = 32
+    ef_construction: int = 40
+    ef_search: int = 64
+    k_factor: int = 4
+
+
+def gpu_count() -> int:
+    """GPUs FAISS can use: 0 with faiss-cpu, or when the CUDA build sees no device."""
+    get = getattr(faiss, "get_num_gpus", None)
+    if get is None or not hasattr(faiss, "StandardGpuResources"):
+        return 0
+    try:
+        return int(get())
+    except RuntimeError:  # a CUDA build on a machine without a driver
+        return 0
+
+
+_gpu_resources: Any = None
+
+
+def _gpu_flat(dim: int) -> faiss.Index:
+    # One StandardGpuResources (scratch memory, streams) per process, as FAISS advises.
+    global _gpu_resources
+    if _gpu_resources is None:
+        _gpu_resources = faiss.StandardGpuResources()
+    return faiss.GpuIndexFlatIP(_gpu_resources, dim)
+
+
+def _inner(kind: str, dim: int, params: IndexParams) -> faiss.Index:
+    if kind == "flat":
+        return faiss.IndexFlatIP(dim)
+    if kind == "gpu_flat":
+        return _gpu_flat(dim)
+    if kind != "hnsw":
+        raise ValueError(f"index kind {kind!r} is not one of {KINDS}")
+    r = min(params.projected_dim, dim)
+    hnsw = faiss.IndexHNSWFlat(r, params.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+    hnsw.hnsw.efConstruction = params.ef_construction
+    hnsw.hnsw.efSearch = params.ef_search
+    if r < dim:
+        rotation = faiss.RandomRotationMatrix(dim, r)
+        rotation.init(PROJECTION_SEED)
+        base: faiss.Index = faiss.IndexPreTransform(rotation, hnsw)
+    else:
+        base = hnsw
+    refine = faiss.IndexRefineFlat(base)
+    refine.k_factor = float(params.k_factor)
+    # IndexRefineFlat and IndexPreTransform do not own their parts in Python: keep them alive.
+    refine.__dict__["_parts"] = (base, hnsw)
+    return refine
+
+
+class VectorIndex:
+    """One FAISS index of one kind with tombstones for kinds that cannot remove ids.
+
+    Args:
+        kind: ``flat``, ``hnsw`` or ``gpu_flat``.
+        dim: Descriptor length.
+        params: Shape of the approximate index.
+    """
+
+    def __init__(self, kind: str, dim: int, params: IndexParams) -> None:
+        self.kind = kind
+        self.dim = dim
+        self.params = params
+        self._inner = _inner(kind, dim, params)
+        self.index = faiss.IndexIDMap2(self._inner)
+        self.removable = kind == "flat"
+        self.tombstones: set[int] = set()
+
+    @property
+    def ntotal(self) -> int:
+        """Vectors in the index, tombstones included."""
+        return int(self.index.ntotal)
+
+    @property
+    def live(self) -> int:
+        return self.ntotal - len(self.tombstones)
+
+    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """Add float32 ``[n, dim]`` L2-normalised vectors under int64 ``ids`` ``[n]``."""
+        if len(ids):
+            self.index.add_with_ids(
+                np.ascontiguousarray(vectors, dtype=np.float32), ids.astype(np.int64)
+            )
+
+    def remove(self, index_id: int) -> None:
+        """Remove one id: at once for ``flat``, as a tombstone otherwise."""
+        if self.removable:
+            self.index.remove_ids(np.array([index_id], dtype=np.int64))  # type: ignore[arg-type]
+        else:
+            self.tombstones.add(index_id)
+
+    def search(self, vector: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top inner products of float32 ``[dim]`` ``vector``: (scores ``[m]``, ids ``[m]``).
+
+        Over-fetches by the tombstone count (capped at ``MAX_OVERFETCH * k``) and drops
+        tombstoned ids; ids of -1 (fewer vectors than asked) are dropped too.
+        """
+        n = self.ntotal
+        if n == 0 or k <= 0:
+            return np.empty(0, np.float32), np.empty(0, np.int64)
+        fetch = min(n, k + min(len(self.tombstones), (MAX_OVERFETCH - 1) * k))
+        scores, ids = self.index.search(vector.reshape(1, -1).astype(np.float32), fetch)
+        keep = ids[0] >= 0
+        if self.tombstones:
+            keep &= ~np.isin(ids[0], np.fromiter(self.tombstones, np.int64))
+        return scores[0][keep][:k], ids[0][keep][:k]
+
+    def ids(self) -> np.ndarray:
+        """Every id in the index (tombstones included), int64 ``[ntotal]``."""
+        return faiss.vector_to_array(self.index.id_map).astype(np.int64)
+
+    def reconstruct(self, ids: np.ndarray) -> np.ndarray:
+        """The stored float32 ``[len(ids), dim]`` vectors of ``ids``."""
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        for row, index_id in enumerate(ids):
+            out[row] = self.index.reconstruct(int(index_id))
+        return out
+
+
+def choose_kind(live: int, threshold: int, gpu: bool) -> str:
+    """``gpu_flat`` on a GPU; else ``flat`` below ``threshold`` live vectors, ``hnsw`` at it."""
+    if gpu:
+        return "gpu_flat"
+    return "hnsw" if live >= threshold else "flat"
+
+
+def build_index(
+    kind: str, dim: int, params: IndexParams, ids: np.ndarray, vectors: np.ndarray
+) -> VectorIndex:
+    """A new index of ``kind`` holding ``vectors`` under ``ids`` (used by rebuilds)."""
+    index = VectorIndex(kind, dim, params)
+    index.add(ids, vectors)
+    return index
