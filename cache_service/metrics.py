@@ -1,5 +1,6 @@
-"""Prometheus metrics of the cache service (names follow Prometheus conventions:
-``_total`` counters, base units ``_bytes`` and ``_seconds``).
+"""Prometheus metrics of the cache service (names follow Prometheus conventions and
+/work/notes/metrics_names.md: ``_total`` counters, base units ``_bytes``, ``_seconds``,
+``_ratio``; the shared interceptor adds ``splitvl_cache_requests_total{method,code}``).
 
 Hit rate: ``splitvl_cache_hit_ratio`` is hits / lookups since start; over a window use
 ``sum(rate(splitvl_cache_hits_total[5m])) / sum(rate(splitvl_cache_lookups_total[5m]))``.
@@ -23,7 +24,7 @@ EVICTIONS = Counter(
     "splitvl_cache_evictions_total", "Entries removed, by reason.", ["reason"]
 )  # reason = lru (byte budget) | ttl (expired)
 ENTRIES = Gauge("splitvl_cache_entries", "Entries held.")
-BYTES = Gauge("splitvl_cache_bytes", "Stored embedding bytes.")
+BYTES = Gauge("splitvl_cache_stored_bytes", "Embedding bytes held.")
 CAPACITY_BYTES = Gauge("splitvl_cache_capacity_bytes", "Byte budget of stored embeddings.")
 LEASED = Gauge("splitvl_cache_leased_entries", "Entries leased by lookups in flight.")
 INDEX_VECTORS = Gauge(
@@ -36,7 +37,7 @@ INDEX_REBUILDS = Counter(
     "splitvl_cache_index_rebuilds_total", "Similarity index rebuilds, by resulting kind.", ["kind"]
 )  # kind = flat | hnsw | gpu_flat
 LOOKUP_SECONDS = Histogram(
-    "splitvl_cache_lookup_seconds",
+    "splitvl_cache_lookup_duration_seconds",
     "Lookup RPC latency (whole batch, server side).",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5),
 )

@@ -189,6 +189,7 @@ class EmbeddingStore:
         self._rebuild: _Rebuild | None = None
         self._rebuild_done = threading.Condition(self._lock)
         self.bytes = 0
+        self._leased = 0
         self.evictions = {"lru": 0, "ttl": 0}
         self.rebuilds = 0
         metrics.CAPACITY_BYTES.set(capacity_bytes)
@@ -215,8 +216,8 @@ class EmbeddingStore:
 
     @property
     def leased(self) -> int:
-        with self._lock:
-            return sum(1 for e in self._entries.values() if e.leases)
+        """Entries held by at least one lease."""
+        return self._leased
 
     @staticmethod
     def normalise(descriptor: np.ndarray) -> np.ndarray | None:
@@ -249,6 +250,7 @@ class EmbeddingStore:
                 self._entries.move_to_end(match.entry.key)
                 if lease:
                     match.entry.leases += 1
+                    self._leased += match.entry.leases == 1
             self._publish()
             return match
 
@@ -296,6 +298,7 @@ class EmbeddingStore:
             if entry.leases <= 0:
                 raise RuntimeError(f"entry {entry.key[:16]} released more often than leased")
             entry.leases -= 1
+            self._leased -= entry.leases == 0
             if entry.leases == 0 and entry.expires_at <= self.clock():
                 if self._entries.get(entry.key) is entry:
                     self._remove(entry, "ttl")
@@ -486,6 +489,7 @@ class EmbeddingStore:
     # -- bookkeeping ----------------------------------------------------------------------
     def _publish(self) -> None:
         metrics.ENTRIES.set(len(self._entries))
+        metrics.LEASED.set(self._leased)
         metrics.BYTES.set(self.bytes)
         metrics.INDEX_VECTORS.set(self._index.ntotal)
         metrics.INDEX_TOMBSTONES.set(len(self._index.tombstones))
@@ -514,6 +518,9 @@ class EmbeddingStore:
                     problems.append(f"entry {key[:16]} has {entry.leases} leases")
                 if entry.index_id >= 0 and self._by_id.get(entry.index_id) is not entry:
                     problems.append(f"entry {key[:16]} id {entry.index_id} not mapped back")
+            leased = sum(1 for e in self._entries.values() if e.leases)
+            if leased != self._leased:
+                problems.append(f"{self._leased} leased entries counted, {leased} held")
             indexed = {e.index_id for e in self._entries.values() if e.index_id >= 0}
             if set(self._by_id) != indexed:
                 problems.append("id map holds ids of no entry")

@@ -9,8 +9,9 @@ from qwenvl.cache.v1 import cache_service_pb2 as pb
 from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
+from cache_service.index import IndexParams
 from cache_service.servicer import CacheServicer
-from cache_service.store import EmbeddingStore
+from cache_service.store import CacheFullError, EmbeddingStore, EntryTooLargeError
 from tests.conftest import in_process_server
 from vlcommon import tensors
 
@@ -201,3 +202,221 @@ async def test_unknown_policy_and_unparsable_bytes_are_invalid_argument(cache_st
         await raw(b"\x0a\x04\x0a\x02\xff\xfe")
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "could not be parsed" in exc.value.details()
+
+
+# -- capacity: TTL, leases, byte budget, index kinds (issue 4) ----------------------------
+class Clock:
+    """A manual monotonic clock: tests move time instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_ttl_expired_entries_are_never_served_and_are_reclaimed() -> None:
+    clock = Clock()
+    store = EmbeddingStore(descriptor_dim=DIM, capacity_bytes=10_000, ttl_s=10.0, clock=clock)
+    a, b = unit(30), unit(31)
+    put(store, "a", a)
+    clock.now += 5
+    put(store, "b", b)
+    clock.now += 4.9  # a is 9.9 s old
+    assert store.lookup("a", None, (1, 4, 4), similar=False).tier == "exact"
+    clock.now += 0.1  # a is exactly 10 s old: expired
+    assert store.lookup("a", a, (1, 4, 4), similar=True).tier == "miss"
+    # Its vector is gone too: a near-duplicate finds nothing similar.
+    assert store.lookup("q", near(a, 0.95), (1, 4, 4), similar=True).tier == "miss"
+    assert "a" not in store and store.evictions["ttl"] == 1
+    store.check_invariants()
+    # A Put of a held key refreshes its TTL; lookups do not.
+    clock.now += 4  # b is 9 s old
+    put(store, "b", b)
+    clock.now += 9
+    assert store.lookup("b", None, (1, 4, 4), similar=False).tier == "exact"
+    clock.now += 1
+    assert store.expire() == 1 and len(store) == 0 and store.bytes == 0
+    store.check_invariants()
+
+
+def test_a_leased_entry_that_expires_is_not_served_and_is_reclaimed_on_release() -> None:
+    clock = Clock()
+    store = EmbeddingStore(descriptor_dim=DIM, capacity_bytes=10_000, ttl_s=1.0, clock=clock)
+    put(store, "a", unit(32))
+    match = store.lookup("a", None, (1, 4, 4), similar=False, lease=True)
+    assert match.entry is not None and store.leased == 1
+    clock.now += 2
+    assert store.lookup("a", None, (1, 4, 4), similar=False).tier == "miss"
+    assert store.expire() == 0 and "a" in store  # leased: kept until released
+    store.release(match.entry)
+    assert "a" not in store and store.leased == 0 and store.evictions["ttl"] == 1
+    store.check_invariants()
+    with pytest.raises(RuntimeError, match="released more often than leased"):
+        store.release(match.entry)
+
+
+def test_eviction_skips_leased_entries_and_refuses_when_all_are_leased() -> None:
+    store = EmbeddingStore(descriptor_dim=DIM, capacity_bytes=300)
+    for i in range(3):
+        put(store, f"k{i}", unit(40 + i))
+    held = store.lookup("k0", None, (1, 4, 4), similar=False, lease=True).entry
+    store.lookup("k1", None, (1, 4, 4), similar=False)  # LRU order now k2, k0, k1
+    assert held is not None
+    assert put(store, "k3", unit(43)) == 1
+    assert "k2" not in store and "k0" in store  # k0 was the LRU candidate after k2
+    assert put(store, "k4", unit(44)) == 1
+    assert "k0" in store and "k1" not in store  # k0 is older than k1 but leased
+    assert store.lookup("k3", None, (1, 4, 4), similar=False, lease=True).entry is not None
+    assert store.lookup("k4", None, (1, 4, 4), similar=False, lease=True).entry is not None
+    # Everything is leased: a Put is refused, nothing is evicted, the budget holds.
+    with pytest.raises(CacheFullError, match="300 of the 300-byte budget are leased"):
+        put(store, "k5", unit(45))
+    assert len(store) == 3 and store.bytes == 300
+    store.release(held)
+    assert put(store, "k5", unit(45)) == 1 and "k0" not in store
+    store.check_invariants()
+    with pytest.raises(EntryTooLargeError, match="exceeds the budget of 300 bytes"):
+        put(store, "huge", unit(46), nbytes=304)
+
+
+def test_byte_budget_is_never_exceeded_under_a_random_workload() -> None:
+    rng = np.random.default_rng(7)
+    clock = Clock()
+    store = EmbeddingStore(
+        descriptor_dim=DIM,
+        capacity_bytes=2_000,
+        ttl_s=4.0,
+        clock=clock,
+        index_threshold=6,
+        min_rebuild_tombstones=4,
+    )
+    leases: list = []
+    refused = 0
+    for step in range(600):
+        op = rng.random()
+        if op < 0.5:
+            try:
+                put(
+                    store,
+                    f"k{rng.integers(80)}",
+                    unit(int(rng.integers(80))),
+                    nbytes=4 * int(rng.integers(1, 150)),
+                )
+            except CacheFullError:
+                refused += 1
+        elif op < 0.9:
+            m = store.lookup(
+                f"k{rng.integers(80)}",
+                unit(int(rng.integers(80))),
+                (1, 4, 4),
+                similar=True,
+                lease=True,
+            )
+            if m.entry is not None:
+                leases.append(m.entry)
+        elif leases:
+            store.release(leases.pop(int(rng.integers(len(leases)))))
+        clock.now += float(rng.random())
+        assert store.bytes <= store.capacity_bytes, step
+        store.check_invariants()
+    assert store.evictions["lru"] > 0 and store.evictions["ttl"] > 0
+    assert store.rebuilds > 0  # migrations and tombstone purges happened on the way
+    for entry in leases:
+        store.release(entry)
+    assert store.leased == 0
+    store.check_invariants()
+
+
+def _reference_best(vectors: dict[str, np.ndarray], q: np.ndarray, threshold: float):
+    """Brute-force answer: the best-scoring key at or above the threshold, or None."""
+    best = max(vectors, key=lambda k: float(vectors[k] @ q))
+    return best if float(vectors[best] @ q) >= threshold - 1e-5 else None
+
+
+def test_migration_to_hnsw_and_back_and_tombstone_rebuilds() -> None:
+    dim = 64
+    rng = np.random.default_rng(3)
+    vecs = rng.standard_normal((400, dim)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    store = EmbeddingStore(
+        descriptor_dim=dim,
+        capacity_bytes=400 * 100,
+        index_threshold=100,
+        index_params=IndexParams(projected_dim=16, hnsw_m=16, ef_search=64),
+        min_rebuild_tombstones=20,
+        rebuild_fraction=0.25,
+    )
+    for i in range(99):
+        store.put(f"k{i}", vecs[i], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    assert store.index_kind == "flat"
+    store.put("k99", vecs[99], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    assert store.index_kind == "hnsw" and store.index_size == 100 and store.rebuilds == 1
+    store.check_invariants()
+
+    def query(i: int) -> np.ndarray:
+        noise = rng.standard_normal(dim).astype(np.float32) * 0.02
+        q = vecs[i] + noise
+        return q / np.linalg.norm(q)
+
+    live = {f"k{i}": vecs[i] for i in range(100)}
+    for i in range(100):
+        q = query(i)
+        m = store.lookup(f"q{i}", q, (1, 4, 4), similar=True)
+        assert m.tier == "similar" and m.entry is not None
+        assert m.entry.key == _reference_best(live, q, 0.85)
+        assert m.similarity == pytest.approx(float(vecs[i] @ q), abs=1e-5)  # exact re-score
+    # Removals from HNSW are tombstones; evicted vectors are never answered.
+    store.capacity_bytes = 40 * 100
+    store.put("k100", vecs[100], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    assert len(store) == 40 and store.evictions["lru"] == 61
+    # 40 live vectors are below half the threshold: the index was rebuilt from them as the
+    # exact index, leaving the 61 tombstones behind.
+    assert store.index_kind == "flat" and store.index_size == 40 and store.tombstones == 0
+    store.check_invariants()
+    store.capacity_bytes = 400 * 100
+    for i in range(101, 260):
+        store.put(f"k{i}", vecs[i], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    assert store.index_kind == "hnsw"
+    assert store.index_kind == "hnsw" and store.index_size == 199 and store.tombstones == 0
+    store.capacity_bytes = 180 * 100
+    store.put("k260", vecs[260], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    assert store.index_kind == "hnsw" and store.tombstones == 20  # 20 < 25% of 200: kept
+    store.check_invariants()
+    for i in range(60, 261):  # tombstoned vectors are in the graph but never answered
+        m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True)
+        assert (m.entry.key if m.entry else None) == (f"k{i}" if f"k{i}" in store else None)
+    store.capacity_bytes = 150 * 100
+    store.put("k261", vecs[261], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    # 51 tombstones > 25% of 201 vectors: purged by a rebuild of the 150 live ones.
+    assert store.index_kind == "hnsw" and store.tombstones == 0 and store.index_size == 150
+    store.check_invariants()
+    live = {k: vecs[int(k[1:])] for k in [f"k{i}" for i in range(262)] if k in store}
+    assert len(live) == 150
+    for i in range(262):
+        q = query(i)
+        m = store.lookup(f"q{i}", q, (1, 4, 4), similar=True)
+        expected = _reference_best(live, q, 0.85)
+        assert (m.entry.key if m.entry else None) == expected, i
+
+
+def test_background_rebuild_replays_concurrent_adds_and_removals() -> None:
+    dim = 32
+    rng = np.random.default_rng(4)
+    vecs = rng.standard_normal((300, dim)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    store = EmbeddingStore(
+        descriptor_dim=dim,
+        capacity_bytes=250 * 100,
+        index_threshold=100,
+        index_params=IndexParams(projected_dim=8, hnsw_m=8),
+        background_rebuild=True,
+    )
+    for i in range(300):  # crosses the threshold (a rebuild in a thread) and evicts 50
+        store.put(f"k{i}", vecs[i], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    assert store.wait_for_rebuild(timeout=60)
+    store.check_invariants()
+    assert store.index_kind == "hnsw" and len(store) == 250
+    for i in range(300):
+        m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True)
+        assert (m.entry.key if m.entry else None) == (f"k{i}" if i >= 50 else None), i
