@@ -30,8 +30,26 @@ if TYPE_CHECKING:
 MAX_ASPECT_RATIO = 200.0
 # Background for transparent pixels: white, as browsers show a transparent PNG on a page.
 ALPHA_BACKGROUND = (255, 255, 255)
+# Similarity descriptor: a 32x32 RGB thumbnail (3,072 values). Calibrated with `splitvl
+# cache-eval` (docs/cache.md): 16x16 lets the stereo pair motorcycle_left/right reach a
+# cosine of 0.84, 32x32 keeps it at 0.73 while near duplicates stay above 0.85.
 DESCRIPTOR_SIDE = 32
 DESCRIPTOR_DIM = DESCRIPTOR_SIDE * DESCRIPTOR_SIDE * 3
+# The descriptor works on a box-reduced copy whose long side is at most this many pixels:
+# enough to see 2-pixel text strokes of a 2,000-pixel page, cheap to scan.
+DESCRIPTOR_WORK_SIDE = 512
+# Document-like images (text, screenshots, charts, line art: a uniform background covering
+# >= 75% of the pixels, and >= 35% of the remaining pixels in high contrast to it) get no
+# similarity descriptor. One changed digit or word moves a thumbnail's cosine by ~1%, far
+# less than a JPEG re-encode or a 3% crop does, so no threshold on a global descriptor
+# could tell them apart; such images are served by the exact tier only. The fractions were
+# set on `splitvl cache-eval`: rendered text has background >= 0.82 and ink >= 0.40; the
+# photos with a large uniform background (hubble_deep_field, cell, moon, microaneurysms)
+# have ink <= 0.25.
+DOCUMENT_BACKGROUND_FRACTION = 0.75
+DOCUMENT_INK_FRACTION = 0.35
+DOCUMENT_BACKGROUND_TOLERANCE = 16  # max |channel - background|, 8-bit levels
+DOCUMENT_INK_CONTRAST = 96  # max |channel - background| of an ink pixel, 8-bit levels
 
 
 @dataclass(frozen=True)
@@ -147,18 +165,18 @@ def _to_rgb(im: Image.Image) -> Image.Image:
       image on a page: ``out = a * colour + (1 - a) * 255`` per channel.
     """
     if im.mode in ("I;16", "I;16L", "I;16B", "I;16N"):
-        arr = np.asarray(im).astype(np.uint32)
-        im = Image.fromarray(np.right_shift(arr, 8).astype(np.uint8))
+        words = np.asarray(im).astype(np.uint32)
+        im = Image.fromarray(np.right_shift(words, 8).astype(np.uint8))
     elif im.mode == "I":
-        arr = np.clip(np.asarray(im).astype(np.int64), 0, None)
-        top = int(arr.max()) if arr.size else 0
+        ints = np.clip(np.asarray(im).astype(np.int64), 0, None)
+        top = int(ints.max()) if ints.size else 0
         bits = 8 if top <= 0xFF else 16 if top <= 0xFFFF else top.bit_length()
-        im = Image.fromarray(np.right_shift(arr, bits - 8).astype(np.uint8))
+        im = Image.fromarray(np.right_shift(ints, bits - 8).astype(np.uint8))
     elif im.mode == "F":
-        arr = np.nan_to_num(np.asarray(im, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
-        if arr.size and arr.min() >= 0.0 and arr.max() <= 1.0:
-            arr = arr * 255.0
-        im = Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8))
+        reals = np.nan_to_num(np.asarray(im, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
+        if reals.size and reals.min() >= 0.0 and reals.max() <= 1.0:
+            reals = reals * 255.0
+        im = Image.fromarray(np.clip(np.rint(reals), 0, 255).astype(np.uint8))
     if im.mode in ("P", "L", "RGB") and "transparency" in im.info:
         im = im.convert("RGBA")  # tRNS / transparent index becomes an alpha channel
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
@@ -228,8 +246,24 @@ def plan_resize(
 
 
 def exact_key(image: Image.Image, plan: ResizePlan, revision: str) -> str:
-    """Full SHA-256 hex digest over the decoded pixels, their mode and size, the resize
-    plan and the model revision. Equal bytes with a different shape never collide."""
+    """The exact-tier cache key of one decoded image.
+
+    A full SHA-256 (64 hex digits, no truncation) over a version tag, the decoded upright
+    image's mode, width and height, the resize plan (resized size and ``image_grid_thw``),
+    the model revision, and the raw pixel bytes. The shape is hashed before the bytes, so
+    equal bytes with a different shape (64x64 vs 32x128) never collide, and the image is
+    the one :func:`decode_image` returns: EXIF orientation already applied and alpha
+    already composited on :data:`ALPHA_BACKGROUND`, so an EXIF-rotated JPEG keys like the
+    same pixels stored upright and an RGBA image keys like its RGB composite.
+
+    Args:
+        image: The decoded image (mode ``RGB`` from :func:`decode_image`).
+        plan: Its resize plan (:func:`plan_resize`); another pixel budget is another key.
+        revision: The model revision (:func:`vlcommon.model_info.model_revision`).
+
+    Returns:
+        64 lowercase hex characters.
+    """
     h = hashlib.sha256()
     h.update(b"splitvl-exact-v1\0")
     h.update(f"{image.mode}\0{image.width}x{image.height}\0".encode())
@@ -238,21 +272,76 @@ def exact_key(image: Image.Image, plan: ResizePlan, revision: str) -> str:
     return h.hexdigest()
 
 
+def _work_pixels(image: Image.Image) -> np.ndarray:
+    """uint8 [h, w, 3]: ``image`` box-reduced by an integer factor to a long side of at
+    most :data:`DESCRIPTOR_WORK_SIDE` (``Image.reduce``, much cheaper than a resize)."""
+    factor = -(-max(image.size) // DESCRIPTOR_WORK_SIDE)
+    work = image.reduce(factor) if factor > 1 else image
+    return np.asarray(work.convert("RGB"), dtype=np.uint8)
+
+
+def _is_document_like(pixels: np.ndarray) -> bool:
+    flat = pixels.reshape(-1, 3).astype(np.int16)
+    # The background is the most common colour, in 8-level bins per channel (JPEG noise
+    # and antialiasing move a flat background by a few levels).
+    bins = flat >> 3
+    codes = (bins[:, 0].astype(np.int32) << 10) | (bins[:, 1] << 5) | bins[:, 2]
+    mode = int(np.bincount(codes, minlength=1 << 15).argmax())
+    centre = np.array([mode >> 10, (mode >> 5) & 31, mode & 31], dtype=np.int16) * 8 + 4
+    distance = np.abs(flat - centre).max(axis=1)
+    background = distance <= DOCUMENT_BACKGROUND_TOLERANCE
+    if background.mean() < DOCUMENT_BACKGROUND_FRACTION or background.all():
+        return False
+    ink = (distance[~background] > DOCUMENT_INK_CONTRAST).mean()
+    return bool(ink >= DOCUMENT_INK_FRACTION)
+
+
+def is_document_like(image: Image.Image) -> bool:
+    """Whether ``image`` looks like text, a screenshot, a chart or line art.
+
+    True when one background colour (8-level bins, +-16 levels) covers at least 75% of
+    the pixels and at least 35% of the other pixels differ from it by more than 96
+    levels (ink). Such images get the zero similarity descriptor (exact tier only): see
+    :func:`similarity_descriptor`.
+    """
+    return _is_document_like(_work_pixels(image))
+
+
 def similarity_descriptor(image: Image.Image) -> np.ndarray:
     """A cheap descriptor for near-duplicate search, computed before any ViT work.
 
-    The image is area-averaged (box filter) to a 32x32 RGB thumbnail, the per-channel
-    mean is subtracted, and the 3,072 values are L2-normalised, so the inner product of
-    two descriptors is the Pearson correlation of the thumbnails (a cosine similarity).
-    Area averaging removes the high frequencies that JPEG re-encoding and small resizes
-    change, while the layout of content survives; mean removal makes it insensitive to
-    a uniform brightness shift. A flat image has no structure and yields the zero vector
-    (cosine 0 with everything, so it can only ever hit exactly).
+    What: the image is box-reduced (``Image.reduce``) to a long side <= 512, area-averaged
+    (box filter) to a 32x32 RGB thumbnail (aspect ratio not kept), each channel's mean is
+    subtracted, and the 3,072 values are L2-normalised, so the inner product of two
+    descriptors is the Pearson correlation of the thumbnails (a cosine similarity).
+
+    Why it finds near duplicates: one thumbnail cell averages 1/1024 of the image, which
+    removes the high frequencies that JPEG re-encoding (quality >= 70) changes, and the
+    stretch to a fixed 32x32 grid makes a 1-10% resize land on the same cells; mean removal
+    and the L2 norm cancel brightness offsets and contrast gains of a few percent. Crops of
+    1-3% shift content by under one cell for most photos (fine textures such as brick or
+    gravel cropped at a corner are the exception: a miss, never a wrong hit).
+
+    Why it separates different content: the 1,024 cells keep the layout of the scene, so
+    different photos score <= 0.54 and even the stereo pair motorcycle_left/right (the
+    same scene from two viewpoints) 0.73, below the 0.85 default threshold. What a
+    thumbnail cannot see is a small local edit on a document (one digit or word moves
+    the cosine by ~1%): document-like images (:func:`is_document_like`) therefore get the
+    zero vector, as do flat images; a zero descriptor has cosine 0 with everything, so such
+    an image can only ever hit exactly.
+
+    Cost: about 1-5 ms on this CPU for 448x448 to 2000x1500 images (docs/cache.md), against
+    ~230 ms for the bench checkpoint's ViT on one 448x448 image (docs/benchmarks.md).
 
     Returns:
-        float32 [3072], unit L2 norm (or all zeros).
+        float32 [DESCRIPTOR_DIM] (3,072), unit L2 norm, or all zeros.
     """
-    thumb = image.resize((DESCRIPTOR_SIDE, DESCRIPTOR_SIDE), Image.Resampling.BOX)
+    pixels = _work_pixels(image)
+    if _is_document_like(pixels):
+        return np.zeros(DESCRIPTOR_DIM, dtype=np.float32)
+    thumb = Image.fromarray(pixels).resize(
+        (DESCRIPTOR_SIDE, DESCRIPTOR_SIDE), Image.Resampling.BOX
+    )
     arr = np.asarray(thumb, dtype=np.float32).reshape(-1, 3)
     arr = arr - arr.mean(axis=0, keepdims=True)
     vec = arr.reshape(-1)
