@@ -19,13 +19,20 @@ $(STAMP): pyproject.toml setup.py scripts/fix_cpu_torchvision.py $(PROTOS)
 	$(BIN)/python scripts/fix_cpu_torchvision.py
 	touch $(STAMP)
 
-install: $(STAMP)
+# npm packages the tests use: the Node.js client (clients/node) and the compose-spec JSON
+# schema (deploy/). npm ci writes node_modules/.package-lock.json; a missing npm is an error.
+NODE_DEPS := clients/node/node_modules/.package-lock.json deploy/node_modules/.package-lock.json
+%/node_modules/.package-lock.json: %/package-lock.json %/package.json
+	@command -v npm >/dev/null || { echo "npm (Node.js >= 18) is required: apt-get install nodejs npm" >&2; exit 1; }
+	npm ci --prefix $* --no-audit --no-fund
+
+install: $(STAMP) $(NODE_DEPS)
 
 demo: $(STAMP)
 	$(BIN)/splitvl demo
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
-test: $(STAMP)
+test: $(STAMP) $(NODE_DEPS)
 	$(BIN)/python -m pytest -ra; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
@@ -35,4 +42,4 @@ lint: $(STAMP)
 	cd protos && ../$(BIN)/buf lint
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info clients/node/node_modules deploy/node_modules

