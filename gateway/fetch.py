@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from collections.abc import Iterable
 
@@ -49,6 +50,7 @@ METADATA_ADDRESSES = frozenset(
 # Leave this much of the request's deadline for decoding, encoding and the first token.
 DEADLINE_MARGIN_S = 0.25
 _FORBIDDEN = "splitvl-forbidden-address"
+_FORBIDDEN_KIND = re.compile(_FORBIDDEN + r":([a-z-]+)")
 _CHUNK = 64 * 1024
 _REDIRECTS = (301, 302, 303, 307, 308)
 
@@ -220,7 +222,8 @@ class UrlFetcher:
     def _forbidden(self, field: str, url: URL, kind: str) -> ServiceError:
         return invalid_argument(
             "URL_ADDRESS_FORBIDDEN",
-            f"{field}: host {_host(url)} is a {kind} address, which image URLs may not reach",
+            f"{field}: host {_host(url)} is refused: its address is {kind} (image URLs may "
+            "reach only public addresses)",
             field=field,
             host=_host(url),
             address_kind=kind,
@@ -252,11 +255,19 @@ class UrlFetcher:
                     self._check_status(response.status, url, field)
                     return await self._read(response, url, field)
             except aiohttp.ClientConnectorError as exc:
-                text = str(exc.os_error) + str(exc)
-                if _FORBIDDEN in text:
-                    kind = text.split(_FORBIDDEN + ":", 1)[1].split()[0].strip("'\")],")
-                    raise self._forbidden(field, url, kind) from exc
+                # The guard's refusal surfaces as a connection error (possibly one of
+                # several, one per resolved address); its marker names the address class.
+                found = _FORBIDDEN_KIND.search(f"{exc.os_error} {exc}")
+                if found is not None:
+                    raise self._forbidden(field, url, found.group(1)) from exc
                 raise self._unavailable(field, url, "could not be reached") from exc
+            except aiohttp.InvalidURL as exc:
+                # e.g. a legacy numeric IPv4 form (2130706433, 127.1), which aiohttp refuses.
+                raise invalid_argument(
+                    "URL_INVALID",
+                    f"{field}: host {_host(url)} is not a valid host name or canonical address",
+                    field=field,
+                ) from exc
             except TimeoutError as exc:
                 raise self._unavailable(field, url, "timed out") from exc
             except aiohttp.ClientError as exc:

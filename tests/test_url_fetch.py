@@ -183,6 +183,18 @@ async def test_a_name_resolving_to_loopback_is_refused_at_connect(server: ImageS
     assert len(server.hits) == before
 
 
+@pytest.mark.parametrize(
+    "host",
+    ["[::1]", "[::ffff:127.0.0.1]", "0.0.0.0", "2130706433", "127.1", "0x7f000001"],
+)
+async def test_other_spellings_of_loopback_are_refused(server: ImageServer, host: str) -> None:
+    before = len(server.hits)
+    err = await fetch_error(fetcher(url_allow_private=False), server.url("/img", host))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT, err.message
+    assert err.reason in ("URL_ADDRESS_FORBIDDEN", "URL_INVALID")
+    assert len(server.hits) == before
+
+
 async def test_redirect_targets_are_checked_again(server: ImageServer) -> None:
     err = await fetch_error(fetcher(), server.url("/to/metadata"))
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
