@@ -379,3 +379,22 @@ def test_animated_images_use_their_first_frame(fmt) -> None:
     got = decode(data).getpixel((8, 8))
     want = (255, 0, 0) if fmt == "GIF" else (255, over_white(0), over_white(0))
     assert close(got, want, tol=2), (fmt, got)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "TIFF", "BMP"])
+def test_decoded_pixel_limit_at_its_edge_before_any_pixel_is_decoded(fmt, monkeypatch) -> None:
+    from PIL import ImageFile
+
+    # 3000 x 2000 = 6,000,000 pixels, flat so every container stays small.
+    data = _encode(Image.new("RGB", (3000, 2000), (10, 200, 30)), fmt)
+    assert decode_image(data, index=0, max_decoded_pixels=6_000_000).size == (3000, 2000)
+
+    def no_decode(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("pixel data was decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decode)
+    with pytest.raises(ServiceError) as exc:
+        decode_image(data, index=4, max_decoded_pixels=5_999_999)
+    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.value.message
+    assert "images[4] is 3000x2000 = 6000000 pixels" in exc.value.message
+    assert exc.value.metadata["limit"] == "5999999"
