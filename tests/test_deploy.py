@@ -482,18 +482,36 @@ def test_kubernetes_scrape_config_labels_the_job_like_compose() -> None:
         re.compile(r.get("regex", "(.*)"))  # Prometheus uses RE2; these use its subset
 
 
-def test_dashboard_queries_in_the_operations_guide_parse() -> None:
+def test_grafana_dashboard_and_the_guides_queries_parse_and_agree() -> None:
     import promql_parser
 
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "splitvl.json").read_text())
+    panel_ids = [p["id"] for p in dashboard["panels"]]
+    assert len(panel_ids) == len(set(panel_ids)) >= 10
+    exported = exported_metric_names()
+    panel_queries = set()
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == "prometheus"
+        for target in panel["targets"]:
+            promql_parser.parse(target["expr"])
+            assert splitvl_metrics_in(target["expr"]) <= exported, target["expr"]
+            panel_queries.add(target["expr"])
+    datasources = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )
+    assert datasources["datasources"][0]["uid"] == "prometheus"
+    # docs/operations.md lists the dashboard's queries.
     text = (ROOT / "docs" / "operations.md").read_text()
     section = text[text.index("## Dashboards") : text.index("## Alerts")]
-    queries = [
+    queries = {
         q.replace("\\|", "|")  # a | inside a Markdown table cell is escaped
         for q in re.findall(r"`([^`]+)`", section)
         if q.startswith(("sum", "histogram_quantile", "splitvl_"))
-    ]
+    }
     assert len(queries) >= 10
-    exported = exported_metric_names()
-    for query in queries:
-        promql_parser.parse(query)
-        assert splitvl_metrics_in(query) <= exported, query
+    assert queries <= panel_queries, queries - panel_queries
+    # compose mounts the provisioning and dashboards folders that exist here.
+    grafana = load_compose("compose.yaml")["services"]["grafana"]
+    for mount in grafana["volumes"]:
+        source = mount.split(":")[0]
+        assert (DEPLOY / source).is_dir(), mount
