@@ -159,7 +159,15 @@ class UrlFetcher:
             except ExceptionGroup as group_error:
                 # One task's failure cancels the rest; report the first real failure.
                 first = group_error.exceptions[0]
-                raise first from None
+                if isinstance(first, ServiceError):
+                    raise first from None
+                # Anything unforeseen is still the upstream's doing: never INTERNAL.
+                raise ServiceError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "URL_FETCH_FAILED",
+                    f"fetching image URLs failed ({type(first).__name__})",
+                    {"field": "images"},
+                ) from first
             except TimeoutError as exc:
                 if deadline_bound:
                     raise ServiceError(
@@ -246,11 +254,14 @@ class UrlFetcher:
                                 host=_host(url),
                                 http_status=response.status,
                             )
-                        url = self._check_target(
-                            url.join(URL(location)),
-                            field=field,
-                            what=f"{field} (redirect {hop + 1} from {_host(url)})",
-                        )
+                        what = f"{field} (redirect {hop + 1} from {_host(url)})"
+                        try:
+                            target = url.join(URL(location))
+                        except ValueError as exc:
+                            raise invalid_argument(
+                                "URL_INVALID", f"{what} has an invalid Location", field=field
+                            ) from exc
+                        url = self._check_target(target, field=field, what=what)
                         continue
                     self._check_status(response.status, url, field)
                     return await self._read(response, url, field)

@@ -66,6 +66,7 @@ class ImageServer:
                     target = {
                         "metadata": "http://169.254.169.254/latest/meta-data/",
                         "file": "file:///etc/passwd",
+                        "bad": "http://[::1",
                     }[arg]
                     self._redirect(target)
                 elif route == "slow":  # headers, then silence for float(arg) seconds
@@ -202,6 +203,8 @@ async def test_redirect_targets_are_checked_again(server: ImageServer) -> None:
     assert "169.254.169.254" in err.message and "cloud-metadata" in err.message
     err = await fetch_error(fetcher(), server.url("/to/file"))
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "'file'" in err.message
+    err = await fetch_error(fetcher(), server.url("/to/bad"))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "invalid Location" in err.message
 
 
 async def test_switch_off_scheme_and_length_are_refused_before_any_request(server) -> None:
