@@ -81,6 +81,11 @@ async def _reclaim_expired(store: EmbeddingStore, interval_s: float) -> None:
 
 
 async def main_async(settings: CacheSettings) -> None:
+    # Lookups search one vector at a time on this (event-loop) thread: an OpenMP parallel
+    # region per search only adds spin-waits (cache-bench's p99 rose from sub-ms to over
+    # 100 ms with 2 threads on a shared CPU). Index rebuilds run in their own thread and
+    # keep the default thread count (OpenMP's setting is per calling thread).
+    faiss.omp_set_num_threads(1)
     servicer = build_servicer(settings)
     reclaim: asyncio.Task[None] | None = None
 

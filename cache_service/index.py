@@ -59,7 +59,7 @@ class IndexParams:
         k_factor: Candidates re-scored exactly per requested neighbour.
     """
 
-    projected_dim: int = 128
+    projected_dim: int = 256
     hnsw_m: int = 32
     ef_construction: int = 40
     ef_search: int = 64

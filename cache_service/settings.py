@@ -35,7 +35,7 @@ class CacheSettings(ServerSettings):
     hnsw_ef_construction: int = Field(40, ge=8, description="HNSW efConstruction.")
     hnsw_ef_search: int = Field(64, ge=8, description="HNSW efSearch (recall vs latency).")
     projected_dim: int = Field(
-        128, ge=8, description="Random-projection dimensions HNSW searches in."
+        256, ge=8, description="Random-projection dimensions HNSW searches in."
     )
     refine_k_factor: int = Field(4, ge=1, description="Candidates re-scored exactly per k.")
     search_k: int = Field(8, ge=1, description="Neighbours examined for an equal grid.")

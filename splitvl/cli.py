@@ -4,6 +4,7 @@ splitvl make-tiny-model DIR           build the tiny random-weight Qwen3-VL chec
 splitvl up [--model PATH_OR_HUB_ID]   run the four services on loopback until SIGINT/SIGTERM
 splitvl generate --image P... --prompt TEXT [--json]   stream an answer from the gateway
 splitvl demo [--json]                 start the services, ask about real photos, stop
+splitvl cache-bench [--sizes N,...] [--json]   similarity index latency/memory/recall by size
 splitvl load [--concurrency N --duration S --json]   concurrent streams; statuses, latency
 splitvl soak [--requests N --json]    distinct images in a row; RSS growth of each service
 """
@@ -161,9 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--max-tokens", type=int, default=16)
 
-    from splitvl import bench, load, soak
+    from splitvl import bench, cache_bench, load, soak
 
     bench.add_parser(sub)
+    cache_bench.add_parser(sub)
     load.add_parser(sub)
     soak.add_parser(sub)
 
