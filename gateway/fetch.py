@@ -33,6 +33,7 @@ import asyncio
 import ipaddress
 import re
 import socket
+import ssl
 from collections.abc import Iterable
 
 import aiohttp
@@ -134,7 +135,11 @@ class UrlFetcher:
         deadline_bound = False
         if time_left is not None and time_left - DEADLINE_MARGIN_S < budget:
             budget, deadline_bound = max(0.001, time_left - DEADLINE_MARGIN_S), True
+        tls = ssl.create_default_context()  # certificate and host name verified
+        if s.url_ca_file:
+            tls.load_verify_locations(cafile=s.url_ca_file)
         connector = aiohttp.TCPConnector(
+            ssl=tls,
             socket_factory=_guarded_socket_factory(s.url_allow_private),
             limit=len(pending),
             use_dns_cache=False,
@@ -265,6 +270,12 @@ class UrlFetcher:
                         continue
                     self._check_status(response.status, url, field)
                     return await self._read(response, url, field)
+            except aiohttp.ClientConnectorCertificateError as exc:
+                raise self._unavailable(
+                    field, url, "failed TLS certificate verification"
+                ) from exc
+            except aiohttp.ClientSSLError as exc:
+                raise self._unavailable(field, url, "failed the TLS handshake") from exc
             except aiohttp.ClientConnectorError as exc:
                 # The guard's refusal surfaces as a connection error (possibly one of
                 # several, one per resolved address); its marker names the address class.

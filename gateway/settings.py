@@ -44,6 +44,9 @@ class GatewaySettings(ServerSettings):
         15.0, gt=0, description="One fetch with its redirects (also capped by the deadline)."
     )
     url_max_redirects: int = Field(3, ge=0, description="Redirects followed per URL.")
+    url_ca_file: str = Field(
+        "", description="Extra PEM CA bundle trusted for https image URLs (private PKI)."
+    )
     preprocess_threads: int = Field(
         2, ge=1, description="Threads decoding and resizing images (bounds their memory)."
     )

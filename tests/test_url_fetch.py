@@ -3,12 +3,15 @@ real gateway (in process) in front of the session cluster's encoder, cache and d
 
 from __future__ import annotations
 
+import datetime
 import io
 import ipaddress
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import grpc
 import pytest
@@ -26,7 +29,7 @@ LIMIT = 4096  # max_image_bytes for the fetcher tests
 class ImageServer:
     """http.server on 127.0.0.1:0 in a thread; counts the requests it answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         server = self
         self.hits: list[str] = []
         self.body = b""
@@ -93,12 +96,16 @@ class ImageServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
+        self.scheme = "http"
+        if tls is not None:
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
+            self.scheme = "https"
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
-        return f"http://{host}:{self.port}{path}"
+        return f"{self.scheme}://{host}:{self.port}{path}"
 
     def stop(self) -> None:
         self.httpd.shutdown()
@@ -281,6 +288,72 @@ async def test_read_timeout_and_deadline(server: ImageServer) -> None:
     # A refused connection (nothing listens on the port) is UNAVAILABLE naming the host.
     err = await fetch_error(fetcher(), "http://127.0.0.1:9/x.png")
     assert err.code == grpc.StatusCode.UNAVAILABLE and "host 127.0.0.1" in err.message
+
+
+def _tls_files(tmp: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for the name "localhost" only (no IP SAN)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject: str, key, issuer, signer, ca: bool):  # type: ignore[no-untyped-def]
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False
+            )
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1()
+    )
+    ca = cert("splitvl test CA", ca_key, "splitvl test CA", ca_key, True)
+    leaf = cert("localhost", leaf_key, "splitvl test CA", ca_key, False)
+    pem = serialization.Encoding.PEM
+    paths = (tmp / "ca.pem", tmp / "leaf.pem", tmp / "leaf.key")
+    paths[0].write_bytes(ca.public_bytes(pem))
+    paths[1].write_bytes(leaf.public_bytes(pem))
+    paths[2].write_bytes(
+        leaf_key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return paths
+
+
+async def test_https_verifies_the_certificate_against_the_url_host(tmp_path: Path) -> None:
+    ca, leaf, key = _tls_files(tmp_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(leaf, key)
+    server = ImageServer(tls)
+    try:
+        server.body = b"over tls"
+        trusted = fetcher(url_ca_file=str(ca))
+        # Connected to 127.0.0.1 (the guard's address), verified as "localhost" (SNI, Host).
+        got = await trusted.fetch_all([(0, server.url("/img", "localhost"))], 30.0)
+        assert got == {0: b"over tls"}
+        # The certificate does not name 127.0.0.1: verification by the URL's host fails.
+        err = await fetch_error(trusted, server.url("/img"))
+        assert err.code == grpc.StatusCode.UNAVAILABLE
+        assert "host 127.0.0.1 failed TLS certificate verification" in err.message
+        # Without the CA the chain is untrusted.
+        err = await fetch_error(fetcher(), server.url("/img", "localhost"))
+        assert "host localhost failed TLS certificate verification" in err.message
+        assert server.hits == ["/img"]
+    finally:
+        server.stop()
 
 
 # -- through a real gateway -------------------------------------------------------------------
