@@ -7,11 +7,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from qwenvl.common.v1 import generation_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
+from vlcommon.security import ClientSecurity, sync_channel
 from vlcommon.settings import channel_options
 
 TIER_NAMES = {
@@ -124,12 +124,19 @@ def generate(
     *,
     timeout_s: float | None = 300.0,
     on_text: Callable[[str], None] | None = None,
+    security: ClientSecurity | None = None,
 ) -> Result:
     """Call Generate and collect the stream.
+
+    Args:
+        security: TLS roots, client certificate and bearer token; by default from the
+            ``SPLITVL_TLS_*`` and ``SPLITVL_AUTH_TOKEN`` environment (docs/security.md).
 
     Raises:
         grpc.RpcError: the call failed (``.code()`` and ``.details()`` say why).
     """
-    with grpc.insecure_channel(address, options=channel_options()) as channel:
+    security = security or ClientSecurity.from_env()
+    with sync_channel(address, security, options=channel_options()) as channel:
         stub = pb_grpc.GatewayServiceStub(channel)
-        return consume(stub.Generate(request, timeout=timeout_s), on_text)
+        call = stub.Generate(request, timeout=timeout_s, metadata=security.metadata() or None)
+        return consume(call, on_text)

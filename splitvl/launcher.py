@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vlcommon.cpus import available_cpus, format_cpu_list, split_cpus
+from vlcommon.security import ClientSecurity, service_env, sync_channel
 
 SERVICES = ("gateway", "encoder", "cache", "decoder")
 PACKAGES = {
@@ -146,7 +147,12 @@ class Cluster:
 
     def _spawn(self, name: str, env: dict[str, str], append: bool = False) -> None:
         placement = cpu_placement(env)
-        child_env = {**env, "OTEL_SERVICE_NAME": f"splitvl-{name}", **placement.get(name, {})}
+        child_env = {
+            **env,
+            "OTEL_SERVICE_NAME": f"splitvl-{name}",
+            **placement.get(name, {}),
+            **service_env(name, env),  # SPLITVL_TLS_* / SPLITVL_INTERNAL_TOKEN per service
+        }
         # A restarted service's log is appended to the crashed one's.
         log = (self.log_dir / f"{name}.log").open("ab" if append else "wb")
         self.procs[name] = subprocess.Popen(
@@ -182,7 +188,7 @@ class Cluster:
                     raise RuntimeError(
                         f"{name} exited with code {proc.returncode}:\n{self.log_tail(name)}"
                     )
-                if health_status(self.ports.address(name)) == "SERVING":
+                if health_status(self.ports.address(name), security=self.security()) == "SERVING":
                     pending.discard(name)
                     if progress is not None:
                         progress(f"  {name} SERVING after {time.monotonic() - start:.1f} s")
@@ -230,7 +236,7 @@ class Cluster:
             self.kill(name)
         self._spawn(name, self._env(), append=True)
         start = time.monotonic()
-        while health_status(self.ports.address(name)) != "SERVING":
+        while health_status(self.ports.address(name), security=self.security()) != "SERVING":
             if self.procs[name].poll() is not None:
                 raise RuntimeError(
                     f"{name} exited with code {self.procs[name].returncode}:\n"
@@ -239,6 +245,10 @@ class Cluster:
             if time.monotonic() - start > timeout_s:
                 raise RuntimeError(f"{name} not SERVING after {timeout_s:.0f}s")
             time.sleep(0.2)
+
+    def security(self) -> ClientSecurity:
+        """How the launcher itself reaches the services (TLS roots, client certificate)."""
+        return ClientSecurity.from_env(self._env())
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"
@@ -302,9 +312,17 @@ def cpu_placement(env: dict[str, str]) -> dict[str, dict[str, str]]:
     }
 
 
-def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> str:
-    """grpc.health.v1 status name of ``service`` at ``address`` (``UNREACHABLE`` on error)."""
-    with grpc.insecure_channel(address) as ch:
+def health_status(
+    address: str,
+    service: str = "",
+    timeout_s: float = 1.0,
+    security: ClientSecurity | None = None,
+) -> str:
+    """grpc.health.v1 status name of ``service`` at ``address`` (``UNREACHABLE`` on error).
+
+    ``security`` defaults to the ``SPLITVL_TLS_*`` environment (health needs no token).
+    """
+    with sync_channel(address, security or ClientSecurity.from_env()) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s

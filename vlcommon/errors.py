@@ -26,6 +26,8 @@ class ServiceError(Exception):
         reason: UPPER_SNAKE reason for ErrorInfo, e.g. ``IMAGE_DECODE_FAILED``.
         message: Human-readable message naming the field and, where one applies, the limit.
         metadata: ErrorInfo metadata, e.g. ``{"field": "images[1]", "limit": "200"}``.
+        retry_after_ms: A retry hint (over-capacity answers): sent as a
+            ``google.rpc.RetryInfo`` detail and ``retry-after-ms`` trailing metadata.
     """
 
     def __init__(
@@ -34,12 +36,14 @@ class ServiceError(Exception):
         reason: str,
         message: str,
         metadata: dict[str, str] | None = None,
+        retry_after_ms: int | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.message = message
         self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+        self.retry_after_ms = retry_after_ms
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -56,14 +60,22 @@ def invalid_argument(reason: str, message: str, *, field: str, **metadata: objec
 
 
 def resource_exhausted(
-    reason: str, message: str, *, field: str, limit: object, **metadata: object
+    reason: str,
+    message: str,
+    *,
+    field: str,
+    limit: object,
+    retry_after_ms: int | None = None,
+    **metadata: object,
 ) -> ServiceError:
-    """A ServiceError with RESOURCE_EXHAUSTED naming ``field`` and ``limit``."""
+    """A ServiceError with RESOURCE_EXHAUSTED naming ``field`` and ``limit``; with
+    ``retry_after_ms`` (a full queue, a concurrency limit) it carries a RetryInfo hint."""
     return ServiceError(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         reason,
         message,
         {"field": field, "limit": str(limit), **{k: str(v) for k, v in metadata.items()}},
+        retry_after_ms=retry_after_ms,
     )
 
 
@@ -122,18 +134,40 @@ def check_no_control_tokens(text: str, forbidden: tuple[str, ...], field: str) -
 
 
 def to_status(err: ServiceError) -> grpc.Status:
-    """Pack ``err`` as a grpc.Status whose trailing metadata holds google.rpc.Status."""
+    """Pack ``err`` as a grpc.Status whose trailing metadata holds google.rpc.Status
+    (ErrorInfo, plus RetryInfo and ``retry-after-ms`` when ``err`` has a retry hint)."""
     info = error_details_pb2.ErrorInfo(
         reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata
     )
     detail = any_pb2.Any()
     detail.Pack(info)
+    details = [detail]
+    if err.retry_after_ms is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromMilliseconds(int(err.retry_after_ms))
+        details.append(any_pb2.Any())
+        details[-1].Pack(retry)
     status = status_pb2.Status(
         code=getattr(code_pb2, err.code.name, code_pb2.UNKNOWN),
         message=err.message,
-        details=[detail],
+        details=details,
     )
-    return rpc_status.to_status(status)
+    packed = rpc_status.to_status(status)
+    if err.retry_after_ms is None:
+        return packed
+    # Plain metadata too, for clients that do not parse google.rpc details.
+    return _Status(
+        packed.code,
+        packed.details,
+        (*packed.trailing_metadata, ("retry-after-ms", str(int(err.retry_after_ms)))),
+    )
+
+
+class _Status(grpc.Status):  # type: ignore[misc]
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple) -> None:  # type: ignore[type-arg]
+        self.code = code
+        self.details = details
+        self.trailing_metadata = trailing_metadata
 
 
 async def abort(context: grpc.aio.ServicerContext, err: ServiceError) -> NoReturn:
@@ -151,6 +185,19 @@ def error_info(error: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2
     for detail in status.details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
+
+
+def retry_info(error: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.RetryInfo | None:
+    """The RetryInfo carried by a failed call, or None."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
             return info
     return None
@@ -174,4 +221,6 @@ def from_rpc_error(error: grpc.aio.AioRpcError, *, dependency: str) -> ServiceEr
     reason = info.reason if info is not None else f"{dependency.upper()}_{code.name}"
     metadata = dict(info.metadata) if info is not None else {}
     metadata.setdefault("dependency", dependency)
-    return ServiceError(code, reason, message, metadata)
+    retry = retry_info(error)  # a full queue downstream keeps its retry hint
+    retry_ms = retry.retry_delay.ToMilliseconds() if retry is not None else None
+    return ServiceError(code, reason, message, metadata, retry_after_ms=retry_ms)

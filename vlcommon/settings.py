@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -28,8 +28,45 @@ class ServerSettings(BaseSettings):
     keepalive_time_s: float = Field(30.0, gt=0, description="Keepalive ping interval, seconds.")
     keepalive_timeout_s: float = Field(10.0, gt=0, description="Keepalive ack timeout, seconds.")
     grace_s: float = Field(10.0, ge=0, description="Graceful shutdown grace period, seconds.")
+    # Admission control (vlcommon.security.AdmissionInterceptor): health and reflection are
+    # exempt so a busy service still passes its probes.
     max_concurrent_rpcs: int = Field(
-        256, ge=1, description="RPCs served at once; more get RESOURCE_EXHAUSTED."
+        256,
+        ge=1,
+        description="RPCs (streams until their last message) served at once; more get "
+        "RESOURCE_EXHAUSTED at once with a RetryInfo hint.",
+    )
+    retry_after_ms: int = Field(
+        1000, ge=0, description="Retry hint sent with RESOURCE_EXHAUSTED (RetryInfo), ms."
+    )
+    # Transport security (docs/security.md). Server side: TLS when cert and key are set;
+    # mTLS when a client CA is set too (clients without a certificate from it fail the
+    # handshake).
+    tls_cert_file: str = Field("", description="PEM certificate chain of this server.")
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file.")
+    tls_client_ca_file: str = Field(
+        "", description="PEM CA that must sign client certificates (mTLS); empty = no mTLS."
+    )
+    # Client side: how this service reaches the services it calls (the gateway's hops).
+    client_tls_ca_file: str = Field(
+        "", description="PEM CA that signs the called services' certificates; set = TLS."
+    )
+    client_tls_cert_file: str = Field("", description="PEM client certificate (mTLS).")
+    client_tls_key_file: str = Field("", description="PEM private key of the client cert.")
+    client_tls_server_name: str = Field(
+        "", description="Name checked against the called services' certificates."
+    )
+    # Tokens. auth_tokens: bearer tokens this service requires ("authorization: Bearer
+    # <t>"), meant for the gateway's public API. internal_token: the cluster's shared
+    # secret, sent on every service-to-service call and required by the internal services
+    # (encoder, cache, decoder) on every call they serve, so that only splitvl's own
+    # services can hand embeddings to the decoder.
+    auth_tokens: SecretStr = Field(
+        SecretStr(""), description="Comma-separated accepted bearer tokens; empty = no auth."
+    )
+    auth_token_file: str = Field("", description="File of accepted bearer tokens, one a line.")
+    internal_token: SecretStr = Field(
+        SecretStr(""), description="Shared secret of service-to-service calls; empty = none."
     )
 
 
