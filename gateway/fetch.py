@@ -24,6 +24,8 @@ Statuses (each names the URL's host, never the full URL, whose query may hold se
 - Upstream HTTP 5xx, refused/reset connection, DNS failure, a connect or read timeout:
   UNAVAILABLE ``URL_FETCH_FAILED`` (may succeed on retry).
 - Body over ``max_image_bytes`` (by Content-Length, or while streaming): RESOURCE_EXHAUSTED.
+- More than ``url_max_inflight`` fetches at once over all requests: RESOURCE_EXHAUSTED
+  ``URL_FETCHES_BUSY`` at once (each fetch may buffer ``max_image_bytes``).
 - The request's own deadline ran out during the fetch: DEADLINE_EXCEEDED.
 """
 
@@ -112,6 +114,7 @@ class UrlFetcher:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
+        self.inflight = 0  # URL fetches running now, over all requests (one event loop)
 
     async def fetch_all(
         self, urls: Iterable[tuple[int, str]], time_left: float | None
@@ -131,6 +134,25 @@ class UrlFetcher:
         s = self.settings
         for index, url in pending:
             self.check_url(url, index=index)
+        if self.inflight + len(pending) > s.url_max_inflight:
+            # Each fetch may buffer max_image_bytes: a bound on memory, answered at once.
+            raise resource_exhausted(
+                "URL_FETCHES_BUSY",
+                f"{self.inflight} image URL fetches are in flight; this request's "
+                f"{len(pending)} would pass the limit of {s.url_max_inflight}; retry shortly",
+                field="images",
+                limit=s.url_max_inflight,
+            )
+        self.inflight += len(pending)
+        try:
+            return await self._fetch_all(pending, time_left)
+        finally:
+            self.inflight -= len(pending)
+
+    async def _fetch_all(
+        self, pending: list[tuple[int, str]], time_left: float | None
+    ) -> dict[int, bytes]:
+        s = self.settings
         budget = s.url_total_timeout_s
         deadline_bound = False
         if time_left is not None and time_left - DEADLINE_MARGIN_S < budget:

@@ -44,6 +44,12 @@ class GatewaySettings(ServerSettings):
         15.0, gt=0, description="One fetch with its redirects (also capped by the deadline)."
     )
     url_max_redirects: int = Field(3, ge=0, description="Redirects followed per URL.")
+    url_max_inflight: int = Field(
+        32,
+        ge=1,
+        description="URL fetches in flight over all requests (each may hold max_image_bytes); "
+        "past it a request gets RESOURCE_EXHAUSTED at once.",
+    )
     url_ca_file: str = Field(
         "", description="Extra PEM CA bundle trusted for https image URLs (private PKI)."
     )

@@ -3,6 +3,7 @@ real gateway (in process) in front of the session cluster's encoder, cache and d
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import io
 import ipaddress
@@ -272,6 +273,23 @@ async def test_redirects_are_bounded(server: ImageServer) -> None:
     assert err.reason == "URL_TOO_MANY_REDIRECTS" and "more than 3 redirects" in err.message
     err = await fetch_error(f, server.url("/loop"))
     assert err.reason == "URL_TOO_MANY_REDIRECTS"
+
+
+async def test_fetches_in_flight_are_bounded(server: ImageServer) -> None:
+    f = fetcher(url_max_inflight=2)
+    slow = asyncio.ensure_future(f.fetch_all([(0, server.url("/slow/1.5"))], 30.0))
+    while f.inflight == 0:
+        await asyncio.sleep(0.01)
+    two = [(0, server.url("/bytes/5")), (1, server.url("/bytes/6"))]
+    with pytest.raises(ServiceError) as exc:
+        await f.fetch_all(two, 30.0)  # 1 in flight + 2 > 2: refused at once
+    assert not slow.done()  # it did not wait for a slot
+    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert exc.value.reason == "URL_FETCHES_BUSY" and exc.value.metadata["limit"] == "2"
+    assert (await f.fetch_all(two[:1], 30.0))[0] == b"x" * 5  # 1 + 1 fits
+    assert (await slow)[0] == b"z" * 10
+    assert f.inflight == 0
+    assert await f.fetch_all(two, 30.0) == {0: b"x" * 5, 1: b"x" * 6}
 
 
 async def test_read_timeout_and_deadline(server: ImageServer) -> None:
