@@ -1,0 +1,296 @@
+"""The cache service under concurrency (case C13), leases over gRPC, refusals, metrics, spans.
+
+Real FAISS, real in-process ``grpc.aio`` servers on loopback; no fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
+from qwenvl.cache.v1 import cache_service_pb2 as pb
+from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
+from qwenvl.common.v1 import generation_pb2, tensor_pb2
+
+from cache_service.index import IndexParams
+from cache_service.servicer import CacheServicer
+from cache_service.store import EmbeddingStore
+from tests.conftest import in_process_server
+from vlcommon import tensors
+
+DIM = 64
+GRID = (1, 4, 4)  # 4 rows after the 2x2 merge
+WIDTH = 6
+N_KEYS = 240
+
+
+def vectors(n: int, seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+VECS = vectors(N_KEYS, 11)
+
+
+def payload(i: int) -> np.ndarray:
+    """Entry i's embeddings: every value encodes i, so a torn or mixed-up read shows."""
+    return np.full((4, WIDTH), float(i), dtype=np.float32) + np.arange(WIDTH, dtype=np.float32)
+
+
+def query_of(i: int, seed: int) -> np.ndarray:
+    """A near-duplicate (cosine ~0.99) of entry i's descriptor."""
+    noise = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32) * 0.015
+    q = VECS[i] + noise
+    return q / np.linalg.norm(q)
+
+
+def new_store(**kw: object) -> EmbeddingStore:
+    args: dict[str, object] = {
+        "descriptor_dim": DIM,
+        "capacity_bytes": 10**8,
+        "index_threshold": 64,
+        "index_params": IndexParams(projected_dim=16, hnsw_m=16, ef_search=64),
+    }
+    args.update(kw)
+    return EmbeddingStore(**args)  # type: ignore[arg-type]
+
+
+def store_put(store: EmbeddingStore, i: int) -> int:
+    data = payload(i).tobytes()
+    return store.put(f"k{i}", VECS[i], GRID, tensor_pb2.DATA_TYPE_FP32, (4, WIDTH), data)
+
+
+def answer(store: EmbeddingStore, i: int, seed: int) -> tuple[str, str | None, float]:
+    m = store.lookup(f"q{i}-{seed}", query_of(i, seed), GRID, similar=True)
+    if m.entry is not None:
+        got = np.frombuffer(m.entry.data, dtype=np.float32).reshape(4, WIDTH)
+        j = int(m.entry.key[1:])
+        assert np.array_equal(got, payload(j)), "torn read: payload does not match its key"
+    return m.tier, m.entry.key if m.entry else None, round(m.similarity, 5)
+
+
+def test_c13_threads_putting_and_searching_match_a_serial_run() -> None:
+    """Case C13: 8 threads put disjoint keys and search near-duplicates concurrently, with
+    the index migrating to HNSW (in a background thread) on the way; then the answers for
+    every key equal those of a store filled serially."""
+    preload = range(40)
+    store = new_store(background_rebuild=True)
+    for i in preload:
+        store_put(store, i)
+    before = {i: answer(store, i, 0) for i in preload}
+    errors: list[BaseException] = []
+    during: dict[int, list[tuple[str, str | None, float]]] = {i: [] for i in preload}
+
+    def worker(t: int) -> None:
+        try:
+            for n, i in enumerate(range(40 + t, N_KEYS, 8)):
+                store_put(store, i)
+                j = (t * 7 + n) % 40
+                during[j].append(answer(store, j, 0))
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    assert store.wait_for_rebuild(timeout=60)
+    assert store.index_kind == "hnsw" and len(store) == N_KEYS
+    store.check_invariants()
+    # Searches made during the adds saw the preloaded entries exactly as before them.
+    for j, seen in during.items():
+        assert all(s == before[j] for s in seen), (j, seen, before[j])
+
+    serial = new_store()
+    for i in range(N_KEYS):
+        store_put(serial, i)
+    for i in range(N_KEYS):
+        expected = answer(serial, i, 1)
+        assert expected[:2] == ("similar", f"k{i}")
+        assert answer(store, i, 1) == expected
+
+
+@pytest.fixture
+async def served():
+    store = new_store(capacity_bytes=60 * 4 * WIDTH * 4)  # room for 60 entries
+    servicer = CacheServicer(
+        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=16
+    )
+    async with in_process_server(
+        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
+    ) as channel:
+        yield pb_grpc.CacheServiceStub(channel), store
+
+
+def put_entry(i: int) -> pb.PutEntry:
+    t, h, w = GRID
+    return pb.PutEntry(
+        key=f"k{i}",
+        descriptor=tensors.from_numpy(VECS[i]),
+        embedding=tensor_pb2.ImageEmbedding(
+            embeddings=tensors.from_numpy(payload(i)),
+            grid=tensor_pb2.GridTHW(t=t, h=h, w=w),
+            key=f"k{i}",
+        ),
+    )
+
+
+def lookup_request(ids: list[int], seed: int, include: bool = True) -> pb.LookupRequest:
+    t, h, w = GRID
+    return pb.LookupRequest(
+        include_embeddings=include,
+        queries=[
+            pb.LookupQuery(
+                key=f"q{i}",
+                descriptor=tensors.from_numpy(query_of(i, seed)),
+                grid=tensor_pb2.GridTHW(t=t, h=h, w=w),
+            )
+            for i in ids
+        ],
+    )
+
+
+def check_results(resp: pb.LookupResponse) -> list[str | None]:
+    """Matched keys; every returned embedding must be its key's own payload."""
+    keys: list[str | None] = []
+    for r in resp.results:
+        if r.tier == generation_pb2.CACHE_TIER_MISS:
+            keys.append(None)
+            continue
+        j = int(r.matched_key[1:])
+        assert r.embedding.key == r.matched_key
+        assert np.array_equal(tensors.to_numpy(r.embedding.embeddings), payload(j))
+        keys.append(r.matched_key)
+    return keys
+
+
+async def test_c13_concurrent_rpcs_with_eviction_release_every_lease(served) -> None:
+    """Case C13 over gRPC: 24 tasks interleave Puts and similarity Lookups while the byte
+    budget (60 entries) evicts; every answer is its key's own payload, leases taken for the
+    responses are all released when the calls end, and the bookkeeping holds."""
+    stub, store = served
+
+    async def client(t: int) -> int:
+        hits = 0
+        for n in range(10):
+            i = (t * 10 + n) % N_KEYS
+            await stub.Put(pb.PutRequest(entries=[put_entry(i)]))
+            resp = await stub.Lookup(lookup_request([i, (i + 1) % N_KEYS], seed=n))
+            keys = check_results(resp)
+            assert keys[0] in (f"k{i}", None)  # evicted by others meanwhile, or itself
+            hits += keys[0] is not None
+        return hits
+
+    hits = await asyncio.gather(*(client(t) for t in range(24)))
+    assert sum(hits) > 0
+    assert store.leased == 0
+    assert len(store) == 60 and store.bytes <= store.capacity_bytes
+    store.check_invariants()
+    # Serial check afterwards: what is held is found, what was evicted is not.
+    resp = await stub.Lookup(lookup_request(list(range(N_KEYS)[:16]), seed=99))
+    for i, key in zip(range(16), check_results(resp), strict=True):
+        assert key == (f"k{i}" if f"k{i}" in store else None)
+
+
+async def test_put_refused_while_leases_hold_the_budget(served) -> None:
+    stub, store = served
+    await stub.Put(pb.PutRequest(entries=[put_entry(i) for i in range(16)]))
+    await stub.Put(pb.PutRequest(entries=[put_entry(i) for i in range(16, 32)]))
+    await stub.Put(pb.PutRequest(entries=[put_entry(i) for i in range(32, 48)]))
+    await stub.Put(pb.PutRequest(entries=[put_entry(i) for i in range(48, 60)]))
+    held = [store.lookup(f"k{i}", None, GRID, similar=False, lease=True).entry for i in range(60)]
+    refused = (
+        REGISTRY.get_sample_value("splitvl_cache_puts_refused_total", {"reason": "leased"}) or 0.0
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Put(pb.PutRequest(entries=[put_entry(60)]))
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "entries[0] needs 96 bytes but 5760 of the 5760-byte budget" in exc.value.details()
+    assert (
+        REGISTRY.get_sample_value("splitvl_cache_puts_refused_total", {"reason": "leased"})
+        == refused + 1
+    )
+    assert len(store) == 60 and "k60" not in store
+    for entry in held[:1]:
+        assert entry is not None
+        store.release(entry)
+    resp = await stub.Put(pb.PutRequest(entries=[put_entry(60)]))
+    assert (resp.stored, resp.evicted) == (1, 1) and "k0" not in store
+    for entry in held[1:]:
+        assert entry is not None
+        store.release(entry)
+    store.check_invariants()
+
+
+async def test_entry_larger_than_the_budget_is_resource_exhausted() -> None:
+    store = new_store(capacity_bytes=64)
+    servicer = CacheServicer(
+        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=4
+    )
+    async with in_process_server(
+        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
+    ) as channel:
+        stub = pb_grpc.CacheServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Put(pb.PutRequest(entries=[put_entry(1)]))
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert exc.value.details() == (
+        "entries[0].embedding.embeddings holds 96 bytes; the cache's byte budget "
+        "(capacity_bytes) is 64"
+    )
+    assert len(store) == 0
+
+
+def _sample(name: str, labels: dict[str, str] | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+async def test_metrics_per_tier_and_lookup_attributes_on_the_rpc_span(served) -> None:
+    from vlcommon import telemetry
+
+    exporter = InMemorySpanExporter()
+    telemetry.setup_tracing("test").add_span_processor(SimpleSpanProcessor(exporter))
+    stub, store = served
+    names = [
+        ("splitvl_cache_hits_total", {"tier": "exact"}),
+        ("splitvl_cache_hits_total", {"tier": "similar"}),
+        ("splitvl_cache_misses_total", {"tier": "exact"}),
+        ("splitvl_cache_misses_total", {"tier": "similar"}),
+        ("splitvl_cache_lookup_duration_seconds_count", None),
+    ]
+    before = [_sample(n, lab) for n, lab in names]
+    await stub.Put(pb.PutRequest(entries=[put_entry(1), put_entry(2)]))
+    request = lookup_request([1, 2, 3], seed=5)
+    request.queries[0].key = "k1"  # an exact hit; 2 is similar; 3 misses both tiers
+    resp = await stub.Lookup(request)
+    assert [r.tier for r in resp.results] == [
+        generation_pb2.CACHE_TIER_EXACT,
+        generation_pb2.CACHE_TIER_SIMILAR,
+        generation_pb2.CACHE_TIER_MISS,
+    ]
+    after = [_sample(n, lab) for n, lab in names]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1, 2, 1, 1]
+    assert _sample("splitvl_cache_entries") == len(store) == 2
+    assert _sample("splitvl_cache_stored_bytes") == store.bytes == 2 * 96
+    exporter.force_flush()
+    spans = [s for s in exporter.get_finished_spans() if "Lookup" in s.name]
+    assert spans, [s.name for s in exporter.get_finished_spans()]
+    attrs = spans[-1].attributes or {}
+    assert list(attrs["splitvl.cache.tiers"]) == ["exact", "similar", "miss"]
+    sims = list(attrs["splitvl.cache.similarities"])
+    assert sims[0] == 1.0 and sims[1] == pytest.approx(float(VECS[2] @ query_of(2, 5)), abs=1e-5)
+    per_query = [s for s in exporter.get_finished_spans() if s.name == "cache.lookup"]
+    assert [dict(s.attributes or {})["splitvl.cache.tier"] for s in per_query[-3:]] == [
+        "exact",
+        "similar",
+        "miss",
+    ]
+    exporter.shutdown()
