@@ -56,7 +56,8 @@ def default_config() -> BenchConfig:
     from cache_service.index import IndexParams
     from cache_service.settings import CacheSettings
 
-    s = CacheSettings()
+    overrides: dict[str, Any] = {}  # defaults and CACHE_* environment variables
+    s = CacheSettings(**overrides)
     return BenchConfig(
         dim=s.descriptor_dim,
         threshold=s.threshold,
@@ -179,7 +180,7 @@ def bench_size(
     )
     # Exact answers from the full vectors the approximate index re-scores with (the same
     # IndexFlatIP computation as the flat kind, without a second copy of N vectors).
-    refine = faiss.downcast_index(approx.index.index)
+    refine: Any = faiss.downcast_index(approx.index.index)
     flat_all = refine.refine_index
     say(f"  {n}: exact answers for {len(queries)} queries")
     scores, ids = flat_all.search(queries, cfg.search_k)
