@@ -53,6 +53,9 @@ class Delta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    # vLLM's per-request timestamps (``RequestStateStats``: queued_ts, scheduled_ts,
+    # first_token_ts, monotonic seconds of the engine core), or None without log stats.
+    stats: Any = None
 
 
 class DecoderEngine:
@@ -83,7 +86,11 @@ class DecoderEngine:
         added = self.tokenizer.get_added_vocab()
         self._added_by_id = {i: t for t, i in added.items()}
         self.forbidden_tokens = tuple(sorted(added, key=len, reverse=True))
-        self.llm = AsyncLLM.from_engine_args(self.engine_args)
+        from decoder_service.metrics import engine_stat_logger
+
+        # Our stat logger feeds splitvl_decoder_engine_* (KV-cache usage, queue depth);
+        # vLLM still adds its own Prometheus logger beside it.
+        self.llm = AsyncLLM.from_engine_args(self.engine_args, stat_loggers=[engine_stat_logger()])
         self.max_model_len = int(self.llm.model_config.max_model_len)
         limits = self.llm.model_config.multimodal_config.limit_per_prompt
         image_limit = limits.get("image", 1)
@@ -159,6 +166,7 @@ class DecoderEngine:
                     finish_reason=choice.finish_reason if out.finished else None,
                     prompt_tokens=len(out.prompt_token_ids or ()),
                     completion_tokens=completion,
+                    stats=out.metrics,
                 )
         finally:
             if not finished and self.llm is not None and not self.llm.errored:

@@ -34,6 +34,41 @@ MAX_STOP_CHARS = 256
 FINISH = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH}
 
 
+def _wall_ns(monotonic_s: float) -> int:
+    """Epoch nanoseconds of a ``time.monotonic()`` reading taken on this host.
+
+    vLLM stamps its engine-core events with ``time.monotonic()`` in the engine-core process;
+    CLOCK_MONOTONIC is one clock for the whole host on Linux, so the reading maps to wall
+    time by its distance from now.
+    """
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+
+
+def _engine_spans(stats: object, parent_end_ns: int) -> tuple[float, float] | None:
+    """Record ``decoder.queue`` (queued -> scheduled) and ``decoder.prefill`` (scheduled ->
+    first token) as children of the current span, from vLLM's ``RequestStateStats``.
+
+    Returns:
+        (queue wait, prefill) in seconds, or None when vLLM kept no timestamps.
+    """
+    queued = float(getattr(stats, "queued_ts", 0.0) or 0.0)
+    scheduled = float(getattr(stats, "scheduled_ts", 0.0) or 0.0)
+    first = float(getattr(stats, "first_token_ts", 0.0) or 0.0)
+    if not (0.0 < queued <= scheduled <= first):
+        return None
+    t_queued, t_scheduled, t_first = (
+        min(_wall_ns(t), parent_end_ns) for t in (queued, scheduled, first)
+    )
+    queue = tracer.start_span("decoder.queue", start_time=t_queued)
+    queue.set_attribute("splitvl.decoder.queue_wait_ms", (scheduled - queued) * 1000)
+    queue.end(end_time=t_scheduled)
+    prefill = tracer.start_span("decoder.prefill", start_time=t_scheduled)
+    prefill.set_attribute("splitvl.decoder.prefill_ms", (first - scheduled) * 1000)
+    prefill.add_event("first_token", timestamp=t_first)
+    prefill.end(end_time=t_first)
+    return scheduled - queued, first - scheduled
+
+
 def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits) -> object:
     """vLLM SamplingParams from the proto, with every field range-checked.
 
@@ -115,8 +150,8 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        code = grpc.StatusCode.OK
         request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        generation: trace.Span | None = None  # first token -> last token
         try:
             if self.engine.llm is None or self.engine.spec is None:
                 raise ServiceError(
@@ -140,7 +175,8 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 check_image(request.images[i], i, self.engine.spec, self.engine.max_image_tokens)
                 for i in order
             ]
-            metrics.EMBEDDING_BYTES.inc(sum(len(request.images[i].embeddings.data) for i in order))
+            received = sum(len(request.images[i].embeddings.data) for i in order)
+            metrics.EMBEDDING_RECEIVED_BYTES.inc(received)
             params = sampling_params(request.sampling, limits)
             # Render and tokenise once; the blank render is the template's own tokens.
             prompt = self.engine.render(messages)
@@ -167,15 +203,23 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             last = t0
             first = True
             with tracer.start_as_current_span("decoder.generate") as span:
-                span.set_attribute("splitvl.images", len(images))
-                span.set_attribute("splitvl.prompt_tokens", n_prompt)
-                span.set_attribute("gen_ai.request.id", request_id)
+                span.set_attribute("splitvl.request.model", str(self.engine.engine_args.model))
+                span.set_attribute("splitvl.request.id", request_id)
+                span.set_attribute("splitvl.request.images", len(images))
+                span.set_attribute("splitvl.request.max_tokens", params.max_tokens)  # type: ignore[attr-defined]
+                span.set_attribute("splitvl.usage.prompt_tokens", n_prompt)
+                span.set_attribute("splitvl.embedding.bytes", received)
                 async for delta in self.engine.generate(request_id, prompt, images, params):
                     now = time.perf_counter()
                     if delta.token_ids:
                         if first:
                             metrics.TTFT.observe(now - t0)
-                            span.add_event("first_token", {"ttft_ms": (now - t0) * 1000})
+                            span.add_event("first_token", {"splitvl.ttft_ms": (now - t0) * 1000})
+                            engine_times = _engine_spans(delta.stats, time.time_ns())
+                            if engine_times is not None:
+                                metrics.QUEUE_WAIT.observe(engine_times[0])
+                                metrics.PREFILL_SECONDS.observe(engine_times[1])
+                            generation = tracer.start_span("decoder.generation")
                             first = False
                         else:
                             metrics.ITL.observe((now - last) / len(delta.token_ids))
@@ -188,13 +232,21 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                         )
                         response.usage.prompt_tokens = delta.prompt_tokens
                         response.usage.completion_tokens = delta.completion_tokens
-                        span.set_attribute("splitvl.completion_tokens", delta.completion_tokens)
+                        metrics.PROMPT_TOKENS.inc(delta.prompt_tokens)
+                        span.set_attribute(
+                            "splitvl.usage.completion_tokens", delta.completion_tokens
+                        )
+                        span.set_attribute("splitvl.finish_reason", delta.finish_reason)
+                        if generation is not None:
+                            generation.set_attribute(
+                                "splitvl.usage.completion_tokens", delta.completion_tokens
+                            )
+                            generation.end()
+                            generation = None
                     yield response
         except ServiceError as err:
-            code = err.code
             await abort(context, err)
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
             metrics.ABORTED.inc()
             log.info("request %s cancelled by the client: vLLM request aborted", request_id)
             raise
@@ -203,7 +255,6 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             from vllm.v1.engine.exceptions import EngineDeadError
 
             if isinstance(exc, VLLMClientError | ValueError):
-                code = grpc.StatusCode.INVALID_ARGUMENT
                 await abort(
                     context,
                     invalid_argument(
@@ -211,7 +262,6 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                     ),
                 )
             if isinstance(exc, EngineDeadError) or self.engine.dead:
-                code = grpc.StatusCode.UNAVAILABLE
                 log.error("vLLM engine died: %s", exc)
                 self.on_engine_dead()
                 await abort(
@@ -220,7 +270,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                         grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD", f"decoder engine died: {exc}"
                     ),
                 )
-            code = grpc.StatusCode.INTERNAL
             raise
         finally:
-            metrics.REQUESTS.labels(code=code.name).inc()
+            if generation is not None:  # cancelled, failed, or ended without a finish reason
+                generation.end()

@@ -5,6 +5,10 @@ Concurrent ``submit()`` calls are gathered into one packed ViT call, bounded by
 a batch arrives. Identical images in flight (same exact key) are encoded once and
 shared. The queue is bounded: when full, ``submit()`` raises RESOURCE_EXHAUSTED at once.
 A cancelled caller leaves the batch; the others are unaffected.
+
+Tracing: each ViT call is one ``vit.batch`` span (batch id, images, patches) with an
+OpenTelemetry link to the request span of every caller it served; it is a child of the
+first caller's span, so it also shows inside that request's trace.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry import trace
 
 from encoder_service import metrics
 from encoder_service.engine import Preprocessed
 from vlcommon.errors import ServiceError, resource_exhausted
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("splitvl.encoder")
 
 
 @dataclass
@@ -32,6 +38,25 @@ class _Item:
     future: asyncio.Future[torch.Tensor]
     enqueued: float = field(default_factory=time.perf_counter)
     waiters: int = 1
+    # Request spans this image serves (one per caller, de-duplicated callers included).
+    links: list[trace.SpanContext] = field(default_factory=list)
+    started: float = 0.0  # perf_counter when its batch started
+    batch_id: int = 0
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """How one submitted image was batched.
+
+    Attributes:
+        batch_id: Sequence number of the ViT call (``splitvl.batch.id`` of its span).
+        batch_size: Images in that call.
+        queue_wait_s: Seconds from this caller's submit to the start of the call.
+    """
+
+    batch_id: int
+    batch_size: int
+    queue_wait_s: float
 
 
 class Batcher:
@@ -65,6 +90,9 @@ class Batcher:
         self._inflight: dict[str, _Item] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vit")
         self._task: asyncio.Task[None] | None = None
+        self._batches = 0
+        self._batch_sizes: dict[int, int] = {}
+        self._batch_s = 0.1  # moving average of one ViT call's wall time (retry hints)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="vit-batcher")
@@ -87,10 +115,21 @@ class Batcher:
         Raises:
             ServiceError: RESOURCE_EXHAUSTED when the queue is full.
         """
+        return (await self.submit_timed(key, image))[0]
+
+    async def submit_timed(self, key: str, image: Preprocessed) -> tuple[torch.Tensor, BatchInfo]:
+        """:meth:`submit`, also saying which ViT call served the image and how long it
+        queued. The current span (the caller's request span) is linked from that call's
+        ``vit.batch`` span.
+        """
+        t_submit = time.perf_counter()
+        caller = trace.get_current_span().get_span_context()
         item = self._inflight.get(key) if key else None
         if item is not None and not item.future.done():
             item.waiters += 1
             metrics.DEDUPLICATED.inc()
+            if caller.is_valid:
+                item.links.append(caller)
         else:
             if self._queue.qsize() >= self.max_queue:
                 raise resource_exhausted(
@@ -98,17 +137,26 @@ class Batcher:
                     f"encoder queue is full ({self.max_queue} images waiting); retry later",
                     field="images",
                     limit=self.max_queue,
+                    retry_after_ms=self._retry_after_ms(),
                 )
             item = _Item(key, image, asyncio.get_running_loop().create_future())
+            if caller.is_valid:
+                item.links.append(caller)
             if key:
                 self._inflight[key] = item
             self._queue.put_nowait(item)
-            metrics.QUEUE_DEPTH.set(self._queue.qsize())
+            metrics.QUEUED_IMAGES.set(self._queue.qsize())
         try:
             # shield: one caller's cancel must not cancel the shared future of the others.
-            return await asyncio.shield(item.future)
+            out = await asyncio.shield(item.future)
         finally:
             item.waiters -= 1
+        info = BatchInfo(
+            batch_id=item.batch_id,
+            batch_size=self._batch_sizes.get(item.batch_id, 1),
+            queue_wait_s=max(item.started - t_submit, 0.0),
+        )
+        return out, info
 
     async def _collect(self) -> list[_Item]:
         if self._carry is not None:
@@ -136,7 +184,7 @@ class Batcher:
                 break
             batch.append(item)
             patches += n
-        metrics.QUEUE_DEPTH.set(self._queue.qsize())
+        metrics.QUEUED_IMAGES.set(self._queue.qsize())
         return batch
 
     async def _run(self) -> None:
@@ -147,14 +195,22 @@ class Batcher:
             live = [it for it in batch if it.waiters > 0 and not it.future.done()]
             for it in batch:
                 if it not in live:
+                    if not it.future.done():
+                        metrics.DROPPED.inc()
                     self._finish(it, error=asyncio.CancelledError())
             if not live:
                 continue
             now = time.perf_counter()
+            self._batches += 1
+            batch_id = self._batches
+            self._batch_sizes[batch_id] = len(live)
             for it in live:
                 metrics.QUEUE_WAIT.observe(now - it.enqueued)
+                it.started, it.batch_id = now, batch_id
+            patches = sum(int(it.image.pixel_values.shape[0]) for it in live)
             metrics.BATCH_IMAGES.observe(len(live))
-            metrics.BATCH_PATCHES.observe(sum(it.image.pixel_values.shape[0] for it in live))
+            metrics.BATCH_PATCHES.observe(patches)
+            span = self._batch_span(live, batch_id, patches)
             t0 = time.perf_counter()
             try:
                 outcomes = await loop.run_in_executor(
@@ -162,15 +218,45 @@ class Batcher:
                 )
             except Exception as exc:  # noqa: BLE001 - every waiter must get an answer
                 log.exception("ViT batch of %d failed", len(live))
+                span.record_exception(exc)
+                span.set_status(trace.StatusCode.ERROR, str(exc))
+                span.end()
                 for it in live:
                     self._finish(it, error=exc)
+                self._forget_batch(batch_id)
                 continue
-            metrics.ENCODE_SECONDS.observe(time.perf_counter() - t0)
+            span.end()
+            metrics.BATCH_SECONDS.observe(time.perf_counter() - t0)
+            self._batch_s = 0.8 * self._batch_s + 0.2 * (time.perf_counter() - t0)
             for it, outcome in zip(live, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     self._finish(it, error=outcome)
                 else:
                     self._finish(it, result=outcome)
+            self._forget_batch(batch_id)
+
+    def _forget_batch(self, batch_id: int) -> None:
+        # Waiters read the size right after their future resolves (same loop turn or the
+        # next); keep the last few batches' sizes, drop older ones.
+        self._batch_sizes.pop(batch_id - 64, None)
+
+    def _batch_span(self, live: list[_Item], batch_id: int, patches: int) -> trace.Span:
+        """Start the ``vit.batch`` span: child of the first caller, linked to every caller."""
+        links = [trace.Link(ctx) for it in live for ctx in it.links]
+        parent = next((ctx for it in live for ctx in it.links), None)
+        context = trace.set_span_in_context(trace.NonRecordingSpan(parent)) if parent else None
+        span = tracer.start_span("vit.batch", context=context, links=links)
+        span.set_attribute("splitvl.batch.id", batch_id)
+        span.set_attribute("splitvl.batch.size", len(live))
+        span.set_attribute("splitvl.batch.patches", patches)
+        span.set_attribute("splitvl.batch.links", len(links))
+        return span
+
+    def _retry_after_ms(self) -> int:
+        """Retry hint for a full queue: about the time to work through the queue now
+        (batches needed x mean ViT call + wait window), at least 100 ms."""
+        batches = -(-self._queue.qsize() // self.max_batch_images)
+        return max(100, int(1000 * batches * (self._batch_s + self.max_wait_s)))
 
     def _encode_splitting(self, images: list[Preprocessed]) -> list[torch.Tensor | ServiceError]:
         """Encode ``images``; on out-of-memory, split the batch in halves and retry each.

@@ -132,7 +132,6 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     async def Encode(
         self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.EncodeResponse:
-        code = grpc.StatusCode.OK
         t0 = time.perf_counter()
         try:
             engine, batcher = self._ready()
@@ -153,13 +152,25 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 span.set_attribute("splitvl.images", len(prepared))
                 images = await asyncio.to_thread(self._preprocess_all, engine, prepared)
             t_queue = time.perf_counter()
+            # The per-request span: the vit.batch spans that served it link here.
             with tracer.start_as_current_span("encoder.encode") as span:
-                outs = await asyncio.gather(
+                span.set_attribute("splitvl.request.images", len(prepared))
+                span.set_attribute(
+                    "splitvl.request.patches",
+                    sum(p.grid_t * p.grid_h * p.grid_w for _, _, p in prepared),
+                )
+                timed = await asyncio.gather(
                     *(
-                        batcher.submit(key, im)
+                        batcher.submit_timed(key, im)
                         for (key, _, _), im in zip(prepared, images, strict=True)
                     )
                 )
+                outs = [out for out, _ in timed]
+                span.set_attribute(
+                    "splitvl.encoder.queue_wait_ms", max(i.queue_wait_s for _, i in timed) * 1000
+                )
+                span.set_attribute("splitvl.batch.ids", [i.batch_id for _, i in timed])
+                span.set_attribute("splitvl.batch.sizes", [i.batch_size for _, i in timed])
                 span.set_attribute("splitvl.tokens", sum(o.shape[0] for o in outs))
             response = pb.EncodeResponse(encode_ms=(time.perf_counter() - t_queue) * 1000)
             for request_image, (_, _, plan), out in zip(
@@ -174,15 +185,12 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                     grid=tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w),
                     key=request_image.key,
                 )
+            sent = sum(len(e.embeddings.data) for e in response.embeddings)
+            metrics.EMBEDDING_SENT_BYTES.inc(sent)
+            trace.get_current_span().set_attribute("splitvl.embedding.bytes", sent)
             log.debug(
                 "encoded %d images in %.1f ms", len(prepared), (time.perf_counter() - t0) * 1000
             )
             return response
         except ServiceError as err:
-            code = err.code
             await abort(context, err)
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        finally:
-            metrics.REQUESTS.labels(code=code.name).inc()

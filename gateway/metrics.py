@@ -1,0 +1,42 @@
+"""Prometheus metrics of the gateway (prometheus-client, default registry).
+
+RPC counts and durations (``splitvl_gateway_requests_total{method,code}``, ...) come from
+the shared interceptor in ``vlcommon.metrics``. Names: docs/observability.md.
+"""
+
+from prometheus_client import Counter, Histogram
+
+IMAGES = Counter("splitvl_gateway_images_total", "Images in requests that passed preprocessing.")
+CACHE_LOOKUPS = Counter(
+    "splitvl_gateway_cache_lookups_total",
+    "Images the cache answered for, by tier (exact, similar, miss).",
+    ["tier"],
+)
+CACHE_FAILURES = Counter(
+    "splitvl_gateway_cache_failures_total",
+    "Cache calls that failed or timed out (served by encoding), or unusable hits.",
+    ["op"],
+)
+STAGE_SECONDS = Histogram(
+    "splitvl_gateway_stage_duration_seconds", "Wall time per stage of Generate.", ["stage"]
+)
+TTFT = Histogram(
+    "splitvl_gateway_time_to_first_token_seconds",
+    "Time to first token (TTFT) as the client sees it: request arrival -> first token.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+ITL = Histogram(
+    "splitvl_gateway_inter_token_latency_seconds",
+    "Inter-token latency (ITL) of the streamed response.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+)
+EMBEDDING_RECEIVED_BYTES = Counter(
+    "splitvl_gateway_embedding_received_bytes_total",
+    "Image embedding tensor bytes received, by source (encoder, cache).",
+    ["source"],
+)
+EMBEDDING_SENT_BYTES = Counter(
+    "splitvl_gateway_embedding_sent_bytes_total",
+    "Image embedding tensor bytes sent, by destination (decoder, cache).",
+    ["destination"],
+)

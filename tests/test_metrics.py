@@ -1,0 +1,226 @@
+"""Prometheus metrics: the shared RPC interceptor (in process) and every service's /metrics
+scraped from the running cluster around one real Generate.
+
+The names are the ones in docs/observability.md; the deltas are what one request with one
+unseen image and ``MAX_TOKENS`` greedy tokens (ignore_eos) must add.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitvl.client import build_request, generate
+from tests.conftest import png_bytes, rgb
+from vlcommon.errors import abort, invalid_argument
+from vlcommon.model_info import load_vision_spec
+
+MAX_TOKENS = 6
+FP32_BYTES = 4  # the tiny checkpoint's encoder and decoder run float32
+
+
+# -- the interceptor, in process -------------------------------------------------------------
+def _sample(name: str, labels: dict[str, str]) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_interceptor_counts_methods_and_status_codes() -> None:
+    """Each RPC is counted once under its short method name and the status the client saw."""
+    from tests.conftest import in_process_server
+
+    async def ok(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await abort(context, invalid_argument("BAD", "bad input", field="x"))
+        return b""
+
+    async def crash(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        raise RuntimeError("boom")
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        for _ in range(3):
+            yield request
+
+    def handler(kind, fn):  # type: ignore[no-untyped-def]
+        return kind(fn, request_deserializer=bytes, response_serializer=bytes)
+
+    handlers = {
+        "Ok": handler(grpc.unary_unary_rpc_method_handler, ok),
+        "Refuse": handler(grpc.unary_unary_rpc_method_handler, refuse),
+        "Crash": handler(grpc.unary_unary_rpc_method_handler, crash),
+        "Stream": handler(grpc.unary_stream_rpc_method_handler, stream),
+    }
+
+    def add(_servicer, server) -> None:  # type: ignore[no-untyped-def]
+        server.add_registered_method_handlers("t.v1.TestService", handlers)
+
+    name = "splitvl_test_requests_total"
+    before = {
+        (m, c): _sample(name, {"method": m, "code": c})
+        for m, c in [("Ok", "OK"), ("Refuse", "INVALID_ARGUMENT"), ("Crash", "UNKNOWN")]
+        + [("Stream", "OK")]
+    }
+    async with in_process_server(add, None, "t.v1.TestService") as channel:
+        for _ in range(2):
+            assert await channel.unary_unary("/t.v1.TestService/Ok")(b"x") == b"x"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await channel.unary_unary("/t.v1.TestService/Refuse")(b"x")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as crashed:
+            await channel.unary_unary("/t.v1.TestService/Crash")(b"x")
+        assert crashed.value.code() == grpc.StatusCode.UNKNOWN
+        got = [r async for r in channel.unary_stream("/t.v1.TestService/Stream")(b"y")]
+        assert got == [b"y"] * 3
+        # health checks are not counted
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    expected = {("Ok", "OK"): 2, ("Refuse", "INVALID_ARGUMENT"): 1, ("Crash", "UNKNOWN"): 1}
+    expected[("Stream", "OK")] = 1
+    for (m, c), n in expected.items():
+        assert _sample(name, {"method": m, "code": c}) - before[(m, c)] == n, (m, c)
+    assert _sample(name, {"method": "Check", "code": "OK"}) == 0
+    assert _sample("splitvl_test_request_duration_seconds_count", {"method": "Stream"}) >= 1
+    assert _sample("splitvl_test_in_flight_requests", {"method": "Ok"}) == 0
+
+
+# -- the cluster -----------------------------------------------------------------------------
+def scrape(cluster, service: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """All samples of one service's /metrics, keyed by (name, sorted labels)."""
+    url = f"http://127.0.0.1:{cluster.ports.metrics[service]}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+class Delta:
+    """Differences of one service's samples between two scrapes."""
+
+    def __init__(self, before: dict, after: dict) -> None:
+        self.before, self.after = before, after
+
+    def names(self) -> set[str]:
+        return {name for name, _ in self.after}
+
+    def value(self, name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        assert key in self.after, f"{name}{labels} is not exported"
+        return self.after[key]
+
+    def get(self, name: str, **labels: str) -> float:
+        """Like calling it, but 0 for a sample not (yet) exported."""
+        key = (name, tuple(sorted(labels.items())))
+        return self.after.get(key, 0.0) - self.before.get(key, 0.0)
+
+    def __call__(self, name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        assert key in self.after, f"{name}{labels} is not exported"
+        return self.after[key] - self.before.get(key, 0.0)
+
+
+SERVICES = ("gateway", "encoder", "cache", "decoder")
+
+
+@pytest.mark.e2e
+def test_one_generate_moves_every_service_metric(cluster, tiny_model) -> None:
+    width = load_vision_spec(tiny_model).embedding_width
+    before = {s: scrape(cluster, s) for s in SERVICES}
+    image = png_bytes(rgb("coffee.png").crop((11, 3, 331, 243)))  # unseen: a miss
+    request = build_request([image], "What is this?", max_tokens=MAX_TOKENS, ignore_eos=True)
+    result = generate(cluster.ports.address("gateway"), request, timeout_s=120)
+    assert result.images[0]["tier"] == "miss" and len(result.token_ids) == MAX_TOKENS
+    tokens = result.images[0]["tokens"]
+    emb_bytes = tokens * width * FP32_BYTES
+
+    # The cache Put runs beside the decode, and a server counts an RPC as its handler
+    # returns, which can be just after the client has its status: wait for the counts.
+    deadline = time.monotonic() + 15
+    while True:
+        after = {s: scrape(cluster, s) for s in SERVICES}
+        gw, enc, cache, dec = (Delta(before[s], after[s]) for s in SERVICES)
+        counted = [
+            gw.get("splitvl_gateway_requests_total", method="Generate", code="OK"),
+            dec.get("splitvl_decoder_requests_total", method="Generate", code="OK"),
+            cache.get("splitvl_cache_requests_total", method="Put", code="OK"),
+        ]
+        if min(counted) >= 1:
+            break
+        assert time.monotonic() < deadline, f"requests not counted: {counted}"
+        time.sleep(0.3)
+
+    # gateway
+    assert gw("splitvl_gateway_requests_total", method="Generate", code="OK") == 1
+    assert gw("splitvl_gateway_request_duration_seconds_count", method="Generate") == 1
+    assert gw.value("splitvl_gateway_in_flight_requests", method="Generate") == 0
+    assert gw("splitvl_gateway_images_total") == 1
+    assert gw("splitvl_gateway_cache_lookups_total", tier="miss") == 1
+    assert gw("splitvl_gateway_time_to_first_token_seconds_count") == 1
+    itl = gw("splitvl_gateway_inter_token_latency_seconds_count")
+    assert 1 <= itl <= MAX_TOKENS - 1
+    assert gw("splitvl_gateway_embedding_received_bytes_total", source="encoder") == emb_bytes
+    assert gw("splitvl_gateway_embedding_sent_bytes_total", destination="decoder") == emb_bytes
+    assert gw("splitvl_gateway_embedding_sent_bytes_total", destination="cache") == emb_bytes
+    for stage in ("preprocess", "lookup", "encode", "decode"):
+        assert gw("splitvl_gateway_stage_duration_seconds_count", stage=stage) == 1
+
+    # encoder: one image, one batch of one
+    assert enc("splitvl_encoder_requests_total", method="Encode", code="OK") == 1
+    assert enc("splitvl_encoder_images_total") == 1
+    assert enc("splitvl_encoder_batch_images_count") == 1
+    assert enc("splitvl_encoder_batch_images_sum") == 1
+    t, h, w = result.images[0]["grid"]
+    patches = t * h * w
+    assert enc("splitvl_encoder_batch_patches_sum") == patches
+    assert enc("splitvl_encoder_queue_wait_seconds_count") == 1
+    assert enc("splitvl_encoder_batch_duration_seconds_count") == 1
+    assert enc.value("splitvl_encoder_queued_images") == 0
+    assert enc("splitvl_encoder_embedding_sent_bytes_total") == emb_bytes
+
+    # cache: one lookup (a miss), one put
+    assert cache("splitvl_cache_requests_total", method="Lookup", code="OK") == 1
+    assert cache("splitvl_cache_lookups_total", tier="miss") == 1
+
+    # decoder
+    assert dec("splitvl_decoder_requests_total", method="Generate", code="OK") == 1
+    assert dec("splitvl_decoder_output_tokens_total") == MAX_TOKENS
+    assert dec("splitvl_decoder_prompt_tokens_total") == result.usage["prompt_tokens"]
+    assert dec("splitvl_decoder_embedding_received_bytes_total") == emb_bytes
+    assert dec("splitvl_decoder_time_to_first_token_seconds_count") == 1
+    assert 1 <= dec("splitvl_decoder_inter_token_latency_seconds_count") <= MAX_TOKENS - 1
+    assert dec("splitvl_decoder_queue_wait_seconds_count") == 1
+    assert dec("splitvl_decoder_prefill_duration_seconds_count") == 1
+    # vLLM's scheduler stats reached our gauges (updated each engine step).
+    assert 0.0 <= dec.value("splitvl_decoder_engine_kv_cache_usage_ratio") <= 1.0
+    assert dec.value("splitvl_decoder_engine_running_requests") == 0
+    assert dec.value("splitvl_decoder_engine_waiting_requests") == 0
+    assert dec.value("splitvl_decoder_engine_unfinished_requests") == 0
+    queried = dec("splitvl_decoder_engine_prefix_cache_queried_tokens_total")
+    assert queried >= result.usage["prompt_tokens"]
+    assert "vllm:kv_cache_usage_perc" in dec.names()
+
+
+@pytest.mark.e2e
+def test_refused_request_is_counted_with_its_status(cluster) -> None:
+    before = scrape(cluster, "gateway")
+    request = build_request([b"not an image"], "hi", max_tokens=2)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(cluster.ports.address("gateway"), request, timeout_s=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    deadline = time.monotonic() + 10
+    while True:  # counted as the handler returns, possibly just after the client's status
+        gw = Delta(before, scrape(cluster, "gateway"))
+        refused = {"method": "Generate", "code": "INVALID_ARGUMENT"}
+        if gw.get("splitvl_gateway_requests_total", **refused) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert gw("splitvl_gateway_requests_total", method="Generate", code="INVALID_ARGUMENT") == 1
+    assert gw("splitvl_gateway_requests_total", method="Generate", code="OK") == 0

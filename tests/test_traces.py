@@ -1,0 +1,198 @@
+"""The span tree of one real request, as the OTLP receiver got it from the four services.
+
+One Generate with one unseen image (so it is looked up, missed, encoded, stored and
+decoded): every work span is where it belongs (its parent chain reaches the gateway's
+Generate server span), named for its work, with the attributes an operator reads (grid,
+tier and similarity, batch id/size and its link, bytes, tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from splitvl.client import build_request, generate
+from tests.conftest import png_bytes, rgb
+from vlcommon.model_info import load_vision_spec
+
+pytestmark = pytest.mark.e2e
+ROOT_NAME = "/qwenvl.gateway.v1.GatewayService/Generate"
+MAX_TOKENS = 5
+FP32_BYTES = 4
+
+
+def value(v: Any) -> Any:
+    """An OTLP AnyValue as Python."""
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+def attrs(span: dict[str, Any]) -> dict[str, Any]:
+    return {k: value(v) for k, v in span["attributes"].items()}
+
+
+def collect_trace(receiver, trace_id: str, until, timeout_s: float = 20.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = [s for s in receiver.snapshot() if s["trace_id"] == trace_id]
+        if until(spans) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.3)
+
+
+def one(spans: list[dict], name: str, service: str) -> dict:
+    found = [s for s in spans if s["name"] == name and s["service"] == f"splitvl-{service}"]
+    assert len(found) == 1, (name, service, [(s["name"], s["service"]) for s in spans])
+    return found[0]
+
+
+def chain(span: dict, by_id: dict[str, dict]) -> list[str]:
+    """Names (service:name) from ``span`` up to its root."""
+    out = []
+    while span is not None:
+        out.append(f"{span['service'].removeprefix('splitvl-')}:{span['name']}")
+        span = by_id.get(span["parent"])
+    return out
+
+
+def test_span_tree_of_one_request(cluster, otlp_receiver, tiny_model, tmp_path) -> None:
+    width = load_vision_spec(tiny_model).embedding_width
+    source = rgb("astronaut.png").crop((17, 9, 417, 309))  # 400x300, unseen
+    request = build_request(
+        [png_bytes(source)], "Describe it.", max_tokens=MAX_TOKENS, ignore_eos=True
+    )
+    seen = {s["span_id"] for s in otlp_receiver.snapshot() if s["name"] == ROOT_NAME}
+    result = generate(cluster.ports.address("gateway"), request, timeout_s=120)
+    image = result.images[0]
+    assert image["tier"] == "miss"
+
+    deadline = time.monotonic() + 15
+    roots: list[dict] = []
+    while not roots and time.monotonic() < deadline:
+        roots = [
+            s
+            for s in otlp_receiver.snapshot()
+            if s["name"] == ROOT_NAME
+            and s["service"] == "splitvl-gateway"
+            and s["span_id"] not in seen
+        ]
+        time.sleep(0.2)
+    assert len(roots) == 1
+    root = roots[0]
+    wanted = {"vit.batch", "decoder.generation", "gateway.cache_put", "cache.lookup"}
+    spans = collect_trace(
+        otlp_receiver, root["trace_id"], lambda ss: wanted <= {s["name"] for s in ss}
+    )
+    by_id = {s["span_id"]: s for s in spans}
+    if out := os.environ.get("SPLITVL_TRACE_JSON"):  # for scripts/render_trace.py
+        Path(out).write_text(json.dumps(_jsonable(spans), indent=1))
+
+    # the request span: model, image count, tokens
+    a = attrs(root)
+    assert root["parent"] == ""
+    assert a["splitvl.request.images"] == 1
+    assert a["splitvl.request.model"] == str(tiny_model)
+    assert a["splitvl.usage.prompt_tokens"] == result.usage["prompt_tokens"]
+    assert a["splitvl.usage.completion_tokens"] == MAX_TOKENS
+
+    # gateway: decode and resize of the one image, under gateway.preprocess
+    pre = one(spans, "gateway.preprocess", "gateway")
+    assert pre["parent"] == root["span_id"]
+    decode, resize = one(spans, "image.decode", "gateway"), one(spans, "image.resize", "gateway")
+    assert decode["parent"] == resize["parent"] == pre["span_id"]
+    assert (attrs(decode)["splitvl.image.width"], attrs(decode)["splitvl.image.height"]) == (
+        400,
+        300,
+    )
+    r = attrs(resize)
+    assert r["splitvl.image.grid_thw"] == image["grid"]
+    assert r["splitvl.image.tokens"] == image["tokens"]
+    assert r["splitvl.image.resized_height"] == image["grid"][1] * 16
+    assert decode["end_ns"] <= resize["start_ns"]
+
+    # cache lookup: the gateway's span says tier and score; the cache's span agrees
+    lookup = one(spans, "cache.lookup", "gateway")
+    assert lookup["parent"] == root["span_id"]
+    assert attrs(lookup)["splitvl.cache.tiers"] == ["miss"]
+    assert len(attrs(lookup)["splitvl.cache.similarities"]) == 1
+    cache_side = one(spans, "cache.lookup", "cache")
+    assert attrs(cache_side)["splitvl.cache.tier"] == "miss"
+    assert chain(cache_side, by_id)[1:] == [
+        "cache:/qwenvl.cache.v1.CacheService/Lookup",
+        "gateway:/qwenvl.cache.v1.CacheService/Lookup",
+        "gateway:cache.lookup",
+        f"gateway:{ROOT_NAME}",
+    ]
+
+    # encoder: the per-request span with its queue wait, and the linked ViT batch span
+    emb_bytes = image["tokens"] * width * FP32_BYTES
+    enc = one(spans, "encoder.encode", "encoder")
+    assert chain(enc, by_id)[1:] == [
+        "encoder:/qwenvl.encoder.v1.EncoderService/Encode",
+        "gateway:/qwenvl.encoder.v1.EncoderService/Encode",
+        "gateway:gateway.encode",
+        f"gateway:{ROOT_NAME}",
+    ]
+    e = attrs(enc)
+    assert e["splitvl.request.images"] == 1
+    assert e["splitvl.tokens"] == image["tokens"]
+    assert e["splitvl.encoder.queue_wait_ms"] >= 0
+    batch = one(spans, "vit.batch", "encoder")
+    b = attrs(batch)
+    assert e["splitvl.batch.ids"] == [b["splitvl.batch.id"]]
+    assert e["splitvl.batch.sizes"] == [b["splitvl.batch.size"]] == [1]
+    grid = image["grid"]
+    assert b["splitvl.batch.patches"] == grid[0] * grid[1] * grid[2]
+    assert (root["trace_id"], enc["span_id"]) in batch["links"]
+    assert batch["parent"] == enc["span_id"]
+    assert enc["start_ns"] <= batch["start_ns"] <= batch["end_ns"] <= enc["end_ns"]
+    assert attrs(one(spans, "gateway.encode", "gateway"))["splitvl.embedding.bytes"] == emb_bytes
+
+    # the embeddings' way to the decoder
+    transfer = one(spans, "embedding.transfer", "gateway")
+    assert transfer["parent"] == root["span_id"]
+    assert attrs(transfer)["splitvl.embedding.bytes"] == emb_bytes
+    assert attrs(one(spans, "gateway.cache_put", "gateway"))["splitvl.embedding.bytes"] == (
+        emb_bytes
+    )
+
+    # decoder: queue -> prefill (first token) -> generation, under decoder.generate
+    gen = one(spans, "decoder.generate", "decoder")
+    assert chain(gen, by_id)[1:] == [
+        "decoder:/qwenvl.decoder.v1.DecoderService/Generate",
+        "gateway:/qwenvl.decoder.v1.DecoderService/Generate",
+        "gateway:gateway.decode",
+        f"gateway:{ROOT_NAME}",
+    ]
+    g = attrs(gen)
+    assert g["splitvl.usage.prompt_tokens"] == result.usage["prompt_tokens"]
+    assert g["splitvl.usage.completion_tokens"] == MAX_TOKENS
+    assert g["splitvl.request.images"] == 1
+    assert g["splitvl.embedding.bytes"] == emb_bytes
+    queue = one(spans, "decoder.queue", "decoder")
+    prefill = one(spans, "decoder.prefill", "decoder")
+    generation = one(spans, "decoder.generation", "decoder")
+    assert queue["parent"] == prefill["parent"] == generation["parent"] == gen["span_id"]
+    assert [name for name, _ in prefill["events"]] == ["first_token"]
+    assert queue["end_ns"] <= prefill["start_ns"] + 1000  # ns rounding of one clock
+    assert prefill["end_ns"] <= generation["start_ns"] + 5_000_000
+    assert attrs(generation)["splitvl.usage.completion_tokens"] == MAX_TOKENS
+    assert [name for name, _ in gen["events"]] == ["first_token"]
+
+    # and the picture of it renders
+    from scripts.render_trace import render
+
+    png = tmp_path / "trace.png"
+    render(_jsonable(spans), png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _jsonable(spans: list[dict]) -> list[dict]:
+    return [{**s, "attributes": attrs(s)} for s in spans]

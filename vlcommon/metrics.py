@@ -1,0 +1,161 @@
+"""Prometheus RPC metrics shared by the four services: one grpc.aio server interceptor.
+
+Every service gets, in prometheus-client's default registry (served on its metrics port):
+
+* ``splitvl_<service>_requests_total{method, code}``: RPCs finished, by the short method
+  name (``Generate``) and the gRPC status code name the client saw (``OK``,
+  ``INVALID_ARGUMENT``, ...);
+* ``splitvl_<service>_request_duration_seconds{method}``: handling time (a server stream
+  until its last message);
+* ``splitvl_<service>_in_flight_requests{method}``: RPCs being handled now.
+
+grpc.health.v1 and reflection calls are not counted (probes would drown the signal, as the
+tracing interceptors filter them out too). Names: /work/notes/metrics_names.md and
+docs/observability.md.
+
+Why our own interceptor: the maintained gRPC Prometheus interceptors for Python
+(py-grpc-prometheus) wrap the synchronous server only; this one is the grpc.aio analogue
+of go-grpc-prometheus's ``grpc_server_handled_total``, in about sixty lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+EXCLUDED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+# Seconds; Generate streams run long, lookups are sub-millisecond.
+DURATION_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+
+class RpcMetrics:
+    """The three RPC metrics of one service (created once per service name per process)."""
+
+    def __init__(self, service: str) -> None:
+        prefix = f"splitvl_{service}"
+        self.requests = Counter(
+            f"{prefix}_requests_total",
+            "RPCs finished, by method and gRPC status code.",
+            ["method", "code"],
+        )
+        self.duration = Histogram(
+            f"{prefix}_request_duration_seconds",
+            "RPC handling time in seconds (a server stream until its last message).",
+            ["method"],
+            buckets=DURATION_BUCKETS,
+        )
+        self.in_flight = Gauge(
+            f"{prefix}_in_flight_requests", "RPCs being handled now.", ["method"]
+        )
+
+
+_BY_SERVICE: dict[str, RpcMetrics] = {}
+
+
+def rpc_metrics(service: str) -> RpcMetrics:
+    """The RPC metrics of ``service`` (idempotent: the default registry refuses duplicates)."""
+    if service not in _BY_SERVICE:
+        _BY_SERVICE[service] = RpcMetrics(service)
+    return _BY_SERVICE[service]
+
+
+def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    """The status the client sees: what the handler set or aborted with, else OK/UNKNOWN."""
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED.name
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):  # grpc.aio may hand back the raw status integer
+        for status in grpc.StatusCode:
+            if status.value[0] == code:
+                return status.name
+    if error is not None and not isinstance(error, grpc.aio.AbortError):
+        return grpc.StatusCode.UNKNOWN.name  # what grpc answers for an uncaught exception
+    return grpc.StatusCode.OK.name
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts and times every unary-unary and unary-stream RPC of one service.
+
+    Args:
+        service: Short service name used in the metric names, e.g. ``encoder``.
+    """
+
+    def __init__(self, service: str) -> None:
+        self.metrics = rpc_metrics(service)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        full = handler_call_details.method
+        if handler is None or full.startswith(EXCLUDED_PREFIXES):
+            return handler
+        method = full.rsplit("/", 1)[-1]
+        m = self.metrics
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                t0 = time.perf_counter()
+                error: BaseException | None = None
+                m.in_flight.labels(method).inc()
+                try:
+                    return await unary(request, context)
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    m.in_flight.labels(method).dec()
+                    m.duration.labels(method).observe(time.perf_counter() - t0)
+                    m.requests.labels(method, _code(context, error)).inc()
+
+            return handler._replace(unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
+        if handler.unary_stream is not None:
+            stream = handler.unary_stream
+
+            async def unary_stream(
+                request: Any, context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[Any]:
+                t0 = time.perf_counter()
+                error: BaseException | None = None
+                m.in_flight.labels(method).inc()
+                try:
+                    async for item in stream(request, context):
+                        yield item
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    m.in_flight.labels(method).dec()
+                    m.duration.labels(method).observe(time.perf_counter() - t0)
+                    m.requests.labels(method, _code(context, error)).inc()
+
+            return handler._replace(unary_stream=unary_stream)  # type: ignore[attr-defined,no-any-return]
+        return handler  # no client- or bidi-streaming RPCs in this project
