@@ -5,6 +5,7 @@ splitvl up [--model PATH_OR_HUB_ID]   run the four services on loopback until SI
 splitvl generate --image P... --prompt TEXT [--json]   stream an answer from the gateway
 splitvl demo [--json]                 start the services, ask about real photos, stop
 splitvl cache-bench [--sizes N,...] [--json]   similarity index latency/memory/recall by size
+splitvl cache-eval [--quick] [--json]   similarity threshold: false hits and recall by threshold
 splitvl load [--concurrency N --duration S --json]   concurrent streams; statuses, latency
 splitvl soak [--requests N --json]    distinct images in a row; RSS growth of each service
 """
@@ -162,10 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--max-tokens", type=int, default=16)
 
-    from splitvl import bench, cache_bench, load, soak
+    from splitvl import bench, cache_bench, cache_eval, load, soak
 
     bench.add_parser(sub)
     cache_bench.add_parser(sub)
+    cache_eval.add_parser(sub)
     load.add_parser(sub)
     soak.add_parser(sub)
 

@@ -1,0 +1,484 @@
+"""``splitvl cache-eval``: calibrate the similarity tier's threshold on labelled image pairs.
+
+A similarity hit hands the decoder another image's embeddings, so a false hit silently
+answers about the wrong picture. This measures the descriptor
+(:func:`vlcommon.imaging.similarity_descriptor`) on two labelled sets, all offline:
+
+* near duplicates (should hit): every bundled scikit-image photo against its own JPEG
+  re-encodes (quality 70-95), resizes (1-10%, down and up), crops (1-3%), brightness and
+  contrast shifts (3-5%), PNG<->JPEG round trips and two combinations; plus JPEG
+  re-encodes and small resizes of rendered text images;
+* distinct pairs (must never hit): all pairs of the bundled photos (including the stereo
+  pair ``motorcycle_left``/``motorcycle_right``: the same scene from two viewpoints), and
+  rendered text images (Pillow ``ImageDraw``) that differ in one digit or one word.
+
+Every image goes through the gateway's own pipeline (encoded bytes -> ``decode_image`` ->
+``plan_resize`` -> ``similarity_descriptor``). The cache serves a similarity hit only when
+the cosine similarity is >= the threshold AND the stored ``image_grid_thw`` equals the new
+one (embeddings of another grid cannot fill the new image's placeholders), so two recalls
+are reported: the descriptor's (cosine alone) and the cache's (cosine and grid equality,
+with the default pixel budget of the geometry given). False hits are counted on the cosine
+alone, the stricter count: a distinct pair that happens to share a grid must not hit.
+
+Usage::
+
+    splitvl cache-eval                 # table over thresholds 0.80-0.99
+    splitvl cache-eval --json          # {"threshold", "false_hits", "distinct_pairs", ...}
+    splitvl cache-eval --model DIR     # the grid rule with that checkpoint's pixel budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageEnhance, ImageFont
+
+from vlcommon.imaging import cosine_similarity, decode_image, plan_resize, similarity_descriptor
+from vlcommon.model_info import VisionSpec
+
+# The scikit-image images that ship inside the wheel (skimage.data loads them without the
+# network; astronaut, brick, camera, cell, chelsea (cat), checkerboard, clock, coffee,
+# coins, colorwheel, grass, gravel, horse, hubble_deep_field, immunohistochemistry, logo,
+# microaneurysms, moon, page, retina, rocket, shepp_logan_phantom, stereo_motorcycle and
+# text; the others are fetched with pooch). Files, so no network call is ever attempted.
+PHOTOS = (
+    "astronaut.png",
+    "brick.png",
+    "camera.png",
+    "cell.png",
+    "chelsea.png",
+    "chessboard_GRAY.png",
+    "clock_motion.png",
+    "coffee.png",
+    "coins.png",
+    "color.png",
+    "grass.png",
+    "gravel.png",
+    "horse.png",
+    "hubble_deep_field.jpg",
+    "ihc.png",
+    "logo.png",
+    "microaneurysms.png",
+    "moon.png",
+    "motorcycle_left.png",
+    "motorcycle_right.png",
+    "page.png",
+    "phantom.png",
+    "retina.jpg",
+    "rocket.jpg",
+    "text.png",
+)
+# A reduced set for the unit test: colour and grey, photos and textures, the stereo pair.
+QUICK_PHOTOS = (
+    "astronaut.png",
+    "camera.png",
+    "chelsea.png",
+    "coffee.png",
+    "gravel.png",
+    "motorcycle_left.png",
+    "motorcycle_right.png",
+    "page.png",
+    "rocket.jpg",
+)
+# (text a, text b): one digit or one word apart. Rendered as one-line labels, multi-line
+# notes and receipts (see _render_text), so the changed glyph covers from ~1% to ~15% of
+# the ink.
+TEXT_PAIRS = (
+    ("Total: $1,234.56", "Total: $1,234.58"),
+    ("Room 214", "Room 215"),
+    ("Flight LH 4821\nGate B12\nBoarding 09:40", "Flight LH 4821\nGate B13\nBoarding 09:40"),
+    ("Invoice 2026-0417\nAmount due: 870.00 EUR", "Invoice 2026-0417\nAmount due: 810.00 EUR"),
+    ("The door is open", "The door is closed"),
+    ("Turn left at the bridge", "Turn right at the bridge"),
+    ("Do not press the red button", "Do press the red button"),
+    ("Dose: 5 mg twice daily", "Dose: 50 mg twice daily"),
+    ("Meeting moved to Tuesday\nRoom 3, 2 pm", "Meeting moved to Thursday\nRoom 3, 2 pm"),
+    ("Speed limit 30", "Speed limit 80"),
+    ("PASS", "FAIL"),
+    ("Temperature 21 C", "Temperature 27 C"),
+)
+QUICK_TEXT_PAIRS = TEXT_PAIRS[:6]
+THRESHOLDS = tuple(round(0.80 + 0.01 * i, 2) for i in range(20))  # 0.80 .. 0.99
+DEFAULT_MIN_PIXELS = 4096  # the tiny checkpoint's processor budget (splitvl.tiny_model)
+DEFAULT_MAX_PIXELS = 65536
+MAX_DECODED_PIXELS = 40_000_000
+
+
+def _skimage_dir() -> Path:
+    import skimage
+
+    return Path(skimage.__file__).parent / "data"
+
+
+def _encode(image: Image.Image, fmt: str, **kw: Any) -> bytes:
+    if fmt == "PNG":
+        kw.setdefault("compress_level", 1)  # lossless either way; level 6 is 5x slower
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def _decode(data: bytes) -> Image.Image:
+    return decode_image(data, index=0, max_decoded_pixels=MAX_DECODED_PIXELS)
+
+
+def _resize(image: Image.Image, scale: float) -> Image.Image:
+    w, h = image.size
+    return image.resize(
+        (max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.BICUBIC
+    )
+
+
+def _crop(image: Image.Image, frac: float, *, centred: bool) -> Image.Image:
+    w, h = image.size
+    dx, dy = round(w * frac), round(h * frac)
+    if centred:
+        return image.crop((dx // 2, dy // 2, w - (dx - dx // 2), h - (dy - dy // 2)))
+    return image.crop((dx, dy, w, h))  # all of it off the top-left: content shifts
+
+
+def near_duplicate_variants(image: Image.Image, source_format: str) -> list[tuple[str, bytes]]:
+    """Encoded near duplicates of one decoded image: (transform name, file bytes)."""
+    out: list[tuple[str, bytes]] = []
+    png = "PNG"
+    for q in (70, 80, 90, 95):
+        out.append((f"jpeg-q{q}", _encode(image, "JPEG", quality=q)))
+    for scale in (0.90, 0.95, 0.98, 0.99, 1.05, 1.10):
+        out.append((f"resize-{scale:.2f}", _encode(_resize(image, scale), png)))
+    for frac in (0.01, 0.02, 0.03):
+        out.append((f"crop-{frac:.0%}-centred", _encode(_crop(image, frac, centred=True), png)))
+    out.append(("crop-3%-corner", _encode(_crop(image, 0.03, centred=False), png)))
+    for factor in (0.95, 0.97, 1.03, 1.05):
+        out.append(
+            (
+                f"brightness-{factor:.2f}",
+                _encode(ImageEnhance.Brightness(image).enhance(factor), png),
+            )
+        )
+        out.append(
+            (f"contrast-{factor:.2f}", _encode(ImageEnhance.Contrast(image).enhance(factor), png))
+        )
+    if source_format == "JPEG":
+        out.append(("jpeg->png", _encode(image, png)))
+    else:
+        out.append(
+            ("png->jpeg-q85->png", _encode(_decode(_encode(image, "JPEG", quality=85)), png))
+        )
+    out.append(("resize-0.95+jpeg-q85", _encode(_resize(image, 0.95), "JPEG", quality=85)))
+    out.append(("crop-2%+jpeg-q80", _encode(_crop(image, 0.02, centred=True), "JPEG", quality=80)))
+    return out
+
+
+FILLER = (
+    "Quarterly report, page 3. Figures are in thousands unless stated otherwise.",
+    "Shipments left the northern warehouse on schedule; two pallets were returned.",
+    "The committee will review the budget at its next meeting in the spring.",
+    "Contact the service desk for access to the archive and the older records.",
+)
+
+
+def render_text(text: str, layout: str) -> Image.Image:
+    """Render ``text`` (Pillow ``ImageDraw``, its default FreeType font) in one layout:
+
+    * ``label``: 64 px type on a tight canvas at least 640 px wide;
+    * ``note``: 40 px type on a 640x360 card;
+    * ``page``: 22 px type at the top left of an 800x600 page, the rest blank;
+    * ``dense``: 16 px type, the text among 40 lines of filler on a 1600x1200 page (the
+      changed glyph is well under 0.1% of the ink).
+    """
+    if layout == "dense":
+        lines = [FILLER[i % len(FILLER)] for i in range(40)]
+        lines[17] = text.replace("\n", "  ")
+        text = "\n".join(lines)
+    layouts: dict[str, tuple[int, tuple[int, int] | None]] = {
+        "label": (64, None),
+        "note": (40, (640, 360)),
+        "page": (22, (800, 600)),
+        "dense": (16, (1600, 1200)),
+    }
+    size, canvas = layouts[layout]
+    font = ImageFont.load_default(size=size)
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    _, _, right, bottom = probe.multiline_textbbox((0, 0), text, font=font, spacing=8)
+    if canvas is None:
+        canvas = (max(640, int(right) + 40), int(bottom) + 40)
+    image = Image.new("RGB", canvas, (250, 250, 245))
+    draw = ImageDraw.Draw(image)
+    draw.multiline_text((20, 20), text, font=font, fill=(20, 20, 30), spacing=8)
+    return image
+
+
+TEXT_LAYOUTS = ("label", "note", "page", "dense")
+
+
+@dataclass
+class Item:
+    """One image as the gateway sees it: its descriptor, its grid, the descriptor's cost."""
+
+    name: str
+    descriptor: np.ndarray
+    grid: tuple[int, int, int]
+    descriptor_ms: float
+
+    @property
+    def zero(self) -> bool:
+        """No descriptor (document-like or flat): the image can only hit exactly."""
+        return not bool(np.any(self.descriptor))
+
+
+@dataclass
+class Pair:
+    kind: str  # "near" or "distinct"
+    a: Item
+    b: Item
+    transform: str
+    cosine: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cosine = cosine_similarity(self.a.descriptor, self.b.descriptor)
+
+    @property
+    def same_grid(self) -> bool:
+        return self.a.grid == self.b.grid
+
+
+def default_spec(
+    min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> VisionSpec:
+    """Qwen3-VL geometry (patch 16, merge 2) with the given pixel budget; the widths do not
+    matter here."""
+    return VisionSpec(
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        out_hidden_size=1,
+        n_deepstack=0,
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
+    )
+
+
+Describe = Callable[[Image.Image], np.ndarray]
+
+
+def _item(name: str, data: bytes, spec: VisionSpec, describe: Describe) -> Item:
+    image = _decode(data)
+    plan = plan_resize(image.height, image.width, spec, index=0)
+    # CPU time of this thread: the machine is shared, wall time would measure the others.
+    start = time.thread_time()
+    descriptor = describe(image)
+    ms = (time.thread_time() - start) * 1000
+    return Item(name=name, descriptor=descriptor, grid=plan.grid, descriptor_ms=ms)
+
+
+def build_pairs(
+    spec: VisionSpec, *, quick: bool = False, describe: Describe = similarity_descriptor
+) -> list[Pair]:
+    """All labelled pairs, each image decoded (from encoded bytes) and described once.
+
+    Near duplicates: each photo against its :func:`near_duplicate_variants`. Distinct:
+    all pairs of photos, and for each text pair and layout the two renders (PNG) and the
+    first render against a JPEG (quality 80) of the second.
+    """
+    root = _skimage_dir()
+    photos = QUICK_PHOTOS if quick else PHOTOS
+    originals: list[Item] = []
+    pairs: list[Pair] = []
+    for name in photos:
+        data = (root / name).read_bytes()
+        item = _item(name, data, spec, describe)
+        originals.append(item)
+        fmt = "JPEG" if name.endswith(".jpg") else "PNG"
+        for transform, variant in near_duplicate_variants(_decode(data), fmt):
+            other = _item(f"{name}:{transform}", variant, spec, describe)
+            pairs.append(Pair("near", item, other, transform))
+    for a, b in itertools.combinations(originals, 2):
+        pairs.append(Pair("distinct", a, b, "other photo"))
+    for i, (ta, tb) in enumerate(QUICK_TEXT_PAIRS if quick else TEXT_PAIRS):
+        for layout in TEXT_LAYOUTS:
+            ia, ib = render_text(ta, layout), render_text(tb, layout)
+            a = _item(f"text{i}-{layout}-a", _encode(ia, "PNG"), spec, describe)
+            b = _item(f"text{i}-{layout}-b", _encode(ib, "PNG"), spec, describe)
+            b_jpeg = _item(
+                f"text{i}-{layout}-b:jpeg-q80", _encode(ib, "JPEG", quality=80), spec, describe
+            )
+            pairs.append(Pair("distinct", a, b, f"text-{layout}"))
+            pairs.append(Pair("distinct", a, b_jpeg, f"text-{layout}-vs-jpeg"))
+    return pairs
+
+
+def descriptor_cost(repeats: int = 20) -> dict[str, float]:
+    """Median CPU ms of :func:`similarity_descriptor` on astronaut at 448x448 and 2000x2000."""
+    image = _decode((_skimage_dir() / "astronaut.png").read_bytes())
+    out = {}
+    for side in (448, 2000):
+        sized = image.resize((side, side), Image.Resampling.BICUBIC)
+        times = []
+        for _ in range(repeats):
+            start = time.thread_time()
+            similarity_descriptor(sized)
+            times.append((time.thread_time() - start) * 1000)
+        out[f"{side}x{side}"] = round(float(np.median(times)), 2)
+    return out
+
+
+def _row(pairs: list[Pair], threshold: float) -> dict[str, Any]:
+    near = [p for p in pairs if p.kind == "near"]
+    distinct = [p for p in pairs if p.kind == "distinct"]
+    near_hit = [p.cosine >= threshold for p in near]
+    near_grid = [p.same_grid for p in near]
+    cache_hit = [h and g for h, g in zip(near_hit, near_grid, strict=True)]
+    false_hits = sum(p.cosine >= threshold for p in distinct)
+    false_hits_grid = sum(p.cosine >= threshold and p.same_grid for p in distinct)
+    tp = sum(near_hit)
+    eligible = sum(near_grid)
+    return {
+        "threshold": threshold,
+        "false_hits": false_hits,
+        "false_hits_same_grid": false_hits_grid,
+        "precision": tp / (tp + false_hits) if tp + false_hits else 1.0,
+        "descriptor_recall": tp / len(near) if near else 1.0,
+        "hit_recall": sum(cache_hit) / len(near) if near else 1.0,
+        "recall_same_grid": (
+            sum(h for h, g in zip(near_hit, near_grid, strict=True) if g) / eligible
+            if eligible
+            else 1.0
+        ),
+    }
+
+
+def evaluate(
+    pairs: list[Pair], threshold: float, thresholds: Iterable[float] = THRESHOLDS
+) -> dict[str, Any]:
+    """The report for ``threshold`` plus the table over ``thresholds``.
+
+    Returns:
+        ``threshold``; ``false_hits`` (distinct pairs with cosine >= threshold, grids
+        ignored) out of ``distinct_pairs``; ``near_duplicate_recall``, the descriptor's
+        recall (cosine >= threshold) over ``near_duplicate_pairs``; ``hit_recall``, the
+        cache's (cosine >= threshold and equal ``image_grid_thw``); ``recall_same_grid``,
+        the descriptor's recall over the ``near_duplicates_same_grid`` pairs whose grid
+        the cache can serve at all; ``document_like`` (images given the zero descriptor:
+        photos by name, rendered text as a count); the five lowest near-duplicate and
+        five highest distinct cosines; ``descriptor_ms`` over every image described;
+        ``table``, one row per threshold.
+    """
+    near = [p for p in pairs if p.kind == "near"]
+    distinct = [p for p in pairs if p.kind == "distinct"]
+    items = {p.a.name: p.a for p in pairs} | {p.b.name: p.b for p in pairs}
+    texts = [i for n, i in items.items() if n.startswith("text") and "-" in n.split(":")[0]]
+    photos = [i for i in items.values() if i not in texts]
+    row = _row(pairs, threshold)
+    ms = np.array([i.descriptor_ms for i in items.values()])
+    return {
+        "threshold": threshold,
+        "false_hits": row["false_hits"],
+        "distinct_pairs": len(distinct),
+        "near_duplicate_recall": row["descriptor_recall"],
+        "near_duplicate_pairs": len(near),
+        "hit_recall": row["hit_recall"],
+        "recall_same_grid": row["recall_same_grid"],
+        "near_duplicates_same_grid": sum(p.same_grid for p in near),
+        "false_hits_same_grid": row["false_hits_same_grid"],
+        "document_like": {
+            "photos": sorted(i.name for i in photos if i.zero),
+            "text_images": sum(i.zero for i in texts),
+            "text_images_total": len(texts),
+        },
+        "lowest_near_duplicates": [
+            [p.b.name, round(p.cosine, 4)] for p in sorted(near, key=lambda p: p.cosine)[:5]
+        ],
+        "highest_distinct": [
+            [f"{p.a.name} ~ {p.b.name}", round(p.cosine, 4)]
+            for p in sorted(distinct, key=lambda p: -p.cosine)[:5]
+        ],
+        "descriptor_ms": {
+            "mean": round(float(ms.mean()), 2),
+            "p50": round(float(np.median(ms)), 2),
+            "max": round(float(ms.max()), 2),
+        },
+        "table": [_row(pairs, t) for t in thresholds],
+    }
+
+
+def _default_threshold() -> float:
+    from cache_service.settings import CacheSettings
+
+    return float(CacheSettings.model_fields["threshold"].default)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The table as Markdown (what docs/cache.md shows)."""
+    lines = [
+        "| threshold | false hits | false hits, same grid | precision | descriptor recall "
+        "| hit recall incl. grid | recall, same-grid pairs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["table"]:
+        mark = " (default)" if abs(r["threshold"] - report["threshold"]) < 1e-9 else ""
+        lines.append(
+            f"| {r['threshold']:.2f}{mark} | {r['false_hits']} | {r['false_hits_same_grid']} "
+            f"| {r['precision']:.4f} | {r['descriptor_recall']:.4f} | {r['hit_recall']:.4f} "
+            f"| {r['recall_same_grid']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.model:
+        from vlcommon.model_info import load_vision_spec, resolve_model_dir
+
+        spec = load_vision_spec(resolve_model_dir(args.model))
+    else:
+        spec = default_spec(args.min_pixels, args.max_pixels)
+    threshold = args.threshold if args.threshold is not None else _default_threshold()
+    start = time.perf_counter()
+    pairs = build_pairs(spec, quick=args.quick)
+    report = evaluate(pairs, threshold)
+    report["descriptor_ms_by_size"] = descriptor_cost()
+    report["pixel_budget"] = [spec.min_pixels, spec.max_pixels]
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(
+        f"{report['near_duplicate_pairs']} near-duplicate pairs "
+        f"({report['near_duplicates_same_grid']} with an equal grid at pixel budget "
+        f"{spec.min_pixels}-{spec.max_pixels}), {report['distinct_pairs']} distinct pairs, "
+        f"{report['seconds']} s"
+    )
+    print(format_table(report))
+    print(
+        f"at {threshold:.2f}: {report['false_hits']} false hits of {report['distinct_pairs']}, "
+        f"descriptor recall {report['near_duplicate_recall']:.4f}, "
+        f"hit recall incl. grid {report['hit_recall']:.4f}"
+    )
+    print("document-like (zero descriptor):", report["document_like"])
+    print("lowest near duplicates:", report["lowest_near_duplicates"])
+    print("highest distinct pairs:", report["highest_distinct"])
+    print("descriptor ms:", report["descriptor_ms"], report["descriptor_ms_by_size"])
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("cache-eval", help="calibrate the similarity threshold on labelled pairs")
+    p.add_argument(
+        "--threshold", type=float, default=None, help="default: the cache service's default"
+    )
+    p.add_argument("--model", help="read the pixel budget from this checkpoint instead")
+    p.add_argument("--min-pixels", type=int, default=DEFAULT_MIN_PIXELS)
+    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
+    p.add_argument("--quick", action="store_true", help="9 photos and 6 text pairs only")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
