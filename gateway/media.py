@@ -92,11 +92,13 @@ def image_bytes(image: pb.ImageInput, *, index: int, max_bytes: int) -> bytes | 
 def check_video(video: pb.VideoInput, *, field: str, temporal_patch_size: int) -> None:
     """Refuse a video part with a clear status (case C14); always raises.
 
-    Qwen3-VL patches video in time by ``temporal_patch_size`` (2) frames; transformers'
-    Qwen3-VL video processor pads a short clip by repeating its last frame, while
-    qwen-vl-utils refuses fewer than 2 sampled frames. splitvl does not serve video yet
-    (the decoder refuses grids with t > 1, and vLLM's video-embedding input with
-    Qwen3-VL's per-frame timestamps is unverified here), so:
+    Qwen3-VL patches video in time by ``temporal_patch_size`` (2) frames. The references
+    disagree on a clip shorter than that: transformers' Qwen3-VL video processor (5.19)
+    refuses it (``smart_resize``: "t:1 must be larger than temporal_factor:2", so vLLM on
+    raw frames fails too) and pads only longer odd clips by repeating the last frame;
+    qwen-vl-utils pads a frame list by repeating the last frame but refuses a sampled video
+    under 2 frames. splitvl follows the refusal, naming the count. It does not serve video
+    yet (the decoder refuses grids with t > 1), so every other video is UNIMPLEMENTED.
 
     Raises:
         ServiceError: INVALID_ARGUMENT ``VIDEO_TOO_FEW_FRAMES`` naming the frame count when
