@@ -313,7 +313,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--slack", type=float, default=10.0, help="past deadline + slack: hung")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--image-side", type=int, default=128)
-    p.add_argument("--pool", type=int, default=400, help="distinct requests to cycle through")
+    p.add_argument("--pool", type=int, default=1200, help="distinct requests to cycle through")
     p.add_argument("--repeat-fraction", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--json", action="store_true", help="print one JSON object")

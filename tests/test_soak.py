@@ -5,9 +5,10 @@ docs/robustness.md. Here: 300 requests, warm-up 100, with 256 px images (64 imag
 tokens, the tiny checkpoint's largest): each request then carries ~200 KB of pixels and
 ~100 KB of fp32 embeddings through gateway, encoder, cache and decoder, so a service
 that kept anything per request (pixels, embeddings, a per-request tensor, a task, an
-index row) would grow by >= 300 KB x 200 requests = 60 MB after warm-up: over 5% of
-every service's resident memory here (the smallest, the cache, is ~200-300 MB with
-faiss, numpy and gRPC loaded). Smaller leaks are the full soak's job.
+index row) would grow by >= 100 KB x 200 requests = 20 MB after warm-up: over 5% of
+the cache (~95 MB), encoder (~600 MB) and gateway (~500 MB) here; the decoder (~3.2 GiB
+with vLLM's engine core) would need a leak of about the whole per-request payload (160 MB
+over the window). Smaller leaks are the full soak's job (docs/robustness.md).
 
 The cache's byte budget is set to 4 MiB, so it is full (evicting, with FAISS rows
 removed) after ~40 requests: the measured window is the steady state of a bounded cache,
