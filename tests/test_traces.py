@@ -1,4 +1,5 @@
-"""The span tree of one real request, as the OTLP receiver got it from the four services.
+"""The span tree of one real request, as the OTLP receiver got it from the four services;
+and the encoder's ViT batch span linked to every request it served.
 
 One Generate with one unseen image (so it is looked up, missed, encoded, stored and
 decoded): every work span is where it belongs (its parent chain reaches the gateway's
@@ -20,7 +21,6 @@ from splitvl.client import build_request, generate
 from tests.conftest import png_bytes, rgb
 from vlcommon.model_info import load_vision_spec
 
-pytestmark = pytest.mark.e2e
 ROOT_NAME = "/qwenvl.gateway.v1.GatewayService/Generate"
 MAX_TOKENS = 5
 FP32_BYTES = 4
@@ -62,6 +62,7 @@ def chain(span: dict, by_id: dict[str, dict]) -> list[str]:
     return out
 
 
+@pytest.mark.e2e
 def test_span_tree_of_one_request(cluster, otlp_receiver, tiny_model, tmp_path) -> None:
     width = load_vision_spec(tiny_model).embedding_width
     source = rgb("astronaut.png").crop((17, 9, 417, 309))  # 400x300, unseen
@@ -196,3 +197,63 @@ def test_span_tree_of_one_request(cluster, otlp_receiver, tiny_model, tmp_path) 
 
 def _jsonable(spans: list[dict]) -> list[dict]:
     return [{**s, "attributes": attrs(s)} for s in spans]
+
+
+async def test_one_vit_batch_links_every_request_it_served(tiny_model, monkeypatch) -> None:
+    """Three requests' images (one an in-flight duplicate) share one packed ViT call: its
+    ``vit.batch`` span links all three request spans and says the batch's size and patches;
+    each request learns the batch id and size and its queue wait."""
+    import asyncio
+
+    import numpy as np
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from encoder_service import batcher as batcher_module
+    from encoder_service.batcher import Batcher
+    from encoder_service.engine import VisionEngine
+    from vlcommon.imaging import plan_resize
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    monkeypatch.setattr(batcher_module, "tracer", provider.get_tracer("splitvl.encoder"))
+
+    engine = VisionEngine.load(str(tiny_model), device="cpu")
+    images = []
+    for name, box in (("chelsea.png", (0, 0, 320, 240)), ("coffee.png", (0, 0, 256, 256))):
+        im = rgb(name).crop(box)
+        plan = plan_resize(im.height, im.width, engine.spec, index=0)
+        images.append(engine.preprocess(np.asarray(im), plan))
+    b = Batcher(
+        engine.encode, max_batch_images=8, max_batch_patches=100_000, max_wait_ms=200, max_queue=8
+    )
+    b.start()
+
+    async def request(name: str, key: str, image):  # type: ignore[no-untyped-def]
+        with tracer.start_as_current_span(name) as span:
+            out, info = await b.submit_timed(key, image)
+            return span.get_span_context(), out, info
+
+    try:
+        results = await asyncio.gather(
+            request("r0", "a", images[0]),
+            request("r1", "b", images[1]),
+            request("r2", "a", images[0]),  # same key in flight: shares r0's image
+        )
+    finally:
+        await b.stop()
+    (batch,) = [s for s in exporter.get_finished_spans() if s.name == "vit.batch"]
+    linked = {link.context.span_id for link in batch.links}
+    assert linked == {ctx.span_id for ctx, _, _ in results}
+    assert batch.attributes["splitvl.batch.size"] == 2  # two distinct images
+    patches = sum(int(im.pixel_values.shape[0]) for im in images)
+    assert batch.attributes["splitvl.batch.patches"] == patches
+    assert batch.parent is not None and batch.parent.span_id == results[0][0].span_id
+    ids = {info.batch_id for _, _, info in results}
+    assert ids == {batch.attributes["splitvl.batch.id"]}
+    assert all(info.batch_size == 2 and info.queue_wait_s >= 0 for _, _, info in results)
+    assert results[0][1] is results[2][1]  # the duplicate got the very same tensor
+    assert results[0][1].shape[0] == images[0].tokens
