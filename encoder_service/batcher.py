@@ -42,6 +42,7 @@ class _Item:
     links: list[trace.SpanContext] = field(default_factory=list)
     started: float = 0.0  # perf_counter when its batch started
     batch_id: int = 0
+    span: trace.Span | None = None  # its batch's vit.batch span, once the batch started
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ class Batcher:
             metrics.DEDUPLICATED.inc()
             if caller.is_valid:
                 item.links.append(caller)
+                if item.span is not None:  # its ViT call is running: link it now
+                    item.span.add_link(caller)
         else:
             if self._queue.qsize() >= self.max_queue:
                 raise resource_exhausted(
@@ -250,6 +253,8 @@ class Batcher:
         span.set_attribute("splitvl.batch.size", len(live))
         span.set_attribute("splitvl.batch.patches", patches)
         span.set_attribute("splitvl.batch.links", len(links))
+        for it in live:
+            it.span = span
         return span
 
     def _retry_after_ms(self) -> int:

@@ -257,3 +257,47 @@ async def test_one_vit_batch_links_every_request_it_served(tiny_model, monkeypat
     assert all(info.batch_size == 2 and info.queue_wait_s >= 0 for _, _, info in results)
     assert results[0][1] is results[2][1]  # the duplicate got the very same tensor
     assert results[0][1].shape[0] == images[0].tokens
+
+
+async def test_a_duplicate_joining_a_running_batch_is_linked_too(monkeypatch) -> None:
+    """An identical image submitted while its ViT call runs shares the result, and the
+    running ``vit.batch`` span gains a link to the late request."""
+    import asyncio
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from encoder_service import batcher as batcher_module
+    from tests.test_batcher import FakeViT, batcher, image
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    monkeypatch.setattr(batcher_module, "tracer", provider.get_tracer("splitvl.encoder"))
+    vit = FakeViT()
+    vit.gate.clear()  # the ViT call blocks until released
+    b = batcher(vit, max_wait_ms=1)
+
+    async def request(name: str):  # type: ignore[no-untyped-def]
+        with tracer.start_as_current_span(name) as span:
+            out, info = await b.submit_timed("same", image(3.0))
+            return span.get_span_context(), out, info
+
+    try:
+        first = asyncio.ensure_future(request("early"))
+        while not any(it.span for it in b._inflight.values()):  # the call has started
+            await asyncio.sleep(0.005)
+        late = asyncio.ensure_future(request("late"))
+        await asyncio.sleep(0.05)
+        vit.gate.set()
+        results = await asyncio.gather(first, late)
+    finally:
+        vit.gate.set()
+        await b.stop()
+    (batch,) = [s for s in exporter.get_finished_spans() if s.name == "vit.batch"]
+    assert {link.context.span_id for link in batch.links} == {c.span_id for c, _, _ in results}
+    assert len(vit.calls) == 1 and results[0][1] is results[1][1]
+    assert results[1][2].batch_id == results[0][2].batch_id
+    assert results[1][2].queue_wait_s == 0.0  # it joined a call already running
