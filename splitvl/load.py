@@ -50,6 +50,7 @@ class CallResult:
     e2e_s: float = 0.0
     tokens: int = 0
     tiers: list[str] = field(default_factory=list)
+    retry_after_s: float | None = None  # the server's google.rpc.RetryInfo hint, if any
 
 
 @dataclass
@@ -131,6 +132,25 @@ def build_requests(
     return [build_request(r.images, r.prompt, max_tokens=max_tokens, ignore_eos=True) for r in work]
 
 
+def retry_delay_s(err: grpc.aio.AioRpcError) -> float | None:
+    """The ``google.rpc.RetryInfo`` delay a failed call carries (seconds), or None."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    try:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    except ValueError:  # a status message that disagrees with the code: no hint
+        return None
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return float(info.retry_delay.ToTimedelta().total_seconds())
+    return None
+
+
 async def one_call(
     stub: Any, request: Any, deadline_s: float, slack_s: float, metadata: Any = None
 ) -> CallResult:
@@ -157,6 +177,7 @@ async def one_call(
     except grpc.aio.AioRpcError as err:
         result.code = err.code().name
         result.message = err.details() or ""
+        result.retry_after_s = retry_delay_s(err)
     except TimeoutError:
         call.cancel()
         result.code = HUNG
@@ -180,9 +201,10 @@ async def run_load(
 
     Calls are spread round-robin over ``channels`` HTTP/2 connections (a single
     connection would serialise all frames through one socket and one event-loop callback
-    chain on the server). A worker starts no new call after ``duration_s``; the calls in
-    flight then finish (or end by their deadline), so the run lasts at most
-    ``duration_s + deadline_s + slack_s``.
+    chain on the server). A worker that got RESOURCE_EXHAUSTED waits the server's
+    RetryInfo delay (1 s without one, at most 5 s) before its next call. A worker starts
+    no new call after ``duration_s``; the calls in flight then finish (or end by their
+    deadline), so the run lasts at most ``duration_s + deadline_s + slack_s + 5``.
     """
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
@@ -200,7 +222,12 @@ async def run_load(
         while time.perf_counter() < stop_at:
             request = requests[next_request % len(requests)]
             next_request += 1
-            results.append(await one_call(stubs[w % len(stubs)], request, deadline_s, slack_s))
+            result = await one_call(stubs[w % len(stubs)], request, deadline_s, slack_s)
+            results.append(result)
+            if result.code == "RESOURCE_EXHAUSTED":
+                # Back off as a well-behaved client would: the server's RetryInfo hint
+                # (a full service answers at once, so retrying at once would only spin).
+                await asyncio.sleep(min(result.retry_after_s or 1.0, 5.0))
 
     async def report_progress() -> None:
         while True:

@@ -81,3 +81,47 @@ def test_a_call_past_its_deadline_plus_slack_counts_as_hung() -> None:
     bounded, hung = asyncio.run(main())
     assert bounded == "DEADLINE_EXCEEDED"
     assert hung == HUNG
+
+
+def test_resource_exhausted_retry_hint_is_read() -> None:
+    """The load client backs off by the server's RetryInfo delay (here 1.5 s)."""
+    import grpc
+    from google.protobuf import any_pb2, duration_pb2
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+    from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+
+    from splitvl.load import one_call
+
+    class Full(pb_grpc.GatewayServiceServicer):
+        async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+            detail = any_pb2.Any()
+            detail.Pack(
+                error_details_pb2.RetryInfo(
+                    retry_delay=duration_pb2.Duration(nanos=5 * 10**8, seconds=1)
+                )
+            )
+            status = rpc_status.to_status(
+                status_pb2.Status(
+                    code=code_pb2.RESOURCE_EXHAUSTED, message="full", details=[detail]
+                )
+            )
+            await context.abort(status.code, status.details, status.trailing_metadata)
+            yield  # pragma: no cover
+
+    async def main():  # type: ignore[no-untyped-def]
+        server = grpc.aio.server()
+        pb_grpc.add_GatewayServiceServicer_to_server(Full(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                (request,) = build_requests(1, side=64, repeat_fraction=0, max_tokens=1, seed=1)
+                return await one_call(pb_grpc.GatewayServiceStub(ch), request, 10.0, 5.0)
+        finally:
+            await server.stop(0)
+
+    result = asyncio.run(main())
+    assert result.code == "RESOURCE_EXHAUSTED"
+    assert result.message == "full"
+    assert result.retry_after_s == 1.5
