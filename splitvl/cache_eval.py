@@ -408,7 +408,38 @@ def evaluate(
             "p50": round(float(np.median(ms)), 2),
             "max": round(float(ms.max()), 2),
         },
+        "by_transform": _by_transform(near, threshold),
         "table": [_row(pairs, t) for t in thresholds],
+    }
+
+
+def _family(transform: str) -> str:
+    """``resize-0.95`` -> ``resize-0.95``; ``jpeg-q80`` -> ``jpeg``; ``crop-2%-centred`` ->
+    ``crop-centred``: JPEG qualities and crop sizes pooled, resize scales kept apart (the
+    grid rule depends on the scale)."""
+    if transform.startswith("jpeg-q"):
+        return "jpeg"
+    if transform.startswith("crop-") and "+" not in transform:
+        return "crop-" + transform.rsplit("-", 1)[1]
+    if transform.startswith(("brightness", "contrast")):
+        return transform.split("-", 1)[0]
+    return transform
+
+
+def _by_transform(near: list[Pair], threshold: float) -> dict[str, dict[str, float]]:
+    """Near duplicates grouped by transform: pairs, descriptor recall, hit recall."""
+    groups: dict[str, list[Pair]] = {}
+    for p in near:
+        groups.setdefault(_family(p.transform), []).append(p)
+    return {
+        name: {
+            "pairs": len(ps),
+            "descriptor_recall": round(sum(p.cosine >= threshold for p in ps) / len(ps), 4),
+            "hit_recall": round(
+                sum(p.cosine >= threshold and p.same_grid for p in ps) / len(ps), 4
+            ),
+        }
+        for name, ps in groups.items()
     }
 
 
@@ -464,6 +495,9 @@ def main(args: argparse.Namespace) -> int:
         f"descriptor recall {report['near_duplicate_recall']:.4f}, "
         f"hit recall incl. grid {report['hit_recall']:.4f}"
     )
+    print("by transform (pairs, descriptor recall, hit recall incl. grid):")
+    for name, g in report["by_transform"].items():
+        print(f"  {name:24s} {g['pairs']:4d}  {g['descriptor_recall']:.4f}  {g['hit_recall']:.4f}")
     print("document-like (zero descriptor):", report["document_like"])
     print("lowest near duplicates:", report["lowest_near_duplicates"])
     print("highest distinct pairs:", report["highest_distinct"])

@@ -335,8 +335,9 @@ def similarity_descriptor(image: Image.Image) -> np.ndarray:
     zero vector, as do flat images; a zero descriptor has cosine 0 with everything, so such
     an image can only ever hit exactly.
 
-    Cost: about 2 ms of CPU for a 448x448 image (docs/cache.md), against ~230 ms for the
-    bench checkpoint's ViT on one 448x448 image (docs/benchmarks.md).
+    Cost: about 3 ms of CPU for a 448x448 image, 8 ms for 2000x2000 (docs/cache.md),
+    against 213-231 ms for the bench checkpoint's ViT on one 448x448 image
+    (docs/benchmarks.md).
 
     Returns:
         float32 [DESCRIPTOR_DIM] (3,072), unit L2 norm, or all zeros.
