@@ -4,18 +4,20 @@ Kinds (one :class:`VectorIndex` holds one of them; :func:`build_index` picks):
 
 * ``flat``: ``IndexIDMap2(IndexFlatIP(dim))``: exact inner product (= cosine similarity on
   L2-normalised descriptors). Supports ``remove_ids``, so evictions remove vectors at once.
-* ``hnsw``: ``IndexIDMap2(IndexRefineFlat(IndexPreTransform(RandomRotationMatrix(dim, r),
-  IndexHNSWFlat(r, M, METRIC_INNER_PRODUCT))))``. The HNSW graph (Malkov & Yashunin 2018)
-  runs on an ``r``-dimensional random orthonormal projection of the descriptor (a
-  Johnson-Lindenstrauss projection: inner products are kept up to noise of about
-  ``1/sqrt(r)``), and its ``k * k_factor`` candidates are re-scored with the exact inner
-  product on the full descriptor (``IndexRefineFlat``). So every score the cache compares
-  with its threshold is exact; only which candidates are seen is approximate (recall is
-  measured by ``splitvl cache-bench``). Why the projection: HNSW on the full 3,072-dim
-  descriptor took 1.5 ms (p50) per search at 20k entries on this CPU and 26 s to build
-  20k entries; on a 256-dim projection 0.3 ms and 6 s (128 dims was cheaper still but
-  its recall fell to 0.988 at 10k entries). No training on data is needed
-  (the rotation is seeded), so the index can be rebuilt at any moment from any vectors.
+* ``hnsw``: ``IndexIDMap2(IndexRefineFlat(IndexPreTransform([RandomRotationMatrix(dim, r),
+  NormalizationTransform(r)], IndexHNSWFlat(r, M, METRIC_INNER_PRODUCT))))``. The HNSW graph
+  (Malkov & Yashunin 2018) runs on an ``r``-dimensional random orthonormal projection of the
+  descriptor (a Johnson-Lindenstrauss projection: inner products are kept up to noise of
+  about ``1/sqrt(r)``), re-normalised, and its ``k * k_factor`` candidates are re-scored
+  with the exact inner product on the full descriptor (``IndexRefineFlat``). So every
+  score the cache compares with its threshold is exact; only which candidates are seen is
+  approximate (recall is measured by ``splitvl cache-bench``). Why the projection: HNSW on
+  the full 3,072-dim descriptor took 1.5 ms (p50) per search at 20k entries on this CPU and
+  26 s to build 20k entries; on a 256-dim projection 0.3 ms and 6 s (128 dims was cheaper
+  still but its recall fell to 0.988 at 10k entries). A PCA projection fitted at each
+  rebuild was tried and dropped: recall 0.990 against 0.998 for the random one at 20k on
+  the bench data, and seconds of training per rebuild. No training is needed (the rotation
+  is seeded), so the index can be rebuilt at any moment from any vectors.
 * ``gpu_flat``: ``IndexIDMap2(GpuIndexFlatIP(dim))`` on GPU 0, chosen at startup when
   ``faiss.get_num_gpus() > 0``: exact brute force is faster on a GPU than any CPU graph at
   these sizes, so no approximate index is used there.
@@ -64,7 +66,7 @@ class IndexParams:
     hnsw_m: int = 32
     ef_construction: int = 40
     ef_search: int = 64
-    k_factor: int = 4
+    k_factor: int = 8
 
 
 def gpu_count() -> int:
@@ -101,9 +103,17 @@ def _inner(kind: str, dim: int, params: IndexParams) -> faiss.Index:
     hnsw.hnsw.efConstruction = params.ef_construction
     hnsw.hnsw.efSearch = params.ef_search
     if r < dim:
+        # Project, then re-normalise: a projected unit vector's norm varies by ~1/sqrt(r),
+        # and under an inner-product metric the longer ones become hubs of the graph
+        # (recall 0.996 -> 0.998 at 20k entries on the bench data).
         rotation = faiss.RandomRotationMatrix(dim, r)
         rotation.init(PROJECTION_SEED)
-        base: faiss.Index = faiss.IndexPreTransform(rotation, hnsw)
+        norm = faiss.NormalizationTransform(r, 2.0)
+        pre = faiss.IndexPreTransform(hnsw)
+        pre.prepend_transform(norm)
+        pre.prepend_transform(rotation)
+        base: faiss.Index = pre
+        hnsw.__dict__["_parts"] = (rotation, norm)  # owned by Python: keep them alive
     else:
         base = hnsw
     refine = faiss.IndexRefineFlat(base)

@@ -37,7 +37,7 @@ class CacheSettings(ServerSettings):
     projected_dim: int = Field(
         256, ge=8, description="Random-projection dimensions HNSW searches in."
     )
-    refine_k_factor: int = Field(4, ge=1, description="Candidates re-scored exactly per k.")
+    refine_k_factor: int = Field(8, ge=1, description="Candidates re-scored exactly per k.")
     search_k: int = Field(8, ge=1, description="Neighbours examined for an equal grid.")
     rebuild_fraction: float = Field(
         0.25, gt=0, le=1, description="Tombstone share of the index that triggers a rebuild."

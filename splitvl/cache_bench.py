@@ -162,11 +162,13 @@ def bench_size(
     sources = np.empty((len(targets), cfg.dim), dtype=np.float32)
 
     base = _rss()
-    approx = VectorIndex("hnsw", cfg.dim, cfg.params)
+    approx: Any = None
     t0 = time.perf_counter()
     for start in range(0, n, CHUNK):
         stop = min(n, start + CHUNK)
         x = model.draw(stop - start, np.random.default_rng([seed, start]))
+        if approx is None:
+            approx = VectorIndex("hnsw", cfg.dim, cfg.params)
         sel = (targets >= start) & (targets < stop)
         sources[sel] = x[targets[sel] - start]
         approx.add(np.arange(start, stop, dtype=np.int64), x)
