@@ -188,6 +188,8 @@ def test_one_generate_moves_every_service_metric(cluster, tiny_model) -> None:
     # cache: one lookup (a miss), one put
     assert cache("splitvl_cache_requests_total", method="Lookup", code="OK") == 1
     assert cache("splitvl_cache_lookups_total", tier="miss") == 1
+    assert cache("splitvl_cache_puts_total") == 1
+    assert cache("splitvl_cache_stored_bytes") == emb_bytes  # 2 GiB budget: nothing evicted
 
     # decoder
     assert dec("splitvl_decoder_requests_total", method="Generate", code="OK") == 1
