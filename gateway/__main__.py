@@ -19,6 +19,7 @@ from gateway.servicer import Downstream, GatewayServicer
 from gateway.settings import GatewaySettings
 from vlcommon import telemetry
 from vlcommon.model_info import load_vision_spec, model_revision, resolve_model_dir
+from vlcommon.security import ClientSecurity, aio_channel
 from vlcommon.server import configure_logging, limit_torch_threads, run, serve
 from vlcommon.settings import channel_options
 
@@ -46,9 +47,13 @@ def forbidden_tokens(model_dir) -> tuple[str, ...]:  # type: ignore[no-untyped-d
     return tuple(sorted(tokens, key=len, reverse=True))
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(
-        address, options=channel_options(), interceptors=telemetry.client_interceptors()
+def channel(address: str, security: ClientSecurity | None = None) -> grpc.aio.Channel:
+    """A channel to a dependency: TLS/mTLS and the internal token per ``GATEWAY_CLIENT_*``."""
+    return aio_channel(
+        address,
+        security,
+        options=channel_options(),
+        interceptors=telemetry.client_interceptors(),
     )
 
 
@@ -60,10 +65,14 @@ async def main_async(settings: GatewaySettings) -> None:
     spec = load_vision_spec(model_dir)
     revision = settings.model_revision or model_revision(model_dir)
     telemetry.setup_tracing("splitvl-gateway")
-    channels = [channel(settings.encoder_address), channel(settings.decoder_address)]
+    security = ClientSecurity.from_settings(settings)
+    channels = [
+        channel(settings.encoder_address, security),
+        channel(settings.decoder_address, security),
+    ]
     cache_stub = None
     if settings.cache_address:
-        channels.append(channel(settings.cache_address))
+        channels.append(channel(settings.cache_address, security))
         cache_stub = cache_service_pb2_grpc.CacheServiceStub(channels[2])
     downstream = Downstream(
         encoder=encoder_service_pb2_grpc.EncoderServiceStub(channels[0]),
@@ -85,6 +94,7 @@ async def main_async(settings: GatewaySettings) -> None:
             servicer, server
         ),
         shutdown=shutdown,
+        public=True,
     )
 
 

@@ -1,10 +1,13 @@
 """Server bootstrap shared by the four services.
 
 ``serve()`` builds a ``grpc.aio`` server with explicit message limits and keepalive,
-OpenTelemetry interceptors, grpc.health.v1 (NOT_SERVING until the engine is ready,
+OpenTelemetry interceptors, optional TLS/mTLS and token checks and admission control
+(:mod:`vlcommon.security`), grpc.health.v1 (NOT_SERVING until the engine is ready,
 SERVING after, ``enter_graceful_shutdown()`` on SIGTERM/SIGINT), server reflection and
 an optional Prometheus endpoint, then runs until a signal:
-signal -> stop event -> health NOT_SERVING -> ``server.stop(grace)`` -> engine shutdown.
+signal -> stop event -> health NOT_SERVING -> ``server.stop(grace)`` (new RPCs refused)
+-> in-flight RPCs finish (at most ``grace_s``) -> leftover streams such as health
+``Watch`` cancelled -> engine shutdown.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -21,6 +25,9 @@ from grpc_reflection.v1alpha import reflection
 
 from vlcommon import telemetry
 from vlcommon.errors import ServiceError, abort, invalid_argument
+from vlcommon.metrics import MetricsInterceptor
+from vlcommon.security import AdmissionInterceptor, AuthInterceptor, is_loopback, load_tokens
+from vlcommon.security import server_credentials as tls_server_credentials
 from vlcommon.settings import ServerSettings, server_options
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,7 @@ async def serve(
     shutdown: Callable[[], Awaitable[None]] | None = None,
     stop_event: asyncio.Event | None = None,
     on_started: Callable[[int], None] | None = None,
+    public: bool = False,
 ) -> None:
     """Run one service until SIGTERM/SIGINT (or ``stop_event``).
 
@@ -75,16 +83,39 @@ async def serve(
         shutdown: Releases the engine; always awaited after the server stops.
         stop_event: Set to stop (tests); signals set it too.
         on_started: Called with the bound port once the server listens.
+        public: True for the gateway: its callers are users, so ``internal_token`` is only
+            sent downstream, never required of them (``auth_tokens`` guards it instead).
+            False (encoder, cache, decoder): ``internal_token``, when set, is required.
     """
     telemetry.setup_tracing(f"splitvl-{service_name}")
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, addr=settings.host)
+    internal_token = "" if public else settings.internal_token.get_secret_value()
+    bearer_tokens = load_tokens(settings.auth_tokens.get_secret_value(), settings.auth_token_file)
+    admission = AdmissionInterceptor(settings.max_concurrent_rpcs, settings.retry_after_ms)
+    interceptors = [*telemetry.server_interceptors(), MetricsInterceptor(service_name)]
+    if bearer_tokens or internal_token:
+        # Before admission: a caller without credentials never takes a slot.
+        interceptors.append(AuthInterceptor(bearer_tokens, internal_token))
+    interceptors.append(admission)
+    credentials = tls_server_credentials(settings)
+    if not public and not internal_token and not settings.tls_client_ca_file:
+        if not is_loopback(settings.host):
+            log.warning(
+                "%s listens on %s with neither mTLS nor an internal token: anyone who can "
+                "reach it can call it directly (docs/security.md)",
+                service_name,
+                settings.host,
+            )
     server = grpc.aio.server(
-        interceptors=telemetry.server_interceptors(),
+        # Tracing first, so the metrics interceptor's time and status sit inside the span.
+        interceptors=interceptors,
         options=server_options(settings),
-        maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+        # Admission control is the interceptor (health exempt, RetryInfo hint); grpc's own
+        # limit sits above it as a backstop with room for probes.
+        maximum_concurrent_rpcs=settings.max_concurrent_rpcs + 64,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -93,7 +124,11 @@ async def serve(
     reflection.enable_server_reflection(
         [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -104,7 +139,14 @@ async def serve(
     for name in ("", *service_full_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    log.info("%s listening on %s:%d", service_name, settings.host, port)
+    log.info(
+        "%s listening on %s:%d (%s%s)",
+        service_name,
+        settings.host,
+        port,
+        "plaintext" if credentials is None else "TLS",
+        "+mTLS" if settings.tls_client_ca_file else "",
+    )
     if on_started is not None:
         on_started(port)
     try:
@@ -124,9 +166,7 @@ async def serve(
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("%s SERVING", service_name)
             await stop.wait()
-        log.info("%s stopping (grace %.1fs)", service_name, settings.grace_s)
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(settings.grace_s)
+        await drain(server, health_servicer, admission, settings.grace_s, service_name)
     finally:
         try:
             if shutdown is not None:
@@ -134,6 +174,47 @@ async def serve(
         finally:
             telemetry.shutdown_tracing()
             log.info("%s stopped", service_name)
+
+
+WATCH_NOTICE_S = 0.5
+
+
+async def drain(
+    server: grpc.aio.Server,
+    health_servicer: health.aio.HealthServicer,
+    admission: AdmissionInterceptor,
+    grace_s: float,
+    service_name: str = "",
+) -> None:
+    """Graceful drain: NOT_SERVING, refuse new RPCs, let in-flight ones finish.
+
+    ``server.stop(grace)`` alone waits out the whole grace period while any stream is open,
+    and a health ``Watch`` (a load balancer's or a probe's) never ends by itself; so the
+    in-flight RPCs are counted (health excluded) and, once none is left, the rest are
+    cancelled with ``stop(0)``: the drain lasts as long as the slowest real RPC, at most
+    ``grace_s``.
+    """
+    t0 = time.monotonic()
+    log.info(
+        "%s draining: %d RPCs in flight (grace %.1fs)",
+        service_name,
+        admission.in_flight,
+        grace_s,
+    )
+    await health_servicer.enter_graceful_shutdown()
+    stopping = asyncio.ensure_future(server.stop(grace_s))  # new RPCs are refused from here
+    drained = await admission.wait_idle(grace_s)
+    if drained:
+        # Let health Watch streams deliver NOT_SERVING before they are cancelled.
+        await asyncio.sleep(max(0.0, min(WATCH_NOTICE_S, grace_s) - (time.monotonic() - t0)))
+        await server.stop(0)
+    await stopping
+    log.info(
+        "%s drained in %.2fs (%s)",
+        service_name,
+        time.monotonic() - t0,
+        "all RPCs finished" if drained else f"{admission.in_flight} cancelled at the grace",
+    )
 
 
 def run(coro: Awaitable[None]) -> None:
