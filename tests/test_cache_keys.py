@@ -8,9 +8,9 @@ import io
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
-from tests.conftest import case_file, png_bytes, rgb
+from tests.conftest import case_file, photo, png_bytes, rgb
 from vlcommon.imaging import (
     ALPHA_BACKGROUND,
     DESCRIPTOR_DIM,
@@ -165,8 +165,22 @@ def test_documents_get_no_similarity_descriptor_photos_do() -> None:
         jpeg = io.BytesIO()
         text.save(jpeg, format="JPEG", quality=70)
         assert is_document_like(decode(jpeg.getvalue())), layout
-    for name in ("astronaut.png", "camera.png", "hubble_deep_field.jpg", "moon.png"):
-        image = rgb(name)
+    # Dark mode and coloured backgrounds, as JPEG (its chroma smears around glyphs).
+    font = ImageFont.load_default(size=28)
+    for background, ink in (
+        ((18, 18, 24), (230, 230, 230)),
+        ((30, 60, 140), (255, 255, 255)),
+        ((240, 200, 40), (20, 20, 20)),
+    ):
+        slide = Image.new("RGB", (900, 500), background)
+        ImageDraw.Draw(slide).multiline_text(
+            (30, 30), "Revenue 2026: 4,812\nCosts: 3,907", font=font, fill=ink
+        )
+        jpeg = io.BytesIO()
+        slide.save(jpeg, format="JPEG", quality=70)
+        assert is_document_like(decode(jpeg.getvalue())), background
+    for name in ("astronaut.png", "camera.png", "hubble_deep_field.jpg", "moon.png", "horse.png"):
+        image = decode(photo(name))
         assert not is_document_like(image), name
         d = similarity_descriptor(image)
         assert d.shape == (DESCRIPTOR_DIM,) and abs(float(np.linalg.norm(d)) - 1.0) < 1e-5

@@ -37,19 +37,22 @@ DESCRIPTOR_SIDE = 32
 DESCRIPTOR_DIM = DESCRIPTOR_SIDE * DESCRIPTOR_SIDE * 3
 # The document test looks at every k-th pixel, for a long side of at most this many pixels.
 DESCRIPTOR_WORK_SIDE = 256
-# Document-like images (text, screenshots, charts, line art: a uniform background covering
-# >= 75% of the pixels, and >= 45% of the remaining pixels in high contrast to it) get no
-# similarity descriptor. One changed digit or word moves a thumbnail's cosine by ~1%, far
-# less than a JPEG re-encode or a 3% crop does, so no threshold on a global descriptor
-# could tell them apart; such images are served by the exact tier only. The fractions sit
-# between what `splitvl cache-eval` measured: rendered text (PNG and JPEG q70, 640x104 to
-# 1600x1200 pages) has background >= 0.85 and ink >= 0.52; the photos with a large uniform
-# background have ink <= 0.30 (hubble_deep_field, cell, moon, microaneurysms), and the
-# one with high-contrast ink (the horse silhouette) has background 0.66.
+# Document-like images (text, screenshots, charts, line art) get no similarity descriptor:
+# a luma level within +-16 of the most common one (the background) covers >= 75% of the
+# pixels, and >= 36% of the remaining pixels differ from it by more than 96 levels (ink).
+# One changed digit or word moves a thumbnail's cosine by ~1%, far less than a JPEG
+# re-encode or a small crop does, so no threshold on a global descriptor could tell them
+# apart; such images are served by the exact tier only. Luma, not RGB: JPEG's subsampled
+# chroma smears coloured backgrounds around glyphs, its luma stays sharp. The fractions sit
+# between what was measured (docs/cache.md): rendered text (black on white, white on
+# blue/red/black, black on yellow; 640x104 to 1600x1200; PNG and JPEG q50-95) has
+# background >= 0.84 and ink >= 0.47; photos with a large flat background have ink <= 0.26
+# (hubble_deep_field, cell, moon, microaneurysms), and the one with high-contrast ink (the
+# horse silhouette) has background 0.66.
 DOCUMENT_BACKGROUND_FRACTION = 0.75
-DOCUMENT_INK_FRACTION = 0.45
-DOCUMENT_BACKGROUND_TOLERANCE = 16  # max |channel - background|, 8-bit levels
-DOCUMENT_INK_CONTRAST = 96  # max |channel - background| of an ink pixel, 8-bit levels
+DOCUMENT_INK_FRACTION = 0.36
+DOCUMENT_BACKGROUND_TOLERANCE = 16  # max |luma - background luma|, 8-bit levels
+DOCUMENT_INK_CONTRAST = 96  # min |luma - background luma| of an ink pixel, 8-bit levels
 
 
 @dataclass(frozen=True)
@@ -272,27 +275,24 @@ def exact_key(image: Image.Image, plan: ResizePlan, revision: str) -> str:
     return h.hexdigest()
 
 
-def _sample_pixels(image: Image.Image) -> np.ndarray:
-    """uint8 [h, w, 3]: every k-th pixel of ``image`` (nearest neighbour, no averaging), for
-    a long side of at most :data:`DESCRIPTOR_WORK_SIDE`. Sampling instead of averaging keeps
-    thin text strokes at full contrast whatever the page size."""
+def _sample_luma(image: Image.Image) -> np.ndarray:
+    """uint8 [h, w]: luma (ITU-R 601, Pillow's ``L``) of every k-th pixel of ``image``
+    (nearest neighbour, no averaging), for a long side of at most
+    :data:`DESCRIPTOR_WORK_SIDE`. Sampling instead of averaging keeps thin text strokes
+    at full contrast whatever the page size."""
     step = -(-max(image.size) // DESCRIPTOR_WORK_SIDE)
     if step > 1:
         size = (max(1, image.width // step), max(1, image.height // step))
         image = image.resize(size, Image.Resampling.NEAREST)
-    return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    return np.asarray(image.convert("L"), dtype=np.uint8)
 
 
-def _is_document_like(pixels: np.ndarray) -> bool:
-    flat = pixels.reshape(-1, 3)
-    # The background is the most common colour, in 8-level bins per channel (JPEG noise
-    # and antialiasing move a flat background by a few levels). uint8/uint16 throughout:
-    # widening 3 x 65k samples to int16 tripled the cost.
-    bins = flat >> 3
-    codes = (bins[:, 0].astype(np.uint16) << 10) | (bins[:, 1].astype(np.uint16) << 5) | bins[:, 2]
-    mode = int(np.bincount(codes, minlength=1 << 15).argmax())
-    centre = (np.array([mode >> 10, (mode >> 5) & 31, mode & 31]) * 8 + 4).astype(np.uint8)
-    distance = (np.maximum(flat, centre) - np.minimum(flat, centre)).max(axis=1)
+def _is_document_like(luma: np.ndarray) -> bool:
+    flat = luma.reshape(-1)
+    # The background is the most common luma, in 4-level bins (JPEG noise and
+    # antialiasing move a flat background by a few levels).
+    background_luma = int(np.bincount(flat >> 2, minlength=64).argmax()) * 4 + 2
+    distance = np.abs(flat.astype(np.int16) - background_luma)
     background = distance <= DOCUMENT_BACKGROUND_TOLERANCE
     n_background = int(np.count_nonzero(background))
     if n_background < DOCUMENT_BACKGROUND_FRACTION * len(flat) or n_background == len(flat):
@@ -304,21 +304,22 @@ def _is_document_like(pixels: np.ndarray) -> bool:
 def is_document_like(image: Image.Image) -> bool:
     """Whether ``image`` looks like text, a screenshot, a chart or line art.
 
-    True when one background colour (8-level bins, +-16 levels) covers at least 75% of
-    the pixels and at least 45% of the other pixels differ from it by more than 96
-    levels (ink), counted on every k-th pixel (long side <= 256 samples). Such images get
-    the zero similarity descriptor (exact tier only): see :func:`similarity_descriptor`.
+    True when one background luma (+-16 levels around the most common one) covers at
+    least 75% of the pixels and at least 36% of the other pixels differ from it by more
+    than 96 levels (ink), counted on every k-th pixel (long side <= 256 samples). Such
+    images get the zero similarity descriptor (exact tier only): see
+    :func:`similarity_descriptor`.
     """
-    return _is_document_like(_sample_pixels(image))
+    return _is_document_like(_sample_luma(image))
 
 
 def similarity_descriptor(image: Image.Image) -> np.ndarray:
     """A cheap descriptor for near-duplicate search, computed before any ViT work.
 
     What: the image is area-averaged (box filter) to a 32x32 RGB thumbnail (aspect ratio
-    not kept), each channel's mean is
-    subtracted, and the 3,072 values are L2-normalised, so the inner product of two
-    descriptors is the Pearson correlation of the thumbnails (a cosine similarity).
+    not kept), each channel's mean is subtracted, and the 3,072 values are L2-normalised,
+    so the inner product of two descriptors is the Pearson correlation of the thumbnails
+    (a cosine similarity).
 
     Why it finds near duplicates: one thumbnail cell averages 1/1024 of the image, which
     removes the high frequencies that JPEG re-encoding (quality >= 70) changes, and the
@@ -335,7 +336,7 @@ def similarity_descriptor(image: Image.Image) -> np.ndarray:
     zero vector, as do flat images; a zero descriptor has cosine 0 with everything, so such
     an image can only ever hit exactly.
 
-    Cost: about 3 ms of CPU for a 448x448 image, 8 ms for 2000x2000 (docs/cache.md),
+    Cost: about 0.8 ms of CPU for a 448x448 image, 7 ms for 2000x2000 (docs/cache.md),
     against 213-231 ms for the bench checkpoint's ViT on one 448x448 image
     (docs/benchmarks.md).
 
