@@ -18,7 +18,7 @@ from qwenvl.cache.v1 import cache_service_pb2 as pb
 from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
-from cache_service.index import IndexParams
+from cache_service.index import IndexParams, gpu_count
 from cache_service.servicer import CacheServicer
 from cache_service.store import EmbeddingStore
 from tests.conftest import in_process_server
@@ -294,3 +294,28 @@ async def test_metrics_per_tier_and_lookup_attributes_on_the_rpc_span(served) ->
         "miss",
     ]
     exporter.shutdown()
+
+
+def test_startup_checks_the_gpu_capability() -> None:
+    from cache_service.__main__ import build_store
+    from cache_service.settings import CacheSettings
+
+    settings = CacheSettings(descriptor_dim=DIM, gpu="auto")
+    store = build_store(settings)
+    assert store.gpu == (gpu_count() > 0)
+    assert store.index_kind == ("gpu_flat" if store.gpu else "flat")
+    if gpu_count() == 0:
+        with pytest.raises(RuntimeError, match="CACHE_GPU=on but FAISS sees no GPU"):
+            build_store(CacheSettings(descriptor_dim=DIM, gpu="on"))
+    assert build_store(CacheSettings(descriptor_dim=DIM, gpu="off")).index_kind == "flat"
+
+
+@pytest.mark.skipif(gpu_count() == 0, reason="FAISS sees no GPU (faiss-cpu or no device)")
+def test_gpu_index_tombstones_and_rebuilds() -> None:
+    store = new_store(use_gpu=True, min_rebuild_tombstones=8, capacity_bytes=40 * 96)
+    for i in range(80):  # 40 evicted: tombstones, purged by rebuilds on the way
+        store_put(store, i)
+    assert store.index_kind == "gpu_flat" and store.rebuilds > 0
+    store.check_invariants()
+    for i in range(80):
+        assert answer(store, i, 3)[1] == (f"k{i}" if i >= 40 else None)
