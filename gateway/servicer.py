@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 from opentelemetry import trace
-from prometheus_client import Counter, Histogram
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2, decoder_service_pb2_grpc
@@ -32,7 +32,9 @@ from qwenvl.encoder.v1 import encoder_service_pb2, encoder_service_pb2_grpc
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
-from gateway.media import image_bytes
+from gateway import metrics
+from gateway.fetch import UrlFetcher
+from gateway.media import ImageUrl, check_video, image_bytes
 from gateway.settings import GatewaySettings
 from vlcommon import tensors
 from vlcommon.errors import (
@@ -57,14 +59,7 @@ from vlcommon.model_info import VisionSpec
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.gateway")
 
-REQUESTS = Counter("splitvl_gateway_requests_total", "Generate RPCs by gRPC status.", ["code"])
-IMAGES = Counter("splitvl_gateway_images_total", "Images served, by cache tier.", ["tier"])
-CACHE_FAILURES = Counter(
-    "splitvl_gateway_cache_failures_total",
-    "Cache calls that failed or timed out (served by encoding).",
-    ["op"],
-)
-STAGE_SECONDS = Histogram("splitvl_gateway_stage_seconds", "Wall time per stage.", ["stage"])
+CACHE_FAILURES = metrics.CACHE_FAILURES
 EMBEDDING_DTYPES = (
     tensor_pb2.DATA_TYPE_FP32,
     tensor_pb2.DATA_TYPE_BF16,
@@ -97,6 +92,11 @@ class Downstream:
     encoder: encoder_service_pb2_grpc.EncoderServiceStub
     decoder: decoder_service_pb2_grpc.DecoderServiceStub
     cache: cache_service_pb2_grpc.CacheServiceStub | None
+
+
+def _tier(tier: int) -> str:
+    """``exact`` / ``similar`` / ``miss``: the metric label and span attribute value."""
+    return generation_pb2.CacheTier.Name(tier).removeprefix("CACHE_TIER_").lower()
 
 
 def _grid(plan: ResizePlan) -> tensor_pb2.GridTHW:
@@ -145,6 +145,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.down = downstream
         self.default_policy = POLICY_NAMES[settings.default_cache_policy]
         self._background: set[asyncio.Task[None]] = set()
+        self.fetcher = UrlFetcher(settings)
         self._preprocess = ThreadPoolExecutor(
             max_workers=settings.preprocess_threads, thread_name_prefix="preprocess"
         )
@@ -152,8 +153,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
     # -- validation ---------------------------------------------------------------------
     def _parse(
         self, request: pb.GenerateRequest
-    ) -> tuple[list[decoder_service_pb2.Message], list[bytes]]:
-        """Validate the messages and collect the images' encoded bytes, in order.
+    ) -> tuple[list[decoder_service_pb2.Message], list[bytes | ImageUrl]]:
+        """Validate the messages and collect the images' encoded bytes (or URLs), in order.
 
         Counts (messages, parts, images, characters) are checked before any content is
         scanned, so an oversized request is refused without work proportional to its size.
@@ -185,7 +186,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 limit=s.max_text_chars,
             )
         messages: list[decoder_service_pb2.Message] = []
-        images: list[bytes] = []
+        images: list[bytes | ImageUrl] = []
         for i, message in enumerate(request.messages):
             check_role(message.role, f"messages[{i}].role")
             if not message.parts:
@@ -206,18 +207,42 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     self._check_text("".join(run), f"messages[{i}].parts (joined text)")
                 run = []
                 if kind == "image":
-                    images.append(
-                        image_bytes(part.image, index=len(images), max_bytes=s.max_image_bytes)
-                    )
+                    source = image_bytes(part.image, index=len(images), max_bytes=s.max_image_bytes)
+                    if isinstance(source, ImageUrl):
+                        self.fetcher.check_url(source.url, index=len(images))
+                    images.append(source)
                     out.parts.add(image_index=len(images) - 1)
+                elif kind == "video":
+                    check_video(
+                        part.video,
+                        field=f"{field}.video",
+                        temporal_patch_size=self.spec.temporal_patch_size,
+                    )
                 else:
                     raise invalid_argument(
-                        "PART_EMPTY", f"{field} has neither text nor image", field=field
+                        "PART_EMPTY", f"{field} has none of text, image, video", field=field
                     )
             if len(run) > 1:
                 self._check_text("".join(run), f"messages[{i}].parts (joined text)")
             messages.append(out)
         return messages, images
+
+    async def _fetch_urls(
+        self, sources: list[bytes | ImageUrl], context: grpc.aio.ServicerContext
+    ) -> list[bytes]:
+        """Fetch the URL images (concurrently, within the deadline); bytes stay as they are.
+
+        Raises:
+            ServiceError: as :class:`gateway.fetch.UrlFetcher` documents.
+        """
+        urls = [(i, src.url) for i, src in enumerate(sources) if isinstance(src, ImageUrl)]
+        if not urls:
+            return [src for src in sources if isinstance(src, bytes)]
+        with tracer.start_as_current_span("gateway.fetch_urls") as span:
+            span.set_attribute("splitvl.images", len(urls))
+            fetched = await self.fetcher.fetch_all(urls, _remaining(context))
+            span.set_attribute("splitvl.transfer_bytes", sum(map(len, fetched.values())))
+        return [fetched[i] if isinstance(src, ImageUrl) else src for i, src in enumerate(sources)]
 
     def _check_text(self, text: str, field: str) -> None:
         """Refuse a control token (``<|image_pad|>``, ``<|im_start|>``, ...) in user text."""
@@ -246,18 +271,29 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         """
         prepared = []
         for index, data in enumerate(datas):
-            image = decode_image(
-                data, index=index, max_decoded_pixels=self.settings.max_decoded_pixels
-            )
-            plan = plan_resize(
-                image.height, image.width, self.spec, index=index, min_pixels=lo, max_pixels=hi
-            )
-            key = exact_key(image, plan, self.revision)
-            descriptor = similarity_descriptor(image)
-            if (image.height, image.width) == (plan.resized_height, plan.resized_width):
-                resized = np.asarray(image, dtype=np.uint8)  # already the planned size
-            else:
-                resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
+            with tracer.start_as_current_span("image.decode") as span:
+                span.set_attribute("splitvl.image.index", index)
+                span.set_attribute("splitvl.image.encoded_bytes", len(data))
+                image = decode_image(
+                    data, index=index, max_decoded_pixels=self.settings.max_decoded_pixels
+                )
+                span.set_attribute("splitvl.image.width", image.width)
+                span.set_attribute("splitvl.image.height", image.height)
+            with tracer.start_as_current_span("image.resize") as span:
+                plan = plan_resize(
+                    image.height, image.width, self.spec, index=index, min_pixels=lo, max_pixels=hi
+                )
+                span.set_attribute("splitvl.image.index", index)
+                span.set_attribute("splitvl.image.resized_width", plan.resized_width)
+                span.set_attribute("splitvl.image.resized_height", plan.resized_height)
+                span.set_attribute("splitvl.image.grid_thw", list(plan.grid))
+                span.set_attribute("splitvl.image.tokens", plan.tokens)
+                key = exact_key(image, plan, self.revision)
+                descriptor = similarity_descriptor(image)
+                if (image.height, image.width) == (plan.resized_height, plan.resized_width):
+                    resized = np.asarray(image, dtype=np.uint8)  # already the planned size
+                else:
+                    resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
             del image
             prepared.append(
                 PreparedImage(pixels=resized, plan=plan, key=key, descriptor=descriptor)
@@ -291,7 +327,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             request.queries.add(
                 key=im.key, descriptor=tensors.from_numpy(im.descriptor), grid=_grid(im.plan)
             )
-        with tracer.start_as_current_span("gateway.cache_lookup") as span:
+        with tracer.start_as_current_span("cache.lookup") as span:
             try:
                 response = await self.down.cache.Lookup(
                     request, timeout=_remaining(context, self.settings.cache_timeout_s)
@@ -322,10 +358,23 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                         continue  # never bind embeddings that do not fit
                     im.tier = result.tier
                     im.embedding = result.embedding
-            span.set_attribute(
-                "splitvl.cache.tiers", [generation_pb2.CacheTier.Name(im.tier) for im in images]
-            )
+            received = 0
+            for index, im in enumerate(images):
+                metrics.CACHE_LOOKUPS.labels(tier=_tier(im.tier)).inc()
+                if im.embedding is not None:
+                    received += len(im.embedding.embeddings.data)
+                span.add_event(
+                    "image",
+                    {
+                        "splitvl.image.index": index,
+                        "splitvl.cache.tier": _tier(im.tier),
+                        "splitvl.cache.similarity": im.similarity,
+                    },
+                )
+            metrics.EMBEDDING_RECEIVED_BYTES.labels(source="cache").inc(received)
+            span.set_attribute("splitvl.cache.tiers", [_tier(im.tier) for im in images])
             span.set_attribute("splitvl.cache.similarities", [im.similarity for im in images])
+            span.set_attribute("splitvl.embedding.bytes", received)
 
     async def _encode(self, misses: list[PreparedImage], context: grpc.aio.ServicerContext) -> None:
         request = encoder_service_pb2.EncodeRequest()
@@ -346,6 +395,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 response = await self.down.encoder.Encode(request, timeout=_remaining(context))
             except grpc.aio.AioRpcError as err:
                 raise from_rpc_error(err, dependency="encoder") from err
+            received = sum(len(e.embeddings.data) for e in response.embeddings)
+            metrics.EMBEDDING_RECEIVED_BYTES.labels(source="encoder").inc(received)
+            span.set_attribute("splitvl.embedding.bytes", received)
         for im, emb in zip(misses, response.embeddings, strict=True):
             im.embedding = emb
 
@@ -366,6 +418,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         t0 = time.perf_counter()
         with tracer.start_as_current_span("gateway.cache_put") as span:
             span.set_attribute("splitvl.transfer_bytes", request.ByteSize())
+            sent = sum(len(im.embedding.embeddings.data) for im in fresh if im.embedding)
+            span.set_attribute("splitvl.embedding.bytes", sent)
+            metrics.EMBEDDING_SENT_BYTES.labels(destination="cache").inc(sent)
             try:
                 await self.down.cache.Put(
                     request, timeout=_remaining(context, self.settings.cache_timeout_s)
@@ -380,9 +435,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        code = grpc.StatusCode.OK
         call = None
         t_start = time.perf_counter()
+        request_span = trace.get_current_span()  # the Generate server span
         timings = pb.StageTimings()
         try:
             sampling = request.sampling
@@ -404,14 +459,24 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 )
             policy = request.cache_policy or self.default_policy
             with tracer.start_as_current_span("gateway.preprocess") as span:
-                messages, datas = self._parse(request)
+                messages, sources = self._parse(request)
                 lo, hi = self._budget(request)
+                datas = await self._fetch_urls(sources, context)
+                # In the thread, under this span: image.decode/image.resize are its children.
                 images = await asyncio.get_running_loop().run_in_executor(
-                    self._preprocess, self._prepare_images, datas, lo, hi
+                    self._preprocess,
+                    contextvars.copy_context().run,
+                    self._prepare_images,
+                    datas,
+                    lo,
+                    hi,
                 )
                 span.set_attribute("splitvl.images", len(images))
                 span.set_attribute("splitvl.grids", [str(im.plan.grid) for im in images])
             timings.preprocess_ms = (time.perf_counter() - t_start) * 1000
+            metrics.IMAGES.inc(len(images))
+            request_span.set_attribute("splitvl.request.model", self.settings.model)
+            request_span.set_attribute("splitvl.request.images", len(images))
 
             t = time.perf_counter()
             await self._lookup(images, policy, context)
@@ -431,8 +496,16 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             decode_request = decoder_service_pb2.GenerateRequest(
                 request_id=uuid.uuid4().hex[:16], messages=messages, sampling=sampling
             )
-            for im in images:
-                decode_request.images.append(im.embedding)
+            # The copy of every image's embeddings into the decoder's request; the bytes
+            # then travel inside the DecoderService/Generate client span.
+            with tracer.start_as_current_span("embedding.transfer") as span:
+                for im in images:
+                    decode_request.images.append(im.embedding)
+                sent = sum(len(im.embedding.embeddings.data) for im in images if im.embedding)
+                span.set_attribute("splitvl.embedding.bytes", sent)
+                span.set_attribute("splitvl.embedding.destination", "decoder")
+                span.set_attribute("splitvl.request.images", len(images))
+                metrics.EMBEDDING_SENT_BYTES.labels(destination="decoder").inc(sent)
             infos = [
                 pb.ImageInfo(
                     index=i,
@@ -444,28 +517,38 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 )
                 for i, im in enumerate(images)
             ]
-            for im in images:
-                IMAGES.labels(tier=generation_pb2.CacheTier.Name(im.tier)).inc()
 
             t_decode = time.perf_counter()
             with tracer.start_as_current_span("gateway.decode") as span:
                 span.set_attribute("splitvl.transfer_bytes", decode_request.ByteSize())
                 call = self.down.decoder.Generate(decode_request, timeout=_remaining(context))
                 first = True
+                t_last = t_decode
                 try:
                     async for chunk in call:
+                        now = time.perf_counter()
+                        if chunk.token_ids and not first:
+                            metrics.ITL.observe((now - t_last) / len(chunk.token_ids))
+                        t_last = now
                         response = pb.GenerateResponse(
                             token_ids=chunk.token_ids,
                             text=chunk.text,
                             finish_reason=chunk.finish_reason,
                         )
                         if first:
-                            timings.ttft_ms = (time.perf_counter() - t_decode) * 1000
-                            span.add_event("first_token", {"ttft_ms": timings.ttft_ms})
+                            timings.ttft_ms = (now - t_decode) * 1000
+                            metrics.TTFT.observe(now - t_start)
+                            span.add_event("first_token", {"splitvl.ttft_ms": timings.ttft_ms})
                             response.images.extend(infos)
                             first = False
                         if chunk.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
                             response.usage.CopyFrom(chunk.usage)
+                            request_span.set_attribute(
+                                "splitvl.usage.prompt_tokens", chunk.usage.prompt_tokens
+                            )
+                            request_span.set_attribute(
+                                "splitvl.usage.completion_tokens", chunk.usage.completion_tokens
+                            )
                             timings.decode_ms = (time.perf_counter() - t_decode) * 1000
                             timings.total_ms = (time.perf_counter() - t_start) * 1000
                             response.timings.CopyFrom(timings)
@@ -473,14 +556,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 except grpc.aio.AioRpcError as err:
                     raise from_rpc_error(err, dependency="decoder") from err
             for name in ("preprocess", "lookup", "encode", "put", "decode"):
-                STAGE_SECONDS.labels(stage=name).observe(getattr(timings, f"{name}_ms") / 1000)
+                seconds = getattr(timings, f"{name}_ms") / 1000
+                metrics.STAGE_SECONDS.labels(stage=name).observe(seconds)
         except ServiceError as err:
-            code = err.code
             await abort(context, err)
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
         finally:
             if call is not None and not call.done():
                 call.cancel()  # the decoder aborts the vLLM request
-            REQUESTS.labels(code=code.name).inc()

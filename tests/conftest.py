@@ -46,9 +46,12 @@ def png_bytes(image: Image.Image) -> bytes:
 
 @contextlib.asynccontextmanager
 async def in_process_server(
-    add_to_server: Any, servicer: Any, service_full_name: str
+    add_to_server: Any, servicer: Any, service_full_name: str, settings: Any = None
 ) -> AsyncIterator[grpc.aio.Channel]:
-    """Serve ``servicer`` on 127.0.0.1:0 through the real bootstrap; yield a channel to it."""
+    """Serve ``servicer`` on 127.0.0.1:0 through the real bootstrap; yield a channel to it.
+
+    ``settings``: a ServerSettings (port 0) to serve with instead of the defaults.
+    """
     from vlcommon.server import serve
     from vlcommon.settings import ServerSettings
 
@@ -58,7 +61,7 @@ async def in_process_server(
         serve(
             service_name="test",
             service_full_names=[service_full_name],
-            settings=ServerSettings(port=0),
+            settings=settings or ServerSettings(port=0),
             stop_event=stop,
             on_started=started.set_result,
             register=lambda s: add_to_server(servicer, s),
@@ -109,6 +112,15 @@ class OtlpReceiver:
                                         "span_id": span.span_id.hex(),
                                         "parent": span.parent_span_id.hex(),
                                         "attributes": {a.key: a.value for a in span.attributes},
+                                        "start_ns": span.start_time_unix_nano,
+                                        "end_ns": span.end_time_unix_nano,
+                                        "links": [
+                                            (link.trace_id.hex(), link.span_id.hex())
+                                            for link in span.links
+                                        ],
+                                        "events": [
+                                            (e.name, e.time_unix_nano) for e in span.events
+                                        ],
                                     }
                                 )
                 return trace_service_pb2.ExportTraceServiceResponse()
