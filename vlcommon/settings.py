@@ -28,6 +28,15 @@ class ServerSettings(BaseSettings):
     keepalive_time_s: float = Field(30.0, gt=0, description="Keepalive ping interval, seconds.")
     keepalive_timeout_s: float = Field(10.0, gt=0, description="Keepalive ack timeout, seconds.")
     grace_s: float = Field(10.0, ge=0, description="Graceful shutdown grace period, seconds.")
+    # Bounded connection age: clients on a headless Service re-resolve DNS when a connection
+    # ends, so new replicas start taking calls within this time after a scale-up. Streams in
+    # flight when the age is reached keep running for max_connection_age_grace_s.
+    max_connection_age_s: float = Field(
+        300.0, ge=0, description="Close client connections after this age, seconds; 0 = never."
+    )
+    max_connection_age_grace_s: float = Field(
+        600.0, ge=0, description="Time a closing connection's streams may still run, seconds."
+    )
     # Admission control (vlcommon.security.AdmissionInterceptor): health and reflection are
     # exempt so a busy service still passes its probes.
     max_concurrent_rpcs: int = Field(
@@ -71,8 +80,8 @@ class ServerSettings(BaseSettings):
 
 
 def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
-    """grpc server options: explicit message limits and keepalive."""
-    return [
+    """grpc server options: explicit message limits, keepalive and connection age."""
+    options = [
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.keepalive_time_ms", int(settings.keepalive_time_s * 1000)),
@@ -81,12 +90,24 @@ def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", int(settings.keepalive_time_s * 500)),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
+    if settings.max_connection_age_s > 0:
+        options += [
+            ("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(settings.max_connection_age_grace_s * 1000)),
+        ]
+    return options
 
 
 def channel_options(
     max_message_bytes: int = 256 * MiB, keepalive_time_s: float = 30.0
-) -> list[tuple[str, int]]:
-    """grpc channel options for service-to-service calls: the same explicit limits."""
+) -> list[tuple[str, int | str]]:
+    """grpc channel options for service-to-service calls: the same explicit limits.
+
+    ``round_robin`` spreads calls over every address a target resolves to, so a
+    ``dns:///encoder.<ns>.svc:50052`` target on a headless Service balances across pods
+    (gRPC's default, pick_first, pins one connection to one pod). With a single address it
+    behaves like pick_first.
+    """
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -96,4 +117,5 @@ def channel_options(
         # Fail fast instead of waiting out a long reconnect backoff after a restart.
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.lb_policy_name", "round_robin"),
     ]
