@@ -392,7 +392,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             span.set_attribute("splitvl.images", len(misses))
             span.set_attribute("splitvl.transfer_bytes", request.ByteSize())
             try:
-                response = await self.down.encoder.Encode(request, timeout=_remaining(context))
+                response = await self.down.encoder.Encode(
+                    request, timeout=_remaining(context, self.settings.encode_timeout_s)
+                )
             except grpc.aio.AioRpcError as err:
                 raise from_rpc_error(err, dependency="encoder") from err
             received = sum(len(e.embeddings.data) for e in response.embeddings)

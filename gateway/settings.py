@@ -19,6 +19,12 @@ class GatewaySettings(ServerSettings):
     cache_timeout_s: float = Field(
         1.0, gt=0, description="Lookup/put deadline; past it the request encodes instead."
     )
+    # A hung (not dead) encoder must not hang requests whose client set no deadline: the
+    # encode call always has one. Streams to the decoder are bounded by the client's deadline
+    # and by keepalive (a dead peer), since a legitimate generation can run for minutes.
+    encode_timeout_s: float = Field(
+        120.0, gt=0, description="Longest wait for one Encode call, seconds."
+    )
     default_cache_policy: str = Field("similar", pattern="^(exact_only|similar|off)$")
     max_images: int = Field(8, ge=1, description="Images per request.")
     max_image_bytes: int = Field(20 * MiB, ge=1, description="Encoded bytes of one image.")

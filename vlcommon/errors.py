@@ -218,6 +218,8 @@ def from_rpc_error(error: grpc.aio.AioRpcError, *, dependency: str) -> ServiceEr
         message = f"{dependency} failed: {message}"
     elif code == grpc.StatusCode.UNAVAILABLE:
         message = f"{dependency} unavailable: {message}"
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        message = f"{dependency} did not answer in time: {message}"
     reason = info.reason if info is not None else f"{dependency.upper()}_{code.name}"
     metadata = dict(info.metadata) if info is not None else {}
     metadata.setdefault("dependency", dependency)
