@@ -190,11 +190,28 @@ class VectorIndex:
         return faiss.vector_to_array(self.index.id_map).astype(np.int64)
 
     def reconstruct(self, ids: np.ndarray) -> np.ndarray:
-        """The stored float32 ``[len(ids), dim]`` vectors of ``ids``."""
-        out = np.empty((len(ids), self.dim), dtype=np.float32)
-        for row, index_id in enumerate(ids):
-            out[row] = self.index.reconstruct(int(index_id))
-        return out
+        """The stored float32 ``[len(ids), dim]`` vectors of ``ids`` (int64).
+
+        CPU kinds read the exact vectors straight out of the flat storage (one vectorised
+        gather): a rebuild snapshots every live vector under the store's lock, and one
+        ``reconstruct`` call per id took 0.84 s for 20k x 3,072 on this CPU (~4 s of
+        stalled lookups at 100k).
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) == 0:
+            return np.empty((0, self.dim), dtype=np.float32)
+        if self.kind == "gpu_flat":
+            return np.asarray(self.index.reconstruct_batch(ids), dtype=np.float32)
+        inner: Any = faiss.downcast_index(self.index.index)
+        flat: Any = faiss.downcast_index(inner.refine_index) if self.kind == "hnsw" else inner
+        n = self.ntotal
+        stored = faiss.rev_swig_ptr(flat.get_xb(), n * self.dim).reshape(n, self.dim)
+        positions = self.ids()  # id of each stored row, in storage order
+        order = np.argsort(positions)
+        rows = order[np.minimum(np.searchsorted(positions, ids, sorter=order), n - 1)]
+        if not np.array_equal(positions[rows], ids):
+            raise KeyError("reconstruct: an id is not in the index")
+        return np.array(stored[rows], dtype=np.float32)
 
 
 def choose_kind(live: int, threshold: int, gpu: bool) -> str:

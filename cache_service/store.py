@@ -33,7 +33,8 @@ threads or asyncio tasks are safe (case C13; FAISS indexes are not safe for an a
 search). Index rebuilds (a migration across ``index_threshold`` or a tombstone purge) build
 the new index outside the lock, in a background thread when ``background_rebuild`` is set,
 from a snapshot of the live vectors; adds and removals made meanwhile are replayed onto the
-new index before it is swapped in under the lock, so searches never stop.
+new index before it is swapped in under the lock, so lookups pause only for the snapshot
+copy and the swap (one vectorised gather: ~0.1 s per 20k x 3,072 vectors), not the build.
 """
 
 from __future__ import annotations
