@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 # Cosine similarities are float32 inner products; accept a score this far below the threshold.
 SCORE_TOLERANCE = 1e-5
+# A rebuild swaps its new index in once at most this many adds remain to replay under the lock.
+CATCH_UP_UNDER_LOCK = 64
 
 
 class EntryTooLargeError(ValueError):
@@ -462,6 +464,18 @@ class EmbeddingStore:
     def _build_and_swap(self, state: _Rebuild, ids: np.ndarray, vectors: np.ndarray) -> None:
         try:
             new = build_index(state.kind, self.dim, self.index_params, ids, vectors)
+            # Catch up with the adds made meanwhile outside the lock, in rounds, so the swap
+            # below replays only a few (an HNSW insert is ~1 ms; thousands under the lock
+            # would stall every lookup).
+            while True:
+                with self._lock:
+                    if len(state.adds) <= CATCH_UP_UNDER_LOCK:
+                        break
+                    batch = np.array([i for i in state.adds if i in self._by_id], np.int64)
+                    state.adds = []
+                    batch_vectors = self._index.reconstruct(batch)
+                new.add(batch, batch_vectors)
+                state.snapshot.update(batch.tolist())
         except Exception:
             log.exception("similarity index rebuild failed; keeping the current index")
             with self._lock:
@@ -469,7 +483,8 @@ class EmbeddingStore:
                 self._rebuild_done.notify_all()
             return
         with self._lock:
-            # Replay what changed while the new index was built.
+            # Replay what changed since: the last few adds, and every removal of an id the
+            # new index holds.
             adds = np.array([i for i in state.adds if i in self._by_id], dtype=np.int64)
             new.add(adds, self._index.reconstruct(adds))
             for index_id in state.removes & state.snapshot:

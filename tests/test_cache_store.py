@@ -420,3 +420,41 @@ def test_background_rebuild_replays_concurrent_adds_and_removals() -> None:
     for i in range(300):
         m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True)
         assert (m.entry.key if m.entry else None) == (f"k{i}" if i >= 50 else None), i
+
+
+def test_background_rebuild_catches_up_outside_the_lock(monkeypatch) -> None:
+    """Every add made during a rebuild is replayed in catch-up rounds (forced here by a
+    zero allowance under the lock), and evictions meanwhile stay removed."""
+    import threading
+
+    from cache_service import store as store_module
+
+    monkeypatch.setattr(store_module, "CATCH_UP_UNDER_LOCK", 0)
+    dim = 32
+    rng = np.random.default_rng(5)
+    vecs = rng.standard_normal((2000, dim)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    store = EmbeddingStore(
+        descriptor_dim=dim,
+        capacity_bytes=600 * 100,
+        index_threshold=100,
+        index_params=IndexParams(projected_dim=8, hnsw_m=8),
+        min_rebuild_tombstones=50,
+        background_rebuild=True,
+    )
+
+    def writer(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            store.put(f"k{i}", vecs[i], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+
+    threads = [threading.Thread(target=writer, args=(t * 500, t * 500 + 500)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert store.wait_for_rebuild(timeout=120)
+    store.check_invariants()
+    assert store.rebuilds >= 2 and len(store) == 600 and store.index_kind == "hnsw"
+    for i in range(2000):
+        m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True)
+        assert (m.entry.key if m.entry else None) == (f"k{i}" if f"k{i}" in store else None), i
