@@ -1,7 +1,8 @@
 """Fault injection under load: kill -9 the encoder, then the cache, and restart them.
 
-Its own four services (not the session cluster: services die here). A few dozen
-concurrent Generate calls loop the whole time, each with a deadline. The test asserts:
+Its own four services (not the session cluster: services die here). 24 concurrent
+Generate calls loop the whole time, each with a deadline; half of them with the cache
+off, so the encoder is always busy. The test asserts:
 
 - every call ends with a result or a clear status (OK, UNAVAILABLE, DEADLINE_EXCEEDED;
   never INTERNAL/UNKNOWN) and none hangs past its deadline;
@@ -82,6 +83,14 @@ def test_kill_and_restart_encoder_then_cache_under_load(faulty_cluster) -> None:
     cluster = faulty_cluster
     pids_before = cluster.pids()
     pool = build_requests(48, side=96, repeat_fraction=0.5, max_tokens=4, seed=17)
+    # Half the workers send their requests with the cache off, so the ViT runs on every
+    # one of their calls (the pool's images are all cached after a few seconds).
+    uncached = []
+    for r in pool:
+        copy = type(r)()
+        copy.CopyFrom(r)
+        copy.cache_policy = generation_pb2.CACHE_POLICY_OFF
+        uncached.append(copy)
     probes = probe_images(4)
     log: list[Timed] = []
     phase = "baseline"
@@ -99,16 +108,21 @@ def test_kill_and_restart_encoder_then_cache_under_load(faulty_cluster) -> None:
             assert cached.code == "OK", cached.message
             n = 0
 
-            async def worker() -> None:
+            async def worker(requests: list) -> None:
                 nonlocal n
                 while not stop.is_set():
-                    request = pool[n % len(pool)]
+                    request = requests[n % len(requests)]
                     n += 1
                     at = phase
                     result = await one_call(stub, request, DEADLINE_S, SLACK_S)
                     log.append(Timed(at, phase, result))
+                    if result.code != "OK":
+                        await asyncio.sleep(0.2)  # a down service fails fast: do not spin
 
-            workers = [asyncio.ensure_future(worker()) for _ in range(CONCURRENCY)]
+            workers = [
+                asyncio.ensure_future(worker(uncached if w % 2 else pool))
+                for w in range(CONCURRENCY)
+            ]
             try:
                 await asyncio.sleep(8)
 
@@ -177,6 +191,10 @@ def test_kill_and_restart_encoder_then_cache_under_load(faulty_cluster) -> None:
     unavailable = [t for t in log if t.result.code == "UNAVAILABLE"]
     assert all("encoder" in t.result.message for t in unavailable), unavailable[:3]
     assert all(t.ended in ("encoder_down", "encoder_restarting") for t in unavailable)
+    # The load did reach the dead encoder (uncached calls failed) ...
+    assert any(t.phase == t.ended == "encoder_down" for t in unavailable)
+    # ... while cached images were still served.
+    assert any(t.phase == t.ended == "encoder_down" and t.result.code == "OK" for t in log)
     # Load was served before the faults and after each recovery, and calls made while the
     # cache was down were all served (by encoding): calls that began and ended in one phase.
     by_phase = {
