@@ -228,6 +228,8 @@ async def run_load(
                 # Back off as a well-behaved client would: the server's RetryInfo hint
                 # (a full service answers at once, so retrying at once would only spin).
                 await asyncio.sleep(min(result.retry_after_s or 1.0, 5.0))
+            elif result.code != "OK":
+                await asyncio.sleep(0.1)  # e.g. a gateway that is down fails at once
 
     async def report_progress() -> None:
         while True:

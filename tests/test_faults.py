@@ -93,6 +93,7 @@ def test_kill_and_restart_encoder_then_cache_under_load(faulty_cluster) -> None:
         uncached.append(copy)
     probes = probe_images(4)
     log: list[Timed] = []
+    reconnect: dict[str, float] = {}  # seconds from SERVING to served through it again
     phase = "baseline"
 
     async def main() -> dict[str, CallResult]:
@@ -140,9 +141,11 @@ def test_kill_and_restart_encoder_then_cache_under_load(faulty_cluster) -> None:
 
                 phase = "encoder_restarting"
                 await asyncio.to_thread(cluster.restart, "encoder")
+                t_serving = time.monotonic()
                 seen["encoder_back"] = await until_ok(
                     stub, probes[1], generation_pb2.CACHE_POLICY_OFF
                 )
+                reconnect["encoder"] = time.monotonic() - t_serving
                 phase = "encoder_back"
                 await asyncio.sleep(6)
 
@@ -156,6 +159,7 @@ def test_kill_and_restart_encoder_then_cache_under_load(faulty_cluster) -> None:
 
                 phase = "cache_restarting"
                 await asyncio.to_thread(cluster.restart, "cache")
+                t_serving = time.monotonic()
                 # The restarted cache is empty: the first ask stores the image (the put
                 # runs beside the decode), a later ask finds it (exact hit), which proves
                 # the gateway reached the new cache process without a restart of its own.
@@ -167,6 +171,7 @@ def test_kill_and_restart_encoder_then_cache_under_load(faulty_cluster) -> None:
                         break
                     await asyncio.sleep(0.5)
                 seen["cache_back"] = r
+                reconnect["cache"] = time.monotonic() - t_serving
                 phase = "cache_back"
                 await asyncio.sleep(6)
             finally:
@@ -180,6 +185,10 @@ def test_kill_and_restart_encoder_then_cache_under_load(faulty_cluster) -> None:
         summary.setdefault(f"{t.phase}->{t.ended}", {}).setdefault(t.result.code, 0)
         summary[f"{t.phase}->{t.ended}"][t.result.code] += 1
     print("load calls by phase (started->ended):", summary)
+    print("seconds from a restarted service's SERVING to a request served through it:", reconnect)
+    # The gateway's channels retry within 2 s (vlcommon.settings.channel_options); gRPC's
+    # default backoff (up to 120 s) could leave a restarted service unused far longer.
+    assert max(reconnect.values()) < 30, reconnect
 
     # Every call ended with a result or a clear status, within its deadline.
     codes = {t.result.code for t in log}
