@@ -205,6 +205,19 @@ async def run_load(
     RetryInfo delay (1 s without one, at most 5 s) before its next call. A worker starts
     no new call after ``duration_s``; the calls in flight then finish (or end by their
     deadline), so the run lasts at most ``duration_s + deadline_s + slack_s + 5``.
+
+    Args:
+        address: The gateway, ``host:port`` (plaintext loopback).
+        requests: GenerateRequests, cycled through in order.
+        concurrency: Workers, i.e. calls in flight.
+        duration_s: Seconds during which new calls start.
+        deadline_s: gRPC deadline of each call, seconds.
+        slack_s: Past ``deadline_s + slack_s`` a call is cancelled and counted ``HUNG``.
+        channels: HTTP/2 connections to spread the calls over.
+        progress: Called with a status line every 15 s, if given.
+
+    Returns:
+        Every call's result and the elapsed wall time (until the last call ended).
     """
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 

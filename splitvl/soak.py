@@ -116,12 +116,26 @@ async def run_soak(
 
     Samples are taken between batches, with nothing in flight, after a short pause so
     per-request buffers that are about to be freed are not counted.
+
+    Args:
+        address: The gateway, ``host:port``.
+        pids: Root process id of each service (``Cluster.pids()``).
+        requests: GenerateRequests, sent in order.
+        warmup: Requests before the first sample (the growth baseline).
+        concurrency: Calls in flight at once.
+        sample_every: Requests between intermediate samples.
+        deadline_s: Deadline of each call, seconds.
+        progress: Called with a line at each sample.
+
+    Raises:
+        ValueError: ``warmup`` is not inside ``1..len(requests) - 1``.
     """
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
     from vlcommon.settings import channel_options
 
-    assert 0 < warmup < len(requests)
+    if not 0 < warmup < len(requests):
+        raise ValueError(f"warmup must be in 1..{len(requests) - 1}, got {warmup}")
     marks = {warmup, len(requests), *range(warmup, len(requests), sample_every)}
     samples: dict[int, dict[str, int]] = {}
     codes: Counter[str] = Counter()
