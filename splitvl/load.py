@@ -36,6 +36,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from vlcommon.errors import retry_info
+
 BAD_CODES = ("INTERNAL", "UNKNOWN")
 HUNG = "HUNG"
 
@@ -134,21 +136,8 @@ def build_requests(
 
 def retry_delay_s(err: grpc.aio.AioRpcError) -> float | None:
     """The ``google.rpc.RetryInfo`` delay a failed call carries (seconds), or None."""
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
-
-    try:
-        status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    except ValueError:  # a status message that disagrees with the code: no hint
-        return None
-    if status is None:
-        return None
-    for detail in status.details:
-        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            info = error_details_pb2.RetryInfo()
-            detail.Unpack(info)
-            return float(info.retry_delay.ToTimedelta().total_seconds())
-    return None
+    info = retry_info(err)
+    return None if info is None else float(info.retry_delay.ToTimedelta().total_seconds())
 
 
 async def one_call(

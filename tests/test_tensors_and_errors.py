@@ -52,3 +52,27 @@ def test_status_carries_error_info() -> None:
     info = error_details_pb2.ErrorInfo()
     rpc.details[0].Unpack(info)
     assert info.reason == "IMAGE_DECODE_FAILED" and info.metadata["field"] == "images[0]"
+
+
+def test_from_rpc_error_ignores_details_whose_code_disagrees_with_the_call() -> None:
+    """A local deadline that fired over a server's detailed RESOURCE_EXHAUSTED: grpcio-status
+    refuses the mismatched status (ValueError); the error keeps the call's own code and names
+    the dependency instead of escaping as an exception."""
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+    from grpc.aio import AioRpcError, Metadata
+
+    from vlcommon.errors import error_info, from_rpc_error, retry_info
+
+    detail = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message="queue full")
+    detail.details.add().Pack(error_details_pb2.RetryInfo())
+    err = AioRpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        Metadata(),
+        Metadata(("grpc-status-details-bin", detail.SerializeToString())),
+        details="Deadline Exceeded",
+    )
+    assert error_info(err) is None and retry_info(err) is None
+    mapped = from_rpc_error(err, dependency="encoder")
+    assert mapped.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert mapped.message == "encoder did not answer in time: Deadline Exceeded"
+    assert mapped.retry_after_ms is None

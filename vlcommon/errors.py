@@ -8,12 +8,14 @@ limit), packed with grpcio-status as in grpc's ``examples/python/errors/``.
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
+_D = TypeVar("_D", error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo)
 
 ERROR_DOMAIN = "splitvl.qwenvl"
 
@@ -177,30 +179,34 @@ async def abort(context: grpc.aio.ServicerContext, err: ServiceError) -> NoRetur
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
-def error_info(error: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
-    """The ErrorInfo carried by a failed call, or None."""
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+def _detail(error: grpc.aio.AioRpcError | grpc.RpcError, message_type: type[_D]) -> _D | None:
+    """The first ``message_type`` detail in a failed call's google.rpc.Status, or None.
+
+    A status whose code disagrees with the call's (grpcio-status raises ValueError: e.g. a
+    local deadline fired over a server's detailed error) carries no trustworthy detail.
+    """
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except ValueError:
+        return None
     if status is None:
         return None
     for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
+        if detail.Is(message_type.DESCRIPTOR):
+            info = message_type()
             detail.Unpack(info)
             return info
     return None
+
+
+def error_info(error: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ErrorInfo carried by a failed call, or None."""
+    return _detail(error, error_details_pb2.ErrorInfo)
 
 
 def retry_info(error: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.RetryInfo | None:
     """The RetryInfo carried by a failed call, or None."""
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    if status is None:
-        return None
-    for detail in status.details:
-        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            info = error_details_pb2.RetryInfo()
-            detail.Unpack(info)
-            return info
-    return None
+    return _detail(error, error_details_pb2.RetryInfo)
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError, *, dependency: str) -> ServiceError:
