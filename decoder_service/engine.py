@@ -18,7 +18,7 @@ image's cached state; measured: two same-grid photos under one UUID gave identic
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,7 +141,7 @@ class DecoderEngine:
 
     async def generate(
         self, request_id: str, prompt: str, images: Sequence[ImageInput], params: Any
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """Stream deltas. Cancelling the consumer aborts the vLLM request."""
         inputs: dict[str, Any] = {"prompt": prompt}
         if images:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -209,44 +210,53 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 span.set_attribute("splitvl.request.max_tokens", params.max_tokens)  # type: ignore[attr-defined]
                 span.set_attribute("splitvl.usage.prompt_tokens", n_prompt)
                 span.set_attribute("splitvl.embedding.bytes", received)
-                async for delta in self.engine.generate(request_id, prompt, images, params):
-                    now = time.perf_counter()
-                    if delta.token_ids:
-                        if first:
-                            metrics.TTFT.observe(now - t0)
-                            span.add_event("first_token", {"splitvl.ttft_ms": (now - t0) * 1000})
-                            engine_times = _engine_spans(delta.stats, time.time_ns())
-                            if engine_times is not None:
-                                metrics.QUEUE_WAIT.observe(engine_times[0])
-                                metrics.PREFILL_SECONDS.observe(engine_times[1])
-                            generation = tracer.start_span("decoder.generation")
-                            first = False
-                        else:
-                            metrics.ITL.observe((now - last) / len(delta.token_ids))
-                        last = now
-                        metrics.OUTPUT_TOKENS.inc(len(delta.token_ids))
-                    response = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
-                    if delta.finish_reason is not None:
-                        response.finish_reason = FINISH.get(
-                            delta.finish_reason, generation_pb2.FINISH_REASON_STOP
-                        )
-                        response.usage.prompt_tokens = delta.prompt_tokens
-                        response.usage.completion_tokens = delta.completion_tokens
-                        metrics.PROMPT_TOKENS.inc(delta.prompt_tokens)
-                        span.set_attribute(
-                            "splitvl.usage.completion_tokens", delta.completion_tokens
-                        )
-                        span.set_attribute("splitvl.finish_reason", delta.finish_reason)
-                        if generation is not None:
-                            generation.set_attribute(
+                # aclosing: a GeneratorExit at our yield closes the engine stream (and so aborts
+                # the vLLM request) at once, not when the garbage collector finalises it.
+                stream = self.engine.generate(request_id, prompt, images, params)
+                async with contextlib.aclosing(stream):
+                    async for delta in stream:
+                        now = time.perf_counter()
+                        if delta.token_ids:
+                            if first:
+                                metrics.TTFT.observe(now - t0)
+                                ttft_ms = (now - t0) * 1000
+                                span.add_event("first_token", {"splitvl.ttft_ms": ttft_ms})
+                                engine_times = _engine_spans(delta.stats, time.time_ns())
+                                if engine_times is not None:
+                                    metrics.QUEUE_WAIT.observe(engine_times[0])
+                                    metrics.PREFILL_SECONDS.observe(engine_times[1])
+                                generation = tracer.start_span("decoder.generation")
+                                first = False
+                            else:
+                                metrics.ITL.observe((now - last) / len(delta.token_ids))
+                            last = now
+                            metrics.OUTPUT_TOKENS.inc(len(delta.token_ids))
+                        response = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
+                        if delta.finish_reason is not None:
+                            response.finish_reason = FINISH.get(
+                                delta.finish_reason, generation_pb2.FINISH_REASON_STOP
+                            )
+                            response.usage.prompt_tokens = delta.prompt_tokens
+                            response.usage.completion_tokens = delta.completion_tokens
+                            metrics.PROMPT_TOKENS.inc(delta.prompt_tokens)
+                            span.set_attribute(
                                 "splitvl.usage.completion_tokens", delta.completion_tokens
                             )
-                            generation.end()
-                            generation = None
-                    yield response
+                            span.set_attribute("splitvl.finish_reason", delta.finish_reason)
+                            if generation is not None:
+                                generation.set_attribute(
+                                    "splitvl.usage.completion_tokens", delta.completion_tokens
+                                )
+                                generation.end()
+                                generation = None
+                        yield response
         except ServiceError as err:
             await abort(context, err)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A client cancel arrives as CancelledError when it lands in one of our awaits, and
+            # as GeneratorExit when it lands while grpc.aio writes a response we yielded (the
+            # framework then closes this generator). Either way vLLM's request is aborted by
+            # the engine wrapper's finally.
             metrics.ABORTED.inc()
             log.info("request %s cancelled by the client: vLLM request aborted", request_id)
             raise
