@@ -130,6 +130,14 @@ def test_kill_and_restart_encoder_then_cache_under_load(faulty_cluster) -> None:
                 phase = "encoder_down"
                 await asyncio.to_thread(cluster.kill, "encoder")
                 await asyncio.sleep(6)
+                # On a loaded machine 6 s may see few calls end: stay down (bounded) until the
+                # load has seen both an uncached failure and a cached success.
+                end = time.monotonic() + 60
+                while time.monotonic() < end and not (
+                    {"OK", "UNAVAILABLE"}
+                    <= {t.result.code for t in log if t.phase == t.ended == "encoder_down"}
+                ):
+                    await asyncio.sleep(0.5)
                 # A miss needs the ViT: UNAVAILABLE naming the encoder.
                 seen["encoder_down_miss"] = await ask(
                     stub, probes[1], generation_pb2.CACHE_POLICY_OFF
