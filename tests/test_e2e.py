@@ -197,6 +197,20 @@ def test_c01_c02_small_and_extreme_images_are_answered(cluster, name) -> None:
     assert result.usage["prompt_tokens"] > plan.tokens
 
 
+@pytest.mark.parametrize(("height", "width"), [(32, 3200), (6400, 32)])
+def test_long_thin_images_within_the_ratio_limit_are_answered(cluster, height, width) -> None:
+    """transformers' smart_resize plans 32x3200 as 32x2560, over the 65,536-pixel budget the
+    encoder enforces; the gateway fits the plan to the budget, so the image is answered."""
+    from vlcommon.model_info import load_vision_spec
+
+    spec = load_vision_spec(Path(cluster.model))
+    image = Image.new("RGB", (width, height), (200, 30, 30))
+    result = ask(cluster, [png_bytes(image)], max_tokens=2)
+    t, h, w = result.images[0]["grid"]
+    assert t == 1 and h * w * spec.patch_size**2 <= spec.max_pixels
+    assert len(result.token_ids) == 2
+
+
 def test_c02_aspect_ratio_over_200_fails_before_the_stream(cluster) -> None:
     request = build_request(
         [photo("coffee.png"), case_file("b03_aspect_218_1093x5.png").read_bytes()],

@@ -398,3 +398,46 @@ def test_decoded_pixel_limit_at_its_edge_before_any_pixel_is_decoded(fmt, monkey
     assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.value.message
     assert "images[4] is 3000x2000 = 6000000 pixels" in exc.value.message
     assert exc.value.metadata["limit"] == "5999999"
+
+
+@pytest.mark.parametrize(
+    ("height", "width", "budget"),
+    [
+        (32, 3200, None),  # short side clamped to the factor: smart_resize gives 32x2560
+        (3200, 32, None),
+        (32, 6400, None),  # aspect ratio exactly 200
+        (96, 128, (65536, 65536)),  # scaled up with both sides rounded up: 320x224
+        (5, 1000, None),
+        (1000, 999, (4096, 8192)),
+    ],
+)
+def test_plan_never_exceeds_max_pixels(spec: VisionSpec, height, width, budget) -> None:
+    """The encoder refuses more than max_pixels / patch_size**2 patches, so a plan over the
+    budget would be accepted by the gateway and then refused (adversarial finding 4)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    lo, hi = budget or (spec.min_pixels, spec.max_pixels)
+    plan = plan_resize(height, width, spec, index=0, min_pixels=lo, max_pixels=hi)
+    assert plan.resized_height * plan.resized_width <= hi
+    assert plan.resized_height % spec.factor == 0 and plan.resized_width % spec.factor == 0
+    assert plan.grid_h * plan.grid_w <= hi // spec.patch_size**2
+    rh, rw = smart_resize(height, width, factor=spec.factor, min_pixels=lo, max_pixels=hi)
+    if rh * rw <= hi:  # within budget: exactly the checkpoint processor's size
+        assert (plan.resized_height, plan.resized_width) == (rh, rw)
+    else:  # only the longer side shrinks
+        assert min(plan.resized_height, plan.resized_width) == min(rh, rw)
+        assert max(plan.resized_height, plan.resized_width) < max(rh, rw)
+
+
+def test_plan_equals_smart_resize_for_ordinary_sizes(spec: VisionSpec) -> None:
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    for h in range(17, 1200, 37):
+        for w in range(17, 1200, 41):
+            rh, rw = smart_resize(
+                h, w, factor=spec.factor, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels
+            )
+            if rh * rw > spec.max_pixels:
+                continue
+            plan = plan_resize(h, w, spec, index=0)
+            assert (plan.resized_height, plan.resized_width) == (rh, rw), (h, w)

@@ -237,6 +237,7 @@ def plan_resize(
             limit=spec.factor**2,
         )
     rh, rw = smart_resize(height, width, factor=spec.factor, min_pixels=lo, max_pixels=hi)
+    rh, rw = _fit_max_pixels(rh, rw, spec.factor, hi)
     grid_h, grid_w = rh // spec.patch_size, rw // spec.patch_size
     return ResizePlan(
         resized_height=rh,
@@ -246,6 +247,27 @@ def plan_resize(
         grid_w=grid_w,
         tokens=spec.tokens(1, grid_h, grid_w),
     )
+
+
+def _fit_max_pixels(rh: int, rw: int, factor: int, max_pixels: int) -> tuple[int, int]:
+    """Shrink the longer side of a planned size until ``rh * rw <= max_pixels``.
+
+    transformers' ``smart_resize`` can overshoot ``max_pixels``: when the short side is
+    clamped to ``factor`` (3200x32 -> 32x2560 = 81,920 px for a 65,536 budget), or when
+    scaling a small image up rounds both sides up (128x96 at min = max = 65,536 -> 320x224
+    = 71,680 px). The encoder refuses more than ``max_pixels / patch_size**2`` patches, so
+    the overshoot would be refused after the gateway accepted it. ``max_pixels`` is the hard
+    bound; ``min_pixels`` yields when both cannot hold. Sizes smart_resize keeps within the
+    budget (every ordinary image) are returned unchanged, so grids stay equal to the
+    checkpoint's own processor (and to vLLM on raw images).
+    """
+    if rh * rw <= max_pixels:
+        return rh, rw
+    if rh >= rw:
+        rh = max(factor, max_pixels // (rw * factor) * factor)
+    else:
+        rw = max(factor, max_pixels // (rh * factor) * factor)
+    return rh, rw
 
 
 def exact_key(image: Image.Image, plan: ResizePlan, revision: str) -> str:
