@@ -469,11 +469,11 @@ def bench_split(
     log: Any,
 ) -> dict[str, dict[str, list[Run]]]:
     """splitvl with the cache off and on."""
-    import grpc
     from qwenvl.common.v1 import generation_pb2
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
     from splitvl.launcher import Cluster, Ports
+    from vlcommon.security import aio_channel
     from vlcommon.settings import channel_options
 
     results: dict[str, dict[str, list[Run]]] = {"split_nocache": {}, "split_cache": {}}
@@ -499,8 +499,9 @@ def bench_split(
     }
 
     async def main() -> None:
-        async with grpc.aio.insecure_channel(
-            cluster.ports.address("gateway"), options=channel_options()
+        # The cluster's own TLS/token settings (SPLITVL_TLS_*, SPLITVL_AUTH_TOKEN).
+        async with aio_channel(
+            cluster.ports.address("gateway"), cluster.security(), options=channel_options()
         ) as channel:
             stub = pb_grpc.GatewayServiceStub(channel)
             warm = workloads["repeat0"][0]["requests"][:2]

@@ -1,13 +1,18 @@
 """The ``splitvl`` command.
 
 splitvl make-tiny-model DIR           build the tiny random-weight Qwen3-VL checkpoint
-splitvl up [--model PATH_OR_HUB_ID]   run the four services on loopback until SIGINT/SIGTERM
-splitvl generate --image P... --prompt TEXT [--json]   stream an answer from the gateway
+splitvl up [--model PATH_OR_HUB_ID] [--decoder-arg=ARG ...]
+                                      run the four services on loopback until SIGINT/SIGTERM
+splitvl generate --image FILE|URL... --prompt TEXT [--json]   stream an answer from the gateway
 splitvl demo [--json]                 start the services, ask about real photos, stop
+splitvl bench [--quick] [--json]      splitvl against vLLM alone: TTFT, ITL, throughput
 splitvl cache-bench [--sizes N,...] [--json]   similarity index latency/memory/recall by size
 splitvl cache-eval [--quick] [--json]   similarity threshold: false hits and recall by threshold
 splitvl load [--concurrency N --duration S --json]   concurrent streams; statuses, latency
 splitvl soak [--requests N --json]    distinct images in a row; RSS growth of each service
+
+A service that fails to start ends the command with one line naming it and its log file
+(exit status 1).
 """
 
 from __future__ import annotations
@@ -15,13 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
-from splitvl.launcher import DEFAULT_BASE_PORT, DEFAULT_METRICS_BASE_PORT, Cluster, Ports
+from splitvl.launcher import (
+    DECODER_DEFAULT_ARGS,
+    DEFAULT_BASE_PORT,
+    DEFAULT_METRICS_BASE_PORT,
+    Cluster,
+    Ports,
+    ServiceStartError,
+)
 
 
 def splitvl_home() -> Path:
@@ -53,7 +66,12 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def _cluster(args: argparse.Namespace) -> Cluster:
     model = args.model or default_model()
     ports = Ports.from_base(args.base_port, args.metrics_base_port)
-    return Cluster(model=model, ports=ports, log_dir=Path(args.log_dir))
+    return Cluster(
+        model=model,
+        ports=ports,
+        log_dir=Path(args.log_dir),
+        decoder_args=[a for arg in args.decoder_arg for a in shlex.split(arg)],
+    )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -62,6 +80,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     cluster.start()
+    failed = False
     try:
         cluster.wait_ready(progress=lambda line: print(line, flush=True))
         print(
@@ -73,23 +92,32 @@ def cmd_up(args: argparse.Namespace) -> int:
             for name, proc in cluster.procs.items():
                 if proc.poll() is not None:
                     print(
-                        f"{name} exited with code {proc.returncode}:\n{cluster.log_tail(name)}",
+                        f"splitvl: {name} exited with code {proc.returncode}; "
+                        f"see its log: {cluster.log_path(name)}",
                         file=sys.stderr,
                     )
+                    failed = True
                     stop.set()
             stop.wait(1.0)
     finally:
         codes = cluster.stop()
         print(f"stopped: {codes}", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from splitvl.client import build_request, generate
+    from splitvl.client import build_request, generate, image_input
 
-    images = [Path(p).read_bytes() for p in args.image]
+    try:
+        images = [image_input(source) for source in args.image]
+    except OSError as err:
+        print(
+            f"splitvl generate: cannot read --image {err.filename}: {err.strerror}",
+            file=sys.stderr,
+        )
+        return 2
     request = build_request(
         images,
         args.prompt,
@@ -159,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
             help="Prometheus port of the gateway, +1..+3 for the others; 0 = off",
         )
         p.add_argument("--log-dir", default=str(splitvl_home() / "logs"))
+        p.add_argument(
+            "--decoder-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help="a vLLM engine argument for the decoder, appended after the tiny model's "
+            f"defaults ({' '.join(DECODER_DEFAULT_ARGS)}) and $SPLITVL_DECODER_ARGS, so it "
+            "overrides them (repeatable; write flags as --decoder-arg=--max-model-len=32768)",
+        )
         p.set_defaults(func=func)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -171,14 +208,37 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_parser(sub)
     soak.add_parser(sub)
 
-    p = sub.add_parser("generate", help="stream an answer from the gateway")
-    p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_BASE_PORT}")
+    p = sub.add_parser(
+        "generate",
+        help="stream an answer from the gateway",
+        description="Stream one answer from a running gateway (TLS and tokens from "
+        "SPLITVL_TLS_* and SPLITVL_AUTH_TOKEN, docs/security.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="image file, http(s):// URL (fetched by the gateway; needs GATEWAY_ALLOW_URLS=true "
+        "there) or data: URL; repeatable, sent in order before the prompt",
+    )
+    p.add_argument("--prompt", required=True, help="the user's text, after the images")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="output token limit; unset = the decoder's DECODER_MAX_TOKENS_DEFAULT (256)",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past EOS until max tokens"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (text, token_ids, images, finish_reason, usage, timings)",
+    )
+    p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_BASE_PORT}", help="the gateway")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline, seconds")
     p.set_defaults(func=cmd_generate)
     return parser
@@ -186,7 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    sys.exit(args.func(args))
+    try:
+        rc = args.func(args)
+    except ServiceStartError as err:
+        # One line, not a traceback: the log file has the service's own error.
+        print(f"splitvl {args.command}: {err.summary}", file=sys.stderr)
+        rc = 1
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from qwenvl.common.v1 import generation_pb2
@@ -44,8 +45,26 @@ class Result:
         }
 
 
+def image_input(source: str) -> pb.ImageInput:
+    """An ``ImageInput`` from what a user typed after ``--image``.
+
+    Args:
+        source: An ``http://`` or ``https://`` URL (sent as ``url``: the gateway fetches it,
+            only when it runs with ``GATEWAY_ALLOW_URLS=true``), an RFC 2397 ``data:`` URL
+            (sent as ``data_url``), or a file path (its bytes sent as ``data``).
+
+    Raises:
+        OSError: the file cannot be read (e.g. ``FileNotFoundError``).
+    """
+    if source.lower().startswith(("http://", "https://")):
+        return pb.ImageInput(url=source)
+    if source.lower().startswith("data:"):
+        return pb.ImageInput(data_url=source)
+    return pb.ImageInput(data=Path(source).read_bytes())
+
+
 def build_request(
-    images: Sequence[bytes],
+    images: Sequence[bytes | pb.ImageInput],
     prompt: str,
     *,
     max_tokens: int | None = None,
@@ -54,11 +73,21 @@ def build_request(
     cache_policy: int = generation_pb2.CACHE_POLICY_UNSPECIFIED,
     seed: int | None = None,
 ) -> pb.GenerateRequest:
-    """One user message: the images first, then the prompt text (greedy by default)."""
+    """One user message: the images first, then the prompt text (greedy by default).
+
+    Args:
+        images: Encoded image files (bytes, sent as ``ImageInput.data``) or ready
+            ``ImageInput`` messages (e.g. from ``image_input``, for URLs).
+        max_tokens: Output token limit; None leaves it unset (the decoder's
+            ``DECODER_MAX_TOKENS_DEFAULT``, 256).
+    """
     request = pb.GenerateRequest(cache_policy=cache_policy)
     message = request.messages.add(role="user")
-    for data in images:
-        message.parts.add(image=pb.ImageInput(data=data))
+    for image in images:
+        if isinstance(image, pb.ImageInput):
+            message.parts.add(image=image)
+        else:
+            message.parts.add(image=pb.ImageInput(data=image))
     if prompt:
         message.parts.add(text=prompt)
     request.sampling.temperature = temperature

@@ -18,6 +18,7 @@ import grpc
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
 
 from splitvl.client import build_request, generate
+from vlcommon.security import sync_channel
 
 PROMPT = "Describe this image."
 
@@ -63,7 +64,12 @@ def run_demo(args: argparse.Namespace) -> int:
             request = build_request([data], PROMPT, max_tokens=args.max_tokens, ignore_eos=True)
             entry: dict[str, object] = {"image": name, "prompt": PROMPT}
             try:
-                r = generate(cluster.ports.address("gateway"), request, timeout_s=120)
+                r = generate(
+                    cluster.ports.address("gateway"),
+                    request,
+                    timeout_s=120,
+                    security=cluster.security(),
+                )
             except grpc.RpcError as err:
                 entry["error"] = {
                     "code": err.code().name,  # type: ignore[attr-defined]
@@ -94,9 +100,13 @@ def run_demo(args: argparse.Namespace) -> int:
                 + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in r.timings.items())
                 + "\n"
             )
-        with grpc.insecure_channel(cluster.ports.address("cache")) as ch:
+        # The cache is internal: TLS and the internal token as the cluster runs them.
+        security = cluster.security()
+        with sync_channel(cluster.ports.address("cache"), security) as ch:
             stats = cache_service_pb2_grpc.CacheServiceStub(ch).GetStats(
-                cache_service_pb2.GetStatsRequest(), timeout=10
+                cache_service_pb2.GetStatsRequest(),
+                timeout=10,
+                metadata=security.metadata() or None,
             )
     cache = {
         "exact_hits": stats.exact_hits,

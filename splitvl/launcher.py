@@ -9,6 +9,7 @@ grpc.health.v1 ``Check``; logs go to one file per service.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -34,6 +35,26 @@ PACKAGES = {
 }
 DEFAULT_BASE_PORT = 50051
 DEFAULT_METRICS_BASE_PORT = 9401
+# The tiny checkpoint's engine settings; a real model overrides them with
+# ``splitvl up --decoder-arg`` or ``SPLITVL_DECODER_ARGS`` (vLLM's argparse keeps the last
+# value of a repeated flag, so appended arguments win).
+DECODER_DEFAULT_ARGS = ("--dtype", "float32", "--max-model-len", "4096", "--seed", "0")
+
+
+class ServiceStartError(RuntimeError):
+    """A service exited or did not become SERVING; ``summary`` is one line for a user.
+
+    Attributes:
+        service: The service's name (``gateway``, ``encoder``, ``cache``, ``decoder``).
+        log_path: Its log file.
+        summary: One line naming the service, what happened and the log file.
+    """
+
+    def __init__(self, service: str, log_path: Path, what: str, tail: str) -> None:
+        self.service = service
+        self.log_path = log_path
+        self.summary = f"{service} {what}; see its log: {log_path}"
+        super().__init__(f"{service} {what}:\n{tail}")
 
 
 def free_port() -> int:
@@ -77,7 +98,8 @@ class Cluster:
         ports: Ports to use.
         log_dir: Where each service's log goes (``<name>.log``).
         env: Extra environment for the children (e.g. OTEL_* settings).
-        decoder_args: Extra vLLM engine arguments for the decoder.
+        decoder_args: Extra vLLM engine arguments for the decoder, after
+            ``DECODER_DEFAULT_ARGS`` and ``SPLITVL_DECODER_ARGS`` (so they override both).
     """
 
     model: str
@@ -120,12 +142,8 @@ class Cluster:
                 *base,
                 "--model",
                 self.model,
-                "--dtype",
-                "float32",
-                "--max-model-len",
-                "4096",
-                "--seed",
-                "0",
+                *DECODER_DEFAULT_ARGS,
+                *shlex.split(self._env().get("SPLITVL_DECODER_ARGS", "")),
                 *self.decoder_args,
             ]
         return base
@@ -138,12 +156,13 @@ class Cluster:
             self._spawn(name, env)
 
     def _env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-            "OTEL_SERVICE_NAME": "",
-            **self.env,
-        }
+        env = {**os.environ, "OTEL_SERVICE_NAME": "", **self.env}
+        # A local checkpoint (the tiny or bench one) needs no hub, and offline mode keeps
+        # transformers/vLLM from asking it; a hub id must be downloaded, so the user's
+        # own HF_HUB_OFFLINE (unset: online) decides.
+        if Path(self.model).is_dir():
+            env.setdefault("HF_HUB_OFFLINE", "1")
+        return env
 
     def _spawn(self, name: str, env: dict[str, str], append: bool = False) -> None:
         placement = cpu_placement(env)
@@ -154,7 +173,7 @@ class Cluster:
             **service_env(name, env),  # SPLITVL_TLS_* / SPLITVL_INTERNAL_TOKEN per service
         }
         # A restarted service's log is appended to the crashed one's.
-        log = (self.log_dir / f"{name}.log").open("ab" if append else "wb")
+        log = self.log_path(name).open("ab" if append else "wb")
         self.procs[name] = subprocess.Popen(
             self._command(name),
             stdout=log,
@@ -175,7 +194,8 @@ class Cluster:
                 waiting (the decoder's vLLM engine takes tens of seconds on a CPU).
 
         Raises:
-            RuntimeError: a service exited or did not become SERVING in time (with its log tail).
+            ServiceStartError: a service exited or did not become SERVING in time (the
+                message carries its log tail, ``summary`` one line).
         """
         start = time.monotonic()
         deadline = start + timeout_s
@@ -185,17 +205,24 @@ class Cluster:
             for name in sorted(pending):
                 proc = self.procs[name]
                 if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{name} exited with code {proc.returncode}:\n{self.log_tail(name)}"
+                    raise ServiceStartError(
+                        name,
+                        self.log_path(name),
+                        f"exited with code {proc.returncode} while starting",
+                        self.log_tail(name),
                     )
                 if health_status(self.ports.address(name), security=self.security()) == "SERVING":
                     pending.discard(name)
                     if progress is not None:
                         progress(f"  {name} SERVING after {time.monotonic() - start:.1f} s")
             if pending and time.monotonic() > deadline:
+                name = "decoder" if "decoder" in pending else sorted(pending)[0]
                 tails = "\n".join(f"--- {n}\n{self.log_tail(n)}" for n in sorted(pending))
-                raise RuntimeError(
-                    f"not SERVING after {timeout_s:.0f}s: {sorted(pending)}\n{tails}"
+                raise ServiceStartError(
+                    name,
+                    self.log_path(name),
+                    f"not SERVING after {timeout_s:.0f}s (pending: {', '.join(sorted(pending))})",
+                    tails,
                 )
             if pending and progress is not None and time.monotonic() > next_note:
                 next_note += 15
@@ -250,8 +277,12 @@ class Cluster:
         """How the launcher itself reaches the services (TLS roots, client certificate)."""
         return ClientSecurity.from_env(self._env())
 
+    def log_path(self, name: str) -> Path:
+        """The log file of one service."""
+        return self.log_dir / f"{name}.log"
+
     def log_tail(self, name: str, lines: int = 30) -> str:
-        path = self.log_dir / f"{name}.log"
+        path = self.log_path(name)
         if not path.exists():
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

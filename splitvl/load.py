@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -185,6 +186,7 @@ async def run_load(
     slack_s: float = 10.0,
     channels: int = 4,
     progress: Any = None,
+    security: Any = None,
 ) -> LoadReport:
     """Closed-loop load: ``concurrency`` workers calling until ``duration_s`` has passed.
 
@@ -196,7 +198,7 @@ async def run_load(
     deadline), so the run lasts at most ``duration_s + deadline_s + slack_s + 5``.
 
     Args:
-        address: The gateway, ``host:port`` (plaintext loopback).
+        address: The gateway, ``host:port``.
         requests: GenerateRequests, cycled through in order.
         concurrency: Workers, i.e. calls in flight.
         duration_s: Seconds during which new calls start.
@@ -204,15 +206,21 @@ async def run_load(
         slack_s: Past ``deadline_s + slack_s`` a call is cancelled and counted ``HUNG``.
         channels: HTTP/2 connections to spread the calls over.
         progress: Called with a status line every 15 s, if given.
+        security: A ``vlcommon.security.ClientSecurity`` (TLS roots, client certificate,
+            bearer token); default: the ``SPLITVL_TLS_*`` / ``SPLITVL_AUTH_TOKEN`` environment.
 
     Returns:
         Every call's result and the elapsed wall time (until the last call ended).
     """
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
+    from vlcommon.security import ClientSecurity, aio_channel
     from vlcommon.settings import channel_options
 
-    chans = [grpc.aio.insecure_channel(address, options=channel_options()) for _ in range(channels)]
+    security = security or ClientSecurity.from_env()
+    chans = [
+        aio_channel(address, security, options=channel_options()) for _ in range(channels)
+    ]
     stubs = [pb_grpc.GatewayServiceStub(ch) for ch in chans]
     results: list[CallResult] = []
     next_request = 0
@@ -295,7 +303,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
 
-    def go(address: str) -> dict[str, Any]:
+    def go(address: str, security: Any = None) -> dict[str, Any]:
         log(f"load: {args.concurrency} concurrent for {args.duration:.0f} s against {address}")
         report = asyncio.run(
             run_load(
@@ -306,26 +314,38 @@ def main(args: argparse.Namespace) -> int:
                 deadline_s=args.deadline,
                 slack_s=args.slack,
                 progress=log,
+                security=security,
             )
         )
         return report.as_dict()
 
     if args.address:
         result = go(args.address)
-    else:
-        from splitvl.cli import default_model
-        from splitvl.launcher import Cluster, Ports
+        return report_result(args, result)
+    from splitvl.cli import default_model
+    from splitvl.launcher import Cluster, Ports
 
-        log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitvl-load-"))
-        cluster = Cluster(
-            model=args.model or default_model(),
-            ports=Ports.free(),
-            log_dir=log_dir,
-            progress=log,
-        )
-        log(f"starting the four services (logs in {log_dir}) ...")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitvl-load-"))
+    cluster = Cluster(
+        model=args.model or default_model(),
+        ports=Ports.free(),
+        log_dir=log_dir,
+        progress=log,
+    )
+    log(f"starting the four services (logs in {log_dir}) ...")
+    rc = 1
+    try:
         with cluster:
-            result = go(cluster.ports.address("gateway"))
+            # The cluster's own TLS/token settings (SPLITVL_TLS_*, SPLITVL_AUTH_TOKEN).
+            result = go(cluster.ports.address("gateway"), cluster.security())
+        rc = report_result(args, result)
+    finally:
+        keep_or_remove_logs(log_dir, own=args.log_dir is None, ok=rc == 0, log=log)
+    return rc
+
+
+def report_result(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    """Print the result (JSON or a table); 1 when a call was INTERNAL/UNKNOWN or hung."""
     if args.json:
         print(json.dumps(result))
     else:
@@ -333,11 +353,29 @@ def main(args: argparse.Namespace) -> int:
     return 1 if result["internal_or_unknown"] or result["hung"] else 0
 
 
+def keep_or_remove_logs(log_dir: Path, *, own: bool, ok: bool, log: Any) -> None:
+    """Remove a temporary log folder after a run that passed; otherwise say where it is.
+
+    Args:
+        log_dir: The services' log folder.
+        own: It is a temporary folder this run made (not the user's ``--log-dir``).
+        ok: The run passed.
+        log: Called with one line naming the folder when it is kept.
+    """
+    if own and ok:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    else:
+        log(f"service logs kept in {log_dir}")
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("load", help="concurrent streaming Generate calls; statuses and latency")
     p.add_argument("--address", help="a running gateway (default: start a cluster on free ports)")
     p.add_argument("--model", help="checkpoint for the own cluster (default: tiny)")
-    p.add_argument("--log-dir", help="service logs of the own cluster (default: a temp dir)")
+    p.add_argument(
+        "--log-dir",
+        help="service logs of the own cluster (default: a temp dir, removed after a pass)",
+    )
     p.add_argument("--concurrency", type=int, default=200, help="calls in flight")
     p.add_argument("--duration", type=float, default=120.0, help="seconds to keep starting calls")
     p.add_argument("--deadline", type=float, default=60.0, help="deadline of each call, s")

@@ -111,6 +111,7 @@ async def run_soak(
     sample_every: int = 100,
     deadline_s: float = 120.0,
     progress: Any = None,
+    security: Any = None,
 ) -> SoakReport:
     """Send ``requests`` in order (``concurrency`` at a time) and sample each tree's RSS.
 
@@ -126,12 +127,15 @@ async def run_soak(
         sample_every: Requests between intermediate samples.
         deadline_s: Deadline of each call, seconds.
         progress: Called with a line at each sample.
+        security: A ``vlcommon.security.ClientSecurity``; default: the ``SPLITVL_TLS_*`` /
+            ``SPLITVL_AUTH_TOKEN`` environment.
 
     Raises:
         ValueError: ``warmup`` is not inside ``1..len(requests) - 1``.
     """
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
+    from vlcommon.security import ClientSecurity, aio_channel
     from vlcommon.settings import channel_options
 
     if not 0 < warmup < len(requests):
@@ -151,7 +155,8 @@ async def run_soak(
             examples.setdefault(err.code().name, (err.details() or "")[:300])
 
     t0 = time.perf_counter()
-    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+    security = security or ClientSecurity.from_env()
+    async with aio_channel(address, security, options=channel_options()) as channel:
         stub = pb_grpc.GatewayServiceStub(channel)
         done = 0
         while done < len(requests):
@@ -212,6 +217,7 @@ def print_table(report: dict[str, Any], out: Any = sys.stdout) -> None:
 def main(args: argparse.Namespace) -> int:
     from splitvl.cli import default_model
     from splitvl.launcher import Cluster, Ports
+    from splitvl.load import keep_or_remove_logs
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -229,29 +235,35 @@ def main(args: argparse.Namespace) -> int:
         progress=log,
     )
     log(f"starting the four services (logs in {log_dir}) ...")
-    with cluster:
-        report = asyncio.run(
-            run_soak(
-                cluster.ports.address("gateway"),
-                cluster.pids(),
-                requests,
-                warmup=args.warmup,
-                concurrency=args.concurrency,
-                sample_every=args.sample_every,
-                progress=log,
-            )
-        ).as_dict()
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return 0 if report["passed"] else 1
+    rc = 1
+    try:
+        with cluster:
+            report = asyncio.run(
+                run_soak(
+                    cluster.ports.address("gateway"),
+                    cluster.pids(),
+                    requests,
+                    warmup=args.warmup,
+                    concurrency=args.concurrency,
+                    sample_every=args.sample_every,
+                    progress=log,
+                    security=cluster.security(),
+                )
+            ).as_dict()
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print_table(report)
+        rc = 0 if report["passed"] else 1
+    finally:
+        keep_or_remove_logs(log_dir, own=args.log_dir is None, ok=rc == 0, log=log)
+    return rc
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("soak", help="distinct images in a row; RSS growth of each service")
     p.add_argument("--model", help="checkpoint (default: tiny)")
-    p.add_argument("--log-dir", help="service logs (default: a temp dir)")
+    p.add_argument("--log-dir", help="service logs (default: a temp dir, removed after a pass)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=200, help="requests before the first sample")
     p.add_argument("--sample-every", type=int, default=100)

@@ -1,0 +1,197 @@
+"""The ``splitvl`` command's behaviour a user sees: --image sources, one-line errors, the
+decoder pass-through, offline mode only for local checkpoints, defaults in --help."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from qwenvl.gateway.v1 import gateway_service_pb2 as pb
+
+from splitvl import cli
+from splitvl.client import build_request, image_input
+from splitvl.launcher import DECODER_DEFAULT_ARGS, Cluster, Ports, free_port
+from splitvl.load import keep_or_remove_logs
+
+PNG_1X1 = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
+
+
+def test_image_input_sends_urls_as_url_data_urls_as_data_url_files_as_bytes(tmp_path) -> None:
+    path = tmp_path / "a.png"
+    path.write_bytes(PNG_1X1)
+    data_url = "data:image/png;base64," + base64.b64encode(PNG_1X1).decode()
+
+    assert image_input("https://example.com/a.png") == pb.ImageInput(url="https://example.com/a.png")
+    assert image_input("HTTP://example.com/b.jpg").url == "HTTP://example.com/b.jpg"
+    assert image_input(data_url) == pb.ImageInput(data_url=data_url)
+    assert image_input(str(path)) == pb.ImageInput(data=PNG_1X1)
+    with pytest.raises(FileNotFoundError):
+        image_input(str(tmp_path / "missing.png"))
+
+
+def test_build_request_takes_bytes_and_image_inputs_in_order() -> None:
+    request = build_request([PNG_1X1, pb.ImageInput(url="https://h/x.png")], "Describe.")
+    parts = request.messages[0].parts
+    assert [p.WhichOneof("part") for p in parts] == ["image", "image", "text"]
+    assert parts[0].image.data == PNG_1X1
+    assert parts[1].image.url == "https://h/x.png"
+    assert parts[2].text == "Describe."
+    assert not request.sampling.HasField("max_tokens")  # the decoder's default applies
+
+
+def _splitvl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "splitvl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_generate_with_a_missing_file_is_one_line_and_exit_2(tmp_path) -> None:
+    missing = tmp_path / "nope.png"
+    out = _splitvl("generate", "--image", str(missing), "--prompt", "hi")
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(missing) in lines[0] and "No such file" in lines[0], lines
+
+
+def test_generate_with_a_url_reaches_the_gateway_call(tmp_path) -> None:
+    # Nothing listens on the port: the URL was accepted and the call made (UNAVAILABLE, exit 1).
+    port = free_port()
+    out = _splitvl(
+        "generate",
+        "--image",
+        "https://example.com/a.png",
+        "--prompt",
+        "hi",
+        "--address",
+        f"127.0.0.1:{port}",
+        "--timeout",
+        "20",
+    )
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.startswith("UNAVAILABLE:"), out.stderr
+
+
+def test_generate_help_shows_defaults() -> None:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    text = sub.choices["generate"].format_help()  # type: ignore[attr-defined]
+    assert "(default: 300.0)" in text  # --timeout
+    assert "(default: 127.0.0.1:50051)" in text  # --address
+    assert "DECODER_MAX_TOKENS_DEFAULT (256)" in text
+
+
+def test_docstring_lists_every_subcommand() -> None:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    names = set(sub.choices)  # type: ignore[arg-type]
+    assert names == {
+        "make-tiny-model",
+        "up",
+        "demo",
+        "bench",
+        "cache-bench",
+        "cache-eval",
+        "load",
+        "soak",
+        "generate",
+    }
+    for name in names:
+        assert f"splitvl {name}" in (cli.__doc__ or ""), name
+
+
+def test_cache_bench_default_sizes_leave_out_the_million() -> None:
+    args = cli.build_parser().parse_args(["cache-bench"])
+    assert args.sizes == "10000,100000"
+
+
+def test_decoder_args_append_to_the_tiny_defaults_env_then_flags(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPLITVL_DECODER_ARGS", "--max-model-len 8192 --dtype bfloat16")
+    args = cli.build_parser().parse_args(
+        [
+            "up",
+            "--model",
+            str(tmp_path),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--decoder-arg=--max-model-len=32768",
+            "--decoder-arg",
+            "--mm-processor-cache-gb 0",
+        ]
+    )
+    command = cli._cluster(args)._command("decoder")
+    tail = command[command.index(str(tmp_path)) + 1 :]
+    assert tail == [
+        *DECODER_DEFAULT_ARGS,
+        "--max-model-len",
+        "8192",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len=32768",
+        "--mm-processor-cache-gb",
+        "0",
+    ]
+
+
+def test_offline_mode_only_for_a_local_checkpoint(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    ports = Ports.from_base(50051, 0)
+    assert Cluster(str(tmp_path), ports, tmp_path)._env()["HF_HUB_OFFLINE"] == "1"
+    assert "HF_HUB_OFFLINE" not in Cluster("Qwen/Qwen3-VL-2B-Instruct", ports, tmp_path)._env()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert Cluster(str(tmp_path), ports, tmp_path)._env()["HF_HUB_OFFLINE"] == "0"
+
+
+def test_temporary_logs_removed_after_a_pass_kept_otherwise(tmp_path) -> None:
+    lines: list[str] = []
+    passed, failed, users = tmp_path / "p", tmp_path / "f", tmp_path / "u"
+    for d in (passed, failed, users):
+        d.mkdir()
+        (d / "gateway.log").write_text("x")
+    keep_or_remove_logs(passed, own=True, ok=True, log=lines.append)
+    keep_or_remove_logs(failed, own=True, ok=False, log=lines.append)
+    keep_or_remove_logs(users, own=False, ok=True, log=lines.append)
+    assert not passed.exists()
+    assert (failed / "gateway.log").exists() and (users / "gateway.log").exists()
+    assert lines == [f"service logs kept in {failed}", f"service logs kept in {users}"]
+
+
+@pytest.mark.e2e
+def test_up_with_a_broken_checkpoint_fails_with_one_line_naming_service_and_log(
+    tmp_path,
+) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    base = free_port()
+    log_dir = tmp_path / "logs"
+    out = _splitvl(
+        "up",
+        "--model",
+        str(broken),
+        "--base-port",
+        str(base),
+        "--metrics-base-port",
+        "0",
+        "--log-dir",
+        str(log_dir),
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    service = lines[0].split(": ", 1)[1].split(" ", 1)[0]
+    assert service in {"gateway", "encoder", "cache", "decoder"}, lines
+    log = Path(lines[0].rsplit("see its log: ", 1)[1])
+    assert log == log_dir / f"{service}.log" and log.stat().st_size > 0
