@@ -37,6 +37,16 @@ from splitvl.launcher import (
 )
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` only where there is a value to show (not None, [], False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if default is None or default is False or (isinstance(default, list) and not default):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def splitvl_home() -> Path:
     return Path(os.environ.get("SPLITVL_HOME", Path.home() / ".cache" / "splitvl"))
 
@@ -213,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stream an answer from the gateway",
         description="Stream one answer from a running gateway (TLS and tokens from "
         "SPLITVL_TLS_* and SPLITVL_AUTH_TOKEN, docs/security.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "--image",

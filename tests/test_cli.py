@@ -195,3 +195,12 @@ def test_up_with_a_broken_checkpoint_fails_with_one_line_naming_service_and_log(
     assert service in {"gateway", "encoder", "cache", "decoder"}, lines
     log = Path(lines[0].rsplit("see its log: ", 1)[1])
     assert log == log_dir / f"{service}.log" and log.stat().st_size > 0
+
+
+def test_generate_help_leaves_out_empty_defaults_but_shows_zero() -> None:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    text = " ".join(sub.choices["generate"].format_help().split())  # type: ignore[attr-defined]
+    assert "0 = greedy (default: 0.0)" in text
+    assert "(default: None)" not in text and "(default: [])" not in text
+    assert "(default: False)" not in text
