@@ -15,6 +15,7 @@ from cache_service import metrics
 from cache_service.store import CacheFullError, EmbeddingStore, Entry, Match
 from vlcommon import tensors
 from vlcommon.errors import ServiceError, abort, invalid_argument, resource_exhausted
+from vlcommon.verification import MAX_VERIFICATION_BYTES
 
 tracer = trace.get_tracer("splitvl.cache")
 TIERS = {
@@ -48,6 +49,22 @@ def _descriptor(msg: tensor_pb2.Tensor, dim: int, field: str) -> np.ndarray | No
             f"{field}.shape is {list(msg.shape)}; expected [{dim}]",
             field=f"{field}.shape",
             expected=dim,
+        )
+    return tensors.to_numpy(msg)
+
+
+def _verification(msg: tensor_pb2.Tensor, field: str) -> np.ndarray | None:
+    """uint8 [h, w], or None when the field is unset (then no similarity hit)."""
+    if not msg.data and not msg.shape:
+        return None
+    tensors.validate(msg, field=field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=2)
+    if min(msg.shape) <= 0 or len(msg.data) > MAX_VERIFICATION_BYTES:
+        raise invalid_argument(
+            "VERIFICATION_SHAPE_INVALID",
+            f"{field}.shape is {list(msg.shape)}; both sides must be > 0 and the image at "
+            f"most {MAX_VERIFICATION_BYTES} bytes",
+            field=f"{field}.shape",
+            limit=MAX_VERIFICATION_BYTES,
         )
     return tensors.to_numpy(msg)
 
@@ -99,8 +116,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         Entries returned with their embeddings are leased until the RPC is done (the
         response sent, or the call failed or was cancelled), so eviction cannot pick them.
 
-        Raises (as status): INVALID_ARGUMENT for a bad key, grid, descriptor, policy or too
-        many queries.
+        Raises (as status): INVALID_ARGUMENT for a bad key, grid, descriptor, verification
+        image (not UINT8 [h, w], or over 4 MiB), policy or too many queries.
         """
         t0 = time.perf_counter()
         rpc_span = trace.get_current_span()
@@ -128,6 +145,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     )
                 grid = _grid(query.grid, f"{field}.grid")
                 descriptor = _descriptor(query.descriptor, self.store.dim, f"{field}.descriptor")
+                verification = _verification(query.verification, f"{field}.verification")
                 with tracer.start_as_current_span("cache.lookup") as span:
                     if policy == generation_pb2.CACHE_POLICY_OFF:
                         match = Match("miss", 0.0, None)
@@ -138,11 +156,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                             grid,
                             similar=policy == generation_pb2.CACHE_POLICY_SIMILAR,
                             lease=request.include_embeddings,
+                            revision=query.revision,
+                            verification=verification,
                         )
                     if match.entry is not None and request.include_embeddings:
                         leased.append(match.entry)
                     span.set_attribute("splitvl.cache.tier", match.tier)
                     span.set_attribute("splitvl.cache.similarity", match.similarity)
+                    span.set_attribute("splitvl.cache.rejected_candidates", match.rejected)
                 self._count(match)
                 tiers.append(match.tier)
                 scores.append(match.similarity)
@@ -197,6 +218,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     )
                 grid = _grid(entry.embedding.grid, f"{field}.embedding.grid")
                 descriptor = _descriptor(entry.descriptor, self.store.dim, f"{field}.descriptor")
+                verification = _verification(entry.verification, f"{field}.verification")
                 emb = entry.embedding.embeddings
                 tensors.validate(
                     emb,
@@ -222,21 +244,30 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         f"{field}.embedding.embeddings holds NaN or inf",
                         field=f"{field}.embedding.embeddings",
                     )
-                if len(emb.data) > self.store.capacity_bytes:
+                size = len(emb.data) + (0 if verification is None else verification.nbytes)
+                if size > self.store.capacity_bytes:
                     metrics.PUTS_REFUSED.labels(reason="too_large").inc()
                     raise resource_exhausted(
                         "ENTRY_TOO_LARGE",
                         f"{field}.embedding.embeddings holds {len(emb.data)} bytes; the "
-                        f"cache's byte budget (capacity_bytes) is {self.store.capacity_bytes}",
+                        f"cache's byte budget (capacity_bytes) is {self.store.capacity_bytes}; "
+                        f"with its verification image the entry needs {size} bytes",
                         field=f"{field}.embedding.embeddings",
                         limit=self.store.capacity_bytes,
                     )
-                checked.append((entry.key, descriptor, grid, emb))
+                checked.append((entry.key, descriptor, grid, emb, verification, entry.revision))
             stored = evicted = 0
-            for i, (key, descriptor, grid, emb) in enumerate(checked):
+            for i, (key, descriptor, grid, emb, verification, revision) in enumerate(checked):
                 try:
                     evicted += self.store.put(
-                        key, descriptor, grid, emb.dtype, tuple(emb.shape), emb.data
+                        key,
+                        descriptor,
+                        grid,
+                        emb.dtype,
+                        tuple(emb.shape),
+                        emb.data,
+                        verification=verification,
+                        revision=revision,
                     )
                 except CacheFullError as err:
                     metrics.PUTS_REFUSED.labels(reason="leased").inc()

@@ -4,9 +4,13 @@
 * Similarity tier: a FAISS index over L2-normalised descriptors (inner product = cosine
   similarity); exact (``IndexFlatIP``) below ``index_threshold`` entries, approximate HNSW
   with exact re-scoring above it, exact on a GPU when FAISS sees one (``cache_service.index``).
-  A similarity hit needs cosine >= threshold (with a small tolerance for float rounding)
-  AND a stored ``image_grid_thw`` equal to the query's: embeddings of another grid would
-  bind the wrong number of placeholder tokens.
+  A similarity hit needs cosine >= threshold (with a small tolerance for float rounding),
+  a stored ``image_grid_thw`` equal to the query's (embeddings of another grid would bind
+  the wrong number of placeholder tokens), an equal model revision, AND a passing
+  verification (:func:`vlcommon.verification.verify`: the two images compared block by
+  block at the resolution the ViT sees, so a changed digit, word or bar, or an image built
+  to share another's thumbnail, is refused). The ``search_k`` nearest candidates are tried
+  in order of score; the first that passes every check answers.
 
 Capacity rules (``check_invariants`` verifies the bookkeeping they rely on):
 
@@ -52,6 +56,7 @@ import numpy as np
 
 from cache_service import metrics
 from cache_service.index import IndexParams, VectorIndex, build_index, choose_kind, gpu_count
+from vlcommon.verification import verify
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +100,8 @@ class Entry:
         shape: ``[tokens, width]``.
         data: Raw embedding bytes.
         index_id: The entry's id in the FAISS index (-1 when it has no descriptor).
+        verification: uint8 [h, w] verification image, or None (never a similarity hit).
+        revision: Model revision of the embeddings ("" when the writer sent none).
         expires_at: Clock time (seconds) after which it is never served; inf without TTL.
         leases: Lookups in flight that hold it (never evicted while > 0).
     """
@@ -107,23 +114,30 @@ class Entry:
     index_id: int
     expires_at: float = math.inf
     leases: int = 0
+    verification: np.ndarray | None = None
+    revision: str = ""
 
     @property
     def nbytes(self) -> int:
-        return len(self.data)
+        """Bytes counted in the budget: embeddings plus the verification image."""
+        extra = 0 if self.verification is None else int(self.verification.nbytes)
+        return len(self.data) + extra
 
 
 @dataclass(frozen=True)
 class Match:
     """Result of one lookup: tier is ``exact``, ``similar`` or ``miss``.
 
-    ``consulted_similar`` says whether the similarity tier was searched (for metrics).
+    ``consulted_similar`` says whether the similarity tier was searched (for metrics);
+    ``rejected`` counts candidates at or above the threshold with an equal grid that were
+    refused for another revision or a failed verification.
     """
 
     tier: str
     similarity: float
     entry: Entry | None
     consulted_similar: bool = False
+    rejected: int = 0
 
 
 @dataclass
@@ -241,14 +255,18 @@ class EmbeddingStore:
         *,
         similar: bool,
         lease: bool = False,
+        revision: str = "",
+        verification: np.ndarray | None = None,
     ) -> Match:
         """Find ``key`` exactly, else (when ``similar``) the most similar entry with an equal
-        grid. Scores are clamped to [-1, 1]; ``similarity`` reports the best candidate seen.
-        Expired entries are never returned. With ``lease``, a returned entry stays leased
-        (not evictable) until :meth:`release`."""
+        grid, an equal ``revision`` and a passing verification against ``verification``
+        (uint8 [h, w], :func:`vlcommon.verification.verification_image`; without one no
+        similarity hit is possible). Scores are clamped to [-1, 1]; ``similarity`` reports
+        the best candidate seen. Expired entries are never returned. With ``lease``, a
+        returned entry stays leased (not evictable) until :meth:`release`."""
         with self._lock:
             now = self.clock()
-            match = self._lookup(key, descriptor, grid, similar, now)
+            match = self._lookup(key, descriptor, grid, similar, now, revision, verification)
             if match.entry is not None:
                 self._entries.move_to_end(match.entry.key)
                 if lease:
@@ -264,6 +282,8 @@ class EmbeddingStore:
         grid: tuple[int, int, int],
         similar: bool,
         now: float,
+        revision: str,
+        verification: np.ndarray | None,
     ) -> Match:
         entry = self._entries.get(key)
         if entry is not None and self._expired(entry, now):
@@ -277,15 +297,22 @@ class EmbeddingStore:
             return Match("miss", 0.0, None, consulted_similar=True)
         scores, ids = self._index.search(vec, self.search_k)
         best = 0.0
+        rejected = 0
         for score, idx in zip(scores, ids, strict=True):
             cand = self._by_id.get(int(idx))
             if cand is None or self._expired(cand, now):
                 continue
             s = float(np.clip(score, -1.0, 1.0))
             best = max(best, s)
-            if cand.grid == grid and s >= self.threshold - SCORE_TOLERANCE:
-                return Match("similar", s, cand, consulted_similar=True)
-        return Match("miss", best, None, consulted_similar=True)
+            if cand.grid != grid or s < self.threshold - SCORE_TOLERANCE:
+                continue
+            # Another revision's embeddings, or another picture that merely shares the
+            # thumbnail: try the next candidate.
+            if cand.revision != revision or not verify(verification, cand.verification):
+                rejected += 1
+                continue
+            return Match("similar", s, cand, consulted_similar=True, rejected=rejected)
+        return Match("miss", best, None, consulted_similar=True, rejected=rejected)
 
     def _expired(self, entry: Entry, now: float) -> bool:
         """True when past its TTL; reclaims it at once unless it is leased."""
@@ -316,10 +343,15 @@ class EmbeddingStore:
         dtype: int,
         shape: tuple[int, ...],
         data: bytes,
+        *,
+        verification: np.ndarray | None = None,
+        revision: str = "",
     ) -> int:
         """Store an entry, evicting unleased LRU entries to fit. Returns evictions.
 
-        A key already held is refreshed (LRU position and TTL) and not replaced: the key is a
+        ``verification`` (uint8 [h, w]) and ``revision`` are what a later similarity lookup
+        is checked against; the verification image's bytes count in the budget. A key
+        already held is refreshed (LRU position and TTL) and not replaced: the key is a
         digest of the content and model revision, so its embeddings are the same.
 
         Raises:
@@ -327,7 +359,9 @@ class EmbeddingStore:
             CacheFullError: leased entries hold too many bytes for it to fit; nothing was
                 evicted.
         """
-        size = len(data)
+        if verification is not None:
+            verification = np.array(verification, dtype=np.uint8, copy=True)  # own it
+        size = len(data) + (0 if verification is None else int(verification.nbytes))
         if size > self.capacity_bytes:
             raise EntryTooLargeError(
                 f"entry of {size} bytes exceeds the budget of {self.capacity_bytes} bytes"
@@ -371,6 +405,8 @@ class EmbeddingStore:
                 data,
                 index_id,
                 expires_at=now + self.ttl_s if self.ttl_s > 0 else math.inf,
+                verification=verification,
+                revision=revision,
             )
             self._entries[key] = entry
             self._by_put[key] = None

@@ -55,6 +55,7 @@ from vlcommon.imaging import (
     similarity_descriptor,
 )
 from vlcommon.model_info import VisionSpec
+from vlcommon.verification import verification_image
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.gateway")
@@ -80,6 +81,9 @@ class PreparedImage:
     plan: ResizePlan
     key: str
     descriptor: np.ndarray  # float32 [DESCRIPTOR_DIM]
+    # uint8 [resized_height/2, resized_width/2]: the cache verifies similarity candidates
+    # on it (vlcommon.verification); computed from ``pixels``.
+    verification: np.ndarray | None = None
     tier: int = generation_pb2.CACHE_TIER_MISS
     similarity: float = 0.0
     embedding: tensor_pb2.ImageEmbedding | None = None
@@ -92,6 +96,13 @@ class Downstream:
     encoder: encoder_service_pb2_grpc.EncoderServiceStub
     decoder: decoder_service_pb2_grpc.DecoderServiceStub
     cache: cache_service_pb2_grpc.CacheServiceStub | None
+
+
+def _verification(im: PreparedImage) -> tensor_pb2.Tensor:
+    """The image's verification image as a UINT8 tensor (computed now if not yet)."""
+    if im.verification is None:
+        im.verification = verification_image(im.pixels)
+    return tensors.from_numpy(im.verification)
 
 
 def _tier(tier: int) -> str:
@@ -325,7 +336,11 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         request = cache_service_pb2.LookupRequest(policy=policy, include_embeddings=True)
         for im in images:
             request.queries.add(
-                key=im.key, descriptor=tensors.from_numpy(im.descriptor), grid=_grid(im.plan)
+                key=im.key,
+                descriptor=tensors.from_numpy(im.descriptor),
+                grid=_grid(im.plan),
+                verification=_verification(im),
+                revision=self.revision,
             )
         with tracer.start_as_current_span("cache.lookup") as span:
             try:
@@ -415,7 +430,11 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         request = cache_service_pb2.PutRequest()
         for im in fresh:
             request.entries.add(
-                key=im.key, descriptor=tensors.from_numpy(im.descriptor), embedding=im.embedding
+                key=im.key,
+                descriptor=tensors.from_numpy(im.descriptor),
+                embedding=im.embedding,
+                verification=_verification(im),
+                revision=self.revision,
             )
         t0 = time.perf_counter()
         with tracer.start_as_current_span("gateway.cache_put") as span:

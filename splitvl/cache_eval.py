@@ -42,8 +42,16 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 
-from vlcommon.imaging import cosine_similarity, decode_image, plan_resize, similarity_descriptor
+from vlcommon.imaging import (
+    DESCRIPTOR_SIDE,
+    cosine_similarity,
+    decode_image,
+    plan_resize,
+    resize_to_plan,
+    similarity_descriptor,
+)
 from vlcommon.model_info import VisionSpec
+from vlcommon.verification import VERIFY_TOLERANCE, verification_image, verification_residual
 
 # The scikit-image images that ship inside the wheel (skimage.data loads them without the
 # network; astronaut, brick, camera, cell, chelsea (cat), checkerboard, clock, coffee,
@@ -77,6 +85,7 @@ PHOTOS = (
     "rocket.jpg",
     "text.png",
 )
+DESCRIPTOR_CELLS = DESCRIPTOR_SIDE  # the thumbnail grid the poisoning construction copies
 # A reduced set for the unit test: colour and grey, photos and textures, the stereo pair.
 QUICK_PHOTOS = (
     "astronaut.png",
@@ -220,6 +229,120 @@ def render_text(text: str, layout: str) -> Image.Image:
 TEXT_LAYOUTS = ("label", "note", "page", "dense")
 
 
+# Adversarial distinct pairs (one number, word or bar apart) that are NOT document-like:
+# coloured panels, gradients and sensor noise keep them away from is_document_like, so
+# only the verification can tell them apart (the descriptor scores them 0.98-1.00).
+RECEIPT_TOTALS = (("19.33", "79.33"), ("42.10", "42.70"), ("8.99", "6.99"))
+CHART_VALUES = (
+    ((200, 150, 120, 180, 90), (200, 170, 120, 180, 90)),
+    ((120, 140, 160, 180, 200), (120, 140, 160, 180, 190)),
+    ((90, 60, 150, 40, 110), (90, 60, 150, 40, 100)),
+)
+UI_MESSAGES = (
+    ("Transfer $100 approved", "Transfer $100 DENIED"),
+    ("PIN 4821", "PIN 9135"),
+    ("Status: online", "Status: offline"),
+    ("Balance 1,250.00", "Balance 7,250.00"),
+)
+# (victim, attacker's detail source): the attacker image has the victim's 32x32 box
+# averages (so the same descriptor) and the other image's detail.
+POISON_PAIRS = (
+    ("astronaut.png", "chelsea.png"),
+    ("coffee.png", "text.png"),
+    ("camera.png", "gravel.png"),
+    ("rocket.jpg", "brick.png"),
+)
+QUICK_POISON_PAIRS = POISON_PAIRS[:2]
+
+
+def receipt(total: str, *, seed: int, gradient: bool = True, noise: float = 6.0) -> Image.Image:
+    """A phone photo of a receipt: 22 px text on a lighting gradient with sensor noise."""
+    rng = np.random.default_rng(seed)
+    w, h = 384, 512
+    y = np.linspace(150, 235, h)[:, None] if gradient else np.full((h, 1), 235.0)
+    x = np.linspace(-25, 10, w)[None, :] if gradient else np.zeros((1, w))
+    bg = (y + x + rng.normal(0, noise, (h, w))).clip(0, 255)
+    image = Image.fromarray(np.stack([bg, bg * 0.97, bg * 0.9], -1).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=22)
+    lines = [
+        "ACME STORE #42",
+        "Milk        2.49",
+        "Bread       3.10",
+        "Eggs        4.75",
+        "Coffee      8.99",
+        "",
+        f"TOTAL   ${total}",
+        "CARD ****1234",
+    ]
+    for i, line in enumerate(lines):
+        draw.text((30, 40 + i * 50), line, fill=(30, 30, 30), font=font)
+    return image
+
+
+def bar_chart(values: tuple[int, ...]) -> Image.Image:
+    """A 320x256 bar chart with coloured bars and a small caption."""
+    image = Image.new("RGB", (320, 256), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
+    for i, v in enumerate(values):
+        draw.rectangle((20 + i * 60, 240 - v, 60 + i * 60, 240), fill=colors[i])
+    draw.text((10, 5), "Q values", fill=(0, 0, 0))
+    return image
+
+
+def ui_screen(message: str, *, dark: bool) -> Image.Image:
+    """A 400x300 app screenshot: title bar, side panel, a card with one line of text."""
+    image = Image.new("RGB", (400, 300), (40, 44, 52) if dark else (245, 245, 245))
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((0, 0, 400, 40), fill=(66, 133, 244))
+    draw.rectangle((0, 40, 90, 300), fill=(30, 33, 40) if dark else (220, 220, 225))
+    draw.rectangle((110, 60, 380, 280), fill=(50, 55, 65) if dark else (255, 255, 255))
+    draw.text(
+        (120, 80),
+        message,
+        fill=(230, 230, 230) if dark else (0, 0, 0),
+        font=ImageFont.load_default(size=18),
+    )
+    return image
+
+
+def lowfreq_swap(target: Image.Image, detail: Image.Image, side: int = 256) -> Image.Image:
+    """The poisoning construction: an image whose 32x32 box averages are ``target``'s and
+    whose detail (everything inside each cell minus the cell mean) is ``detail``'s."""
+    t = np.asarray(target.convert("RGB").resize((side, side)), dtype=np.float32)
+    d = np.asarray(detail.convert("RGB").resize((side, side)), dtype=np.float32)
+    c = side // DESCRIPTOR_CELLS
+
+    def cells(a: np.ndarray) -> np.ndarray:
+        means = a.reshape(DESCRIPTOR_CELLS, c, DESCRIPTOR_CELLS, c, 3).mean(axis=(1, 3))
+        return np.repeat(np.repeat(means, c, 0), c, 1)
+
+    out = d - cells(d) + cells(t)
+    return Image.fromarray(np.clip(np.rint(out), 0, 255).astype(np.uint8))
+
+
+def adversarial_pairs(quick: bool = False) -> list[tuple[str, Image.Image, Image.Image]]:
+    """(kind, a, b): distinct pairs built to fool a thumbnail descriptor."""
+    out: list[tuple[str, Image.Image, Image.Image]] = []
+    for i, (ta, tb) in enumerate(RECEIPT_TOTALS[:1] if quick else RECEIPT_TOTALS):
+        out.append(("receipt-gradient", receipt(ta, seed=i), receipt(tb, seed=i)))
+        if not quick:
+            # Fresh sensor noise on the second shot: the same receipt photographed twice.
+            out.append(("receipt-new-noise", receipt(ta, seed=i), receipt(tb, seed=100 + i)))
+    for va, vb in CHART_VALUES[:1] if quick else CHART_VALUES:
+        out.append(("chart-one-bar", bar_chart(va), bar_chart(vb)))
+    for ma, mb in UI_MESSAGES[:2] if quick else UI_MESSAGES:
+        out.append(("ui-light", ui_screen(ma, dark=False), ui_screen(mb, dark=False)))
+        out.append(("ui-dark", ui_screen(ma, dark=True), ui_screen(mb, dark=True)))
+    root = _skimage_dir()
+    for victim, source in QUICK_POISON_PAIRS if quick else POISON_PAIRS:
+        v = _decode((root / victim).read_bytes()).resize((256, 256))
+        s = _decode((root / source).read_bytes())
+        out.append(("poison-32x32-average", lowfreq_swap(v, s), v))
+    return out
+
+
 @dataclass
 class Item:
     """One image as the gateway sees it: its descriptor, its grid, the descriptor's cost."""
@@ -228,6 +351,8 @@ class Item:
     descriptor: np.ndarray
     grid: tuple[int, int, int]
     descriptor_ms: float
+    verification: np.ndarray | None = None  # uint8 [h/2, w/2], vlcommon.verification
+    verification_ms: float = 0.0
 
     @property
     def zero(self) -> bool:
@@ -242,9 +367,25 @@ class Pair:
     b: Item
     transform: str
     cosine: float = field(init=False)
+    residual: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.cosine = cosine_similarity(self.a.descriptor, self.b.descriptor)
+        self.residual = (
+            verification_residual(self.a.verification, self.b.verification)
+            if self.a.verification is not None and self.b.verification is not None
+            else float("inf")
+        )
+
+    @property
+    def verified(self) -> bool:
+        """The cache's verification (:func:`vlcommon.verification.verify`) passes."""
+        return self.residual <= VERIFY_TOLERANCE
+
+    def hit(self, threshold: float) -> bool:
+        """What the cache serves: cosine >= threshold and the verification passes (which
+        needs equal plan sizes, so in practice an equal grid too)."""
+        return self.cosine >= threshold and self.verified
 
     @property
     def same_grid(self) -> bool:
@@ -279,7 +420,19 @@ def _item(name: str, data: bytes, spec: VisionSpec, describe: Describe) -> Item:
     start = time.thread_time()
     descriptor = describe(image)
     ms = (time.thread_time() - start) * 1000
-    return Item(name=name, descriptor=descriptor, grid=plan.grid, descriptor_ms=ms)
+    # The gateway's pixels for the encoder (the shared resize), then the verification image.
+    resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
+    start = time.thread_time()
+    verification = verification_image(resized)
+    verify_ms = (time.thread_time() - start) * 1000
+    return Item(
+        name=name,
+        descriptor=descriptor,
+        grid=plan.grid,
+        descriptor_ms=ms,
+        verification=verification,
+        verification_ms=verify_ms,
+    )
 
 
 def build_pairs(
@@ -315,6 +468,12 @@ def build_pairs(
             )
             pairs.append(Pair("distinct", a, b, f"text-{layout}"))
             pairs.append(Pair("distinct", a, b_jpeg, f"text-{layout}-vs-jpeg"))
+    for i, (kind, ia, ib) in enumerate(adversarial_pairs(quick)):
+        a = _item(f"adv{i}-{kind}-a", _encode(ia, "PNG"), spec, describe)
+        b = _item(f"adv{i}-{kind}-b", _encode(ib, "PNG"), spec, describe)
+        b_jpeg = _item(f"adv{i}-{kind}-b:jpeg-q90", _encode(ib, "JPEG", quality=90), spec, describe)
+        pairs.append(Pair("distinct", a, b, f"adversarial-{kind}"))
+        pairs.append(Pair("distinct", a, b_jpeg, f"adversarial-{kind}-vs-jpeg"))
     return pairs
 
 
@@ -336,22 +495,24 @@ def descriptor_cost(repeats: int = 20) -> dict[str, float]:
 def _row(pairs: list[Pair], threshold: float) -> dict[str, Any]:
     near = [p for p in pairs if p.kind == "near"]
     distinct = [p for p in pairs if p.kind == "distinct"]
-    near_hit = [p.cosine >= threshold for p in near]
+    near_cos = [p.cosine >= threshold for p in near]
     near_grid = [p.same_grid for p in near]
-    cache_hit = [h and g for h, g in zip(near_hit, near_grid, strict=True)]
-    false_hits = sum(p.cosine >= threshold for p in distinct)
-    false_hits_grid = sum(p.cosine >= threshold and p.same_grid for p in distinct)
-    tp = sum(near_hit)
+    # What the cache serves: cosine, equal grid and the verification.
+    cache_hit = [p.hit(threshold) and p.same_grid for p in near]
+    false_hits = sum(p.hit(threshold) for p in distinct)
+    false_hits_grid = sum(p.hit(threshold) and p.same_grid for p in distinct)
+    tp = sum(cache_hit)
     eligible = sum(near_grid)
     return {
         "threshold": threshold,
         "false_hits": false_hits,
         "false_hits_same_grid": false_hits_grid,
+        "false_hits_descriptor_only": sum(p.cosine >= threshold for p in distinct),
         "precision": tp / (tp + false_hits) if tp + false_hits else 1.0,
-        "descriptor_recall": tp / len(near) if near else 1.0,
-        "hit_recall": sum(cache_hit) / len(near) if near else 1.0,
+        "descriptor_recall": sum(near_cos) / len(near) if near else 1.0,
+        "hit_recall": tp / len(near) if near else 1.0,
         "recall_same_grid": (
-            sum(h for h, g in zip(near_hit, near_grid, strict=True) if g) / eligible
+            sum(h for h, g in zip(cache_hit, near_grid, strict=True) if g) / eligible
             if eligible
             else 1.0
         ),
@@ -378,14 +539,16 @@ def evaluate(
     distinct = [p for p in pairs if p.kind == "distinct"]
     items = {p.a.name: p.a for p in pairs} | {p.b.name: p.b for p in pairs}
     texts = [i for n, i in items.items() if n.startswith("text") and "-" in n.split(":")[0]]
-    photos = [i for i in items.values() if i not in texts]
+    adversarial = [i for n, i in items.items() if n.startswith("adv")]
+    photos = [i for i in items.values() if i not in texts and i not in adversarial]
     row = _row(pairs, threshold)
     ms = np.array([i.descriptor_ms for i in items.values()])
     return {
         "threshold": threshold,
         "false_hits": row["false_hits"],
         "distinct_pairs": len(distinct),
-        "near_duplicate_recall": row["descriptor_recall"],
+        "near_duplicate_recall": row["hit_recall"],
+        "descriptor_recall": row["descriptor_recall"],
         "near_duplicate_pairs": len(near),
         "hit_recall": row["hit_recall"],
         "recall_same_grid": row["recall_same_grid"],
@@ -395,7 +558,10 @@ def evaluate(
             "photos": sorted(i.name for i in photos if i.zero),
             "text_images": sum(i.zero for i in texts),
             "text_images_total": len(texts),
+            "adversarial_images": sum(i.zero for i in adversarial),
+            "adversarial_images_total": len(adversarial),
         },
+        "false_hits_descriptor_only": row["false_hits_descriptor_only"],
         "lowest_near_duplicates": [
             [p.b.name, round(p.cosine, 4)] for p in sorted(near, key=lambda p: p.cosine)[:5]
         ],
@@ -403,11 +569,32 @@ def evaluate(
             [f"{p.a.name} ~ {p.b.name}", round(p.cosine, 4)]
             for p in sorted(distinct, key=lambda p: -p.cosine)[:5]
         ],
+        "highest_distinct_photos": [
+            [f"{p.a.name} ~ {p.b.name}", round(p.cosine, 4)]
+            for p in sorted(
+                (p for p in distinct if p.transform == "other photo"), key=lambda p: -p.cosine
+            )[:5]
+        ],
         "descriptor_ms": {
             "mean": round(float(ms.mean()), 2),
             "p50": round(float(np.median(ms)), 2),
             "max": round(float(ms.max()), 2),
         },
+        "verification_ms": {
+            "p50": round(float(np.median([i.verification_ms for i in items.values()])), 3),
+            "max": round(float(max(i.verification_ms for i in items.values())), 3),
+        },
+        "lowest_distinct_residuals": [
+            [f"{p.a.name} ~ {p.b.name}", round(p.residual, 2)]
+            for p in sorted(distinct, key=lambda p: p.residual)[:5]
+        ],
+        "highest_near_duplicate_residuals_kept": [
+            [p.b.name, round(p.residual, 2)]
+            for p in sorted(
+                (p for p in near if p.verified), key=lambda p: -p.residual
+            )[:5]
+        ],
+        "verify_tolerance": VERIFY_TOLERANCE,
         "by_transform": _by_transform(near, threshold),
         "table": [_row(pairs, t) for t in thresholds],
     }
@@ -435,9 +622,7 @@ def _by_transform(near: list[Pair], threshold: float) -> dict[str, dict[str, flo
         name: {
             "pairs": len(ps),
             "descriptor_recall": round(sum(p.cosine >= threshold for p in ps) / len(ps), 4),
-            "hit_recall": round(
-                sum(p.cosine >= threshold and p.same_grid for p in ps) / len(ps), 4
-            ),
+            "hit_recall": round(sum(p.hit(threshold) and p.same_grid for p in ps) / len(ps), 4),
         }
         for name, ps in groups.items()
     }
@@ -452,14 +637,16 @@ def _default_threshold() -> float:
 def format_table(report: dict[str, Any]) -> str:
     """The table as Markdown (what docs/cache.md shows)."""
     lines = [
-        "| threshold | false hits | false hits, same grid | precision | descriptor recall "
-        "| hit recall incl. grid | recall, same-grid pairs |",
+        "| threshold | false hits | false hits, descriptor alone | precision "
+        "| descriptor recall | hit recall (cosine + grid + verification) "
+        "| recall, same-grid pairs |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in report["table"]:
         mark = " (default)" if abs(r["threshold"] - report["threshold"]) < 1e-9 else ""
         lines.append(
-            f"| {r['threshold']:.2f}{mark} | {r['false_hits']} | {r['false_hits_same_grid']} "
+            f"| {r['threshold']:.2f}{mark} | {r['false_hits']} "
+            f"| {r['false_hits_descriptor_only']} "
             f"| {r['precision']:.4f} | {r['descriptor_recall']:.4f} | {r['hit_recall']:.4f} "
             f"| {r['recall_same_grid']:.4f} |"
         )
@@ -492,8 +679,8 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(report))
     print(
         f"at {threshold:.2f}: {report['false_hits']} false hits of {report['distinct_pairs']}, "
-        f"descriptor recall {report['near_duplicate_recall']:.4f}, "
-        f"hit recall incl. grid {report['hit_recall']:.4f}"
+        f"descriptor recall {report['descriptor_recall']:.4f}, "
+        f"hit recall (cosine + grid + verification) {report['hit_recall']:.4f}"
     )
     print("by transform (pairs, descriptor recall, hit recall incl. grid):")
     for name, g in report["by_transform"].items():
@@ -502,6 +689,9 @@ def main(args: argparse.Namespace) -> int:
     print("lowest near duplicates:", report["lowest_near_duplicates"])
     print("highest distinct pairs:", report["highest_distinct"])
     print("descriptor ms:", report["descriptor_ms"], report["descriptor_ms_by_size"])
+    print("verification ms:", report["verification_ms"], "tolerance", VERIFY_TOLERANCE)
+    print("lowest distinct residuals:", report["lowest_distinct_residuals"])
+    print("highest near-duplicate residuals kept:", report["highest_near_duplicate_residuals_kept"])
     return 0
 
 

@@ -28,6 +28,10 @@ DIM = 64
 GRID = (1, 4, 4)  # 4 rows after the 2x2 merge
 WIDTH = 6
 N_KEYS = 240
+# Every entry and query carries this verification image: equal images pass the cache's
+# verification (vlcommon.verification); tests/test_cache_verification.py covers it.
+VERIFY = np.full((2, 2), 128, np.uint8)
+ENTRY_BYTES = 4 * WIDTH * 4 + VERIFY.nbytes  # embeddings + verification image: 100
 
 
 def vectors(n: int, seed: int) -> np.ndarray:
@@ -63,11 +67,13 @@ def new_store(**kw: object) -> EmbeddingStore:
 
 def store_put(store: EmbeddingStore, i: int) -> int:
     data = payload(i).tobytes()
-    return store.put(f"k{i}", VECS[i], GRID, tensor_pb2.DATA_TYPE_FP32, (4, WIDTH), data)
+    return store.put(
+        f"k{i}", VECS[i], GRID, tensor_pb2.DATA_TYPE_FP32, (4, WIDTH), data, verification=VERIFY
+    )
 
 
 def answer(store: EmbeddingStore, i: int, seed: int) -> tuple[str, str | None, float]:
-    m = store.lookup(f"q{i}-{seed}", query_of(i, seed), GRID, similar=True)
+    m = store.lookup(f"q{i}-{seed}", query_of(i, seed), GRID, similar=True, verification=VERIFY)
     if m.entry is not None:
         got = np.frombuffer(m.entry.data, dtype=np.float32).reshape(4, WIDTH)
         j = int(m.entry.key[1:])
@@ -120,7 +126,7 @@ def test_c13_threads_putting_and_searching_match_a_serial_run() -> None:
 
 @pytest.fixture
 async def served():
-    store = new_store(capacity_bytes=60 * 4 * WIDTH * 4)  # room for 60 entries
+    store = new_store(capacity_bytes=60 * ENTRY_BYTES)  # room for 60 entries
     servicer = CacheServicer(
         store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=16
     )
@@ -140,6 +146,7 @@ def put_entry(i: int) -> pb.PutEntry:
             grid=tensor_pb2.GridTHW(t=t, h=h, w=w),
             key=f"k{i}",
         ),
+        verification=tensors.from_numpy(VERIFY),
     )
 
 
@@ -152,6 +159,7 @@ def lookup_request(ids: list[int], seed: int, include: bool = True) -> pb.Lookup
                 key=f"q{i}",
                 descriptor=tensors.from_numpy(query_of(i, seed)),
                 grid=tensor_pb2.GridTHW(t=t, h=h, w=w),
+                verification=tensors.from_numpy(VERIFY),
             )
             for i in ids
         ],
@@ -213,7 +221,7 @@ async def test_put_refused_while_leases_hold_the_budget(served) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await stub.Put(pb.PutRequest(entries=[put_entry(60)]))
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "entries[0] needs 96 bytes but 5760 of the 5760-byte budget" in exc.value.details()
+    assert "entries[0] needs 100 bytes but 6000 of the 6000-byte budget" in exc.value.details()
     assert (
         REGISTRY.get_sample_value("splitvl_cache_puts_refused_total", {"reason": "leased"})
         == refused + 1
@@ -244,7 +252,7 @@ async def test_entry_larger_than_the_budget_is_resource_exhausted() -> None:
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert exc.value.details() == (
         "entries[0].embedding.embeddings holds 96 bytes; the cache's byte budget "
-        "(capacity_bytes) is 64"
+        "(capacity_bytes) is 64; with its verification image the entry needs 100 bytes"
     )
     assert len(store) == 0
 
@@ -279,7 +287,7 @@ async def test_metrics_per_tier_and_lookup_attributes_on_the_rpc_span(served) ->
     after = [_sample(n, lab) for n, lab in names]
     assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1, 2, 1, 1]
     assert _sample("splitvl_cache_entries") == len(store) == 2
-    assert _sample("splitvl_cache_stored_bytes") == store.bytes == 2 * 96
+    assert _sample("splitvl_cache_stored_bytes") == store.bytes == 2 * (96 + VERIFY.nbytes)
     exporter.force_flush()
     spans = [s for s in exporter.get_finished_spans() if "Lookup" in s.name]
     assert spans, [s.name for s in exporter.get_finished_spans()]
@@ -312,7 +320,7 @@ def test_startup_checks_the_gpu_capability() -> None:
 
 @pytest.mark.skipif(gpu_count() == 0, reason="FAISS sees no GPU (faiss-cpu or no device)")
 def test_gpu_index_tombstones_and_rebuilds() -> None:
-    store = new_store(use_gpu=True, min_rebuild_tombstones=8, capacity_bytes=40 * 96)
+    store = new_store(use_gpu=True, min_rebuild_tombstones=8, capacity_bytes=40 * ENTRY_BYTES)
     for i in range(80):  # 40 evicted: tombstones, purged by rebuilds on the way
         store_put(store, i)
     assert store.index_kind == "gpu_flat" and store.rebuilds > 0

@@ -31,19 +31,30 @@ def near(v: np.ndarray, cos: float, seed: int = 99) -> np.ndarray:
     return (cos * v + np.sqrt(1 - cos**2) * r).astype(np.float32)
 
 
+# Every entry and query carries this verification image: equal images pass the cache's
+# verification (vlcommon.verification), so these tests exercise the descriptor, grid, index
+# and budget rules; tests/test_cache_verification.py covers the verification itself.
+V = np.full((1, 4), 128, np.uint8)
+VT = tensors.from_numpy(V)
+
+
 def put(store: EmbeddingStore, key: str, desc: np.ndarray, grid=(1, 4, 4), nbytes=100) -> int:
-    return store.put(key, desc, grid, tensor_pb2.DATA_TYPE_FP32, (nbytes // 4, 1), b"\1" * nbytes)
+    """Store an entry of ``nbytes`` budget bytes (embeddings plus the verification image)."""
+    data = b"\1" * (nbytes - V.nbytes)
+    return store.put(
+        key, desc, grid, tensor_pb2.DATA_TYPE_FP32, (nbytes // 4, 1), data, verification=V
+    )
 
 
 def test_exact_then_similar_then_miss() -> None:
     store = EmbeddingStore(descriptor_dim=DIM, capacity_bytes=10_000, threshold=0.85)
     a = unit(1)
     put(store, "a", a)
-    assert store.lookup("a", None, (1, 4, 4), similar=True).tier == "exact"
-    hit = store.lookup("b", near(a, 0.9), (1, 4, 4), similar=True)
+    assert store.lookup("a", None, (1, 4, 4), similar=True, verification=V).tier == "exact"
+    hit = store.lookup("b", near(a, 0.9), (1, 4, 4), similar=True, verification=V)
     assert hit.tier == "similar" and hit.entry is not None and hit.entry.key == "a"
     assert hit.similarity == pytest.approx(0.9, abs=1e-4)
-    assert store.lookup("b", near(a, 0.8), (1, 4, 4), similar=True).tier == "miss"
+    assert store.lookup("b", near(a, 0.8), (1, 4, 4), similar=True, verification=V).tier == "miss"
     assert store.lookup("b", near(a, 0.9), (1, 4, 4), similar=False).tier == "miss"
 
 
@@ -51,17 +62,19 @@ def test_similar_needs_an_equal_grid() -> None:
     store = EmbeddingStore(descriptor_dim=DIM, capacity_bytes=10_000)
     a = unit(2)
     put(store, "a", a, grid=(1, 4, 6))
-    miss = store.lookup("q", a, (1, 6, 4), similar=True)
+    miss = store.lookup("q", a, (1, 6, 4), similar=True, verification=V)
     assert miss.tier == "miss" and miss.similarity == pytest.approx(1.0, abs=1e-5)
-    assert store.lookup("q", a, (1, 4, 6), similar=True).tier == "similar"
+    assert store.lookup("q", a, (1, 4, 6), similar=True, verification=V).tier == "similar"
 
 
 def test_threshold_edge_is_a_hit_within_tolerance() -> None:
     store = EmbeddingStore(descriptor_dim=DIM, capacity_bytes=10_000, threshold=0.85)
     a = unit(3)
     put(store, "a", a)
-    assert store.lookup("q", near(a, 0.85), (1, 4, 4), similar=True).tier == "similar"
-    assert store.lookup("q", near(a, 0.849), (1, 4, 4), similar=True).tier == "miss"
+    assert (
+        store.lookup("q", near(a, 0.85), (1, 4, 4), similar=True, verification=V).tier == "similar"
+    )
+    assert store.lookup("q", near(a, 0.849), (1, 4, 4), similar=True, verification=V).tier == "miss"
 
 
 def test_byte_budget_evicts_lru_and_removes_index_entries() -> None:
@@ -75,7 +88,7 @@ def test_byte_budget_evicts_lru_and_removes_index_entries() -> None:
     assert store.bytes == 300 <= store.capacity_bytes
     assert store.index_size == len(store) == 3
     # The evicted entry's vector is gone: its own descriptor finds nothing similar now.
-    assert store.lookup("x", unit(11), (1, 4, 4), similar=True).tier == "miss"
+    assert store.lookup("x", unit(11), (1, 4, 4), similar=True, verification=V).tier == "miss"
     with pytest.raises(ValueError, match="exceeds the budget"):
         put(store, "huge", unit(20), nbytes=400)
 
@@ -84,7 +97,12 @@ def test_zero_descriptor_only_hits_exactly() -> None:
     store = EmbeddingStore(descriptor_dim=DIM, capacity_bytes=1000)
     put(store, "flat", np.zeros(DIM, dtype=np.float32))
     assert store.index_size == 0
-    assert store.lookup("other", np.zeros(DIM, np.float32), (1, 4, 4), similar=True).tier == "miss"
+    assert (
+        store.lookup(
+            "other", np.zeros(DIM, np.float32), (1, 4, 4), similar=True, verification=V
+        ).tier
+        == "miss"
+    )
 
 
 @pytest.fixture
@@ -110,6 +128,7 @@ def _entry(key: str, desc: np.ndarray, rows: int = 4) -> pb.PutEntry:
         embedding=tensor_pb2.ImageEmbedding(
             embeddings=tensors.from_numpy(emb), grid=tensor_pb2.GridTHW(t=1, h=4, w=4), key=key
         ),
+        verification=tensors.from_numpy(V),
     )
 
 
@@ -122,9 +141,18 @@ async def test_servicer_put_lookup_and_errors(cache_stub) -> None:
         pb.LookupRequest(
             include_embeddings=True,
             queries=[
-                pb.LookupQuery(key="a", descriptor=tensors.from_numpy(a), grid=grid),
-                pb.LookupQuery(key="b", descriptor=tensors.from_numpy(near(a, 0.95)), grid=grid),
-                pb.LookupQuery(key="c", descriptor=tensors.from_numpy(unit(6)), grid=grid),
+                pb.LookupQuery(
+                    key="a", descriptor=tensors.from_numpy(a), grid=grid, verification=VT
+                ),
+                pb.LookupQuery(
+                    key="b",
+                    descriptor=tensors.from_numpy(near(a, 0.95)),
+                    grid=grid,
+                    verification=VT,
+                ),
+                pb.LookupQuery(
+                    key="c", descriptor=tensors.from_numpy(unit(6)), grid=grid, verification=VT
+                ),
             ],
         )
     )
@@ -140,7 +168,12 @@ async def test_servicer_put_lookup_and_errors(cache_stub) -> None:
         pb.LookupRequest(
             policy=generation_pb2.CACHE_POLICY_EXACT_ONLY,
             queries=[
-                pb.LookupQuery(key="b", descriptor=tensors.from_numpy(near(a, 0.95)), grid=grid)
+                pb.LookupQuery(
+                    key="b",
+                    descriptor=tensors.from_numpy(near(a, 0.95)),
+                    grid=grid,
+                    verification=VT,
+                )
             ],
         )
     )
@@ -225,9 +258,9 @@ def test_ttl_expired_entries_are_never_served_and_are_reclaimed() -> None:
     clock.now += 4.9  # a is 9.9 s old
     assert store.lookup("a", None, (1, 4, 4), similar=False).tier == "exact"
     clock.now += 0.1  # a is exactly 10 s old: expired
-    assert store.lookup("a", a, (1, 4, 4), similar=True).tier == "miss"
+    assert store.lookup("a", a, (1, 4, 4), similar=True, verification=V).tier == "miss"
     # Its vector is gone too: a near-duplicate finds nothing similar.
-    assert store.lookup("q", near(a, 0.95), (1, 4, 4), similar=True).tier == "miss"
+    assert store.lookup("q", near(a, 0.95), (1, 4, 4), similar=True, verification=V).tier == "miss"
     assert "a" not in store and store.evictions["ttl"] == 1
     store.check_invariants()
     # A Put of a held key refreshes its TTL; lookups do not.
@@ -312,6 +345,7 @@ def test_byte_budget_is_never_exceeded_under_a_random_workload() -> None:
                 (1, 4, 4),
                 similar=True,
                 lease=True,
+                verification=V,
             )
             if m.entry is not None:
                 leases.append(m.entry)
@@ -348,9 +382,25 @@ def test_migration_to_hnsw_and_back_and_tombstone_rebuilds() -> None:
         rebuild_fraction=0.25,
     )
     for i in range(99):
-        store.put(f"k{i}", vecs[i], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+        store.put(
+            f"k{i}",
+            vecs[i],
+            (1, 4, 4),
+            tensor_pb2.DATA_TYPE_FP32,
+            (25, 1),
+            b"\0" * (100 - V.nbytes),
+            verification=V,
+        )
     assert store.index_kind == "flat"
-    store.put("k99", vecs[99], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    store.put(
+        "k99",
+        vecs[99],
+        (1, 4, 4),
+        tensor_pb2.DATA_TYPE_FP32,
+        (25, 1),
+        b"\0" * (100 - V.nbytes),
+        verification=V,
+    )
     assert store.index_kind == "hnsw" and store.index_size == 100 and store.rebuilds == 1
     store.check_invariants()
 
@@ -362,13 +412,21 @@ def test_migration_to_hnsw_and_back_and_tombstone_rebuilds() -> None:
     live = {f"k{i}": vecs[i] for i in range(100)}
     for i in range(100):
         q = query(i)
-        m = store.lookup(f"q{i}", q, (1, 4, 4), similar=True)
+        m = store.lookup(f"q{i}", q, (1, 4, 4), similar=True, verification=V)
         assert m.tier == "similar" and m.entry is not None
         assert m.entry.key == _reference_best(live, q, 0.85)
         assert m.similarity == pytest.approx(float(vecs[i] @ q), abs=1e-5)  # exact re-score
     # Removals from HNSW are tombstones; evicted vectors are never answered.
     store.capacity_bytes = 40 * 100
-    store.put("k100", vecs[100], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    store.put(
+        "k100",
+        vecs[100],
+        (1, 4, 4),
+        tensor_pb2.DATA_TYPE_FP32,
+        (25, 1),
+        b"\0" * (100 - V.nbytes),
+        verification=V,
+    )
     assert len(store) == 40 and store.evictions["lru"] == 61
     # 40 live vectors are below half the threshold: the index was rebuilt from them as the
     # exact index, leaving the 61 tombstones behind.
@@ -376,18 +434,42 @@ def test_migration_to_hnsw_and_back_and_tombstone_rebuilds() -> None:
     store.check_invariants()
     store.capacity_bytes = 400 * 100
     for i in range(101, 260):
-        store.put(f"k{i}", vecs[i], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+        store.put(
+            f"k{i}",
+            vecs[i],
+            (1, 4, 4),
+            tensor_pb2.DATA_TYPE_FP32,
+            (25, 1),
+            b"\0" * (100 - V.nbytes),
+            verification=V,
+        )
     assert store.index_kind == "hnsw"
     assert store.index_kind == "hnsw" and store.index_size == 199 and store.tombstones == 0
     store.capacity_bytes = 180 * 100
-    store.put("k260", vecs[260], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    store.put(
+        "k260",
+        vecs[260],
+        (1, 4, 4),
+        tensor_pb2.DATA_TYPE_FP32,
+        (25, 1),
+        b"\0" * (100 - V.nbytes),
+        verification=V,
+    )
     assert store.index_kind == "hnsw" and store.tombstones == 20  # 20 < 25% of 200: kept
     store.check_invariants()
     for i in range(60, 261):  # tombstoned vectors are in the graph but never answered
-        m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True)
+        m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True, verification=V)
         assert (m.entry.key if m.entry else None) == (f"k{i}" if f"k{i}" in store else None)
     store.capacity_bytes = 150 * 100
-    store.put("k261", vecs[261], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+    store.put(
+        "k261",
+        vecs[261],
+        (1, 4, 4),
+        tensor_pb2.DATA_TYPE_FP32,
+        (25, 1),
+        b"\0" * (100 - V.nbytes),
+        verification=V,
+    )
     # 51 tombstones > 25% of 201 vectors: purged by a rebuild of the 150 live ones.
     assert store.index_kind == "hnsw" and store.tombstones == 0 and store.index_size == 150
     store.check_invariants()
@@ -395,7 +477,7 @@ def test_migration_to_hnsw_and_back_and_tombstone_rebuilds() -> None:
     assert len(live) == 150
     for i in range(262):
         q = query(i)
-        m = store.lookup(f"q{i}", q, (1, 4, 4), similar=True)
+        m = store.lookup(f"q{i}", q, (1, 4, 4), similar=True, verification=V)
         expected = _reference_best(live, q, 0.85)
         assert (m.entry.key if m.entry else None) == expected, i
 
@@ -413,12 +495,20 @@ def test_background_rebuild_replays_concurrent_adds_and_removals() -> None:
         background_rebuild=True,
     )
     for i in range(300):  # crosses the threshold (a rebuild in a thread) and evicts 50
-        store.put(f"k{i}", vecs[i], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+        store.put(
+            f"k{i}",
+            vecs[i],
+            (1, 4, 4),
+            tensor_pb2.DATA_TYPE_FP32,
+            (25, 1),
+            b"\0" * (100 - V.nbytes),
+            verification=V,
+        )
     assert store.wait_for_rebuild(timeout=60)
     store.check_invariants()
     assert store.index_kind == "hnsw" and len(store) == 250
     for i in range(300):
-        m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True)
+        m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True, verification=V)
         assert (m.entry.key if m.entry else None) == (f"k{i}" if i >= 50 else None), i
 
 
@@ -445,7 +535,15 @@ def test_background_rebuild_catches_up_outside_the_lock(monkeypatch) -> None:
 
     def writer(lo: int, hi: int) -> None:
         for i in range(lo, hi):
-            store.put(f"k{i}", vecs[i], (1, 4, 4), tensor_pb2.DATA_TYPE_FP32, (25, 1), b"\0" * 100)
+            store.put(
+                f"k{i}",
+                vecs[i],
+                (1, 4, 4),
+                tensor_pb2.DATA_TYPE_FP32,
+                (25, 1),
+                b"\0" * (100 - V.nbytes),
+                verification=V,
+            )
 
     threads = [threading.Thread(target=writer, args=(t * 500, t * 500 + 500)) for t in range(4)]
     for th in threads:
@@ -456,5 +554,5 @@ def test_background_rebuild_catches_up_outside_the_lock(monkeypatch) -> None:
     store.check_invariants()
     assert store.rebuilds >= 2 and len(store) == 600 and store.index_kind == "hnsw"
     for i in range(2000):
-        m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True)
+        m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True, verification=V)
         assert (m.entry.key if m.entry else None) == (f"k{i}" if f"k{i}" in store else None), i

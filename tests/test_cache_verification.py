@@ -1,0 +1,255 @@
+"""The similarity tier's verification and revision rule, through the real CacheService.
+
+Every image goes through the gateway's own pipeline (encoded bytes -> ``decode_image`` ->
+``plan_resize`` -> ``similarity_descriptor``, ``resize_to_plan`` -> ``verification_image``)
+and then through a real in-process ``grpc.aio`` CacheService with a real FAISS index. The
+adversarial pairs (``splitvl.cache_eval.adversarial_pairs``: receipt photos, charts, UI
+screenshots one number/word/bar apart, and the 32x32-average poisoning construction)
+score a cosine of 0.98-1.00 on the descriptor, so only the verification stands between
+them and a false hit.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image, ImageEnhance
+from qwenvl.cache.v1 import cache_service_pb2 as pb
+from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
+from qwenvl.common.v1 import generation_pb2, tensor_pb2
+
+from cache_service.servicer import CacheServicer
+from cache_service.store import EmbeddingStore
+from splitvl import cache_eval
+from tests.conftest import in_process_server, photo
+from vlcommon import tensors
+from vlcommon.imaging import (
+    DESCRIPTOR_DIM,
+    cosine_similarity,
+    decode_image,
+    exact_key,
+    plan_resize,
+    resize_to_plan,
+    similarity_descriptor,
+)
+from vlcommon.verification import (
+    VERIFY_TOLERANCE,
+    verification_image,
+    verification_residual,
+    verify,
+)
+
+SPEC = cache_eval.default_spec()  # Qwen3-VL geometry, the tiny checkpoint's pixel budget
+WIDTH = 6
+REV = "rev-A"
+SIMILAR = generation_pb2.CACHE_TIER_SIMILAR
+MISS = generation_pb2.CACHE_TIER_MISS
+
+
+@dataclass
+class Prepared:
+    """What the gateway computes for one image before any ViT work."""
+
+    key: str
+    descriptor: np.ndarray
+    grid: tuple[int, int, int]
+    tokens: int
+    verification: np.ndarray
+
+
+def encode(image: Image.Image, fmt: str = "PNG", **kw: object) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def prepare(data: bytes, revision: str = REV) -> Prepared:
+    image = decode_image(data, index=0, max_decoded_pixels=40_000_000)
+    plan = plan_resize(image.height, image.width, SPEC, index=0)
+    resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
+    return Prepared(
+        key=exact_key(image, plan, revision),
+        descriptor=similarity_descriptor(image),
+        grid=plan.grid,
+        tokens=plan.tokens,
+        verification=verification_image(resized),
+    )
+
+
+def put_entry(p: Prepared, revision: str = REV, with_verification: bool = True) -> pb.PutEntry:
+    t, h, w = p.grid
+    entry = pb.PutEntry(
+        key=p.key,
+        descriptor=tensors.from_numpy(p.descriptor),
+        embedding=tensor_pb2.ImageEmbedding(
+            embeddings=tensors.from_numpy(np.ones((p.tokens, WIDTH), np.float32)),
+            grid=tensor_pb2.GridTHW(t=t, h=h, w=w),
+            key=p.key,
+        ),
+        revision=revision,
+    )
+    if with_verification:
+        entry.verification.CopyFrom(tensors.from_numpy(p.verification))
+    return entry
+
+
+def query(p: Prepared, revision: str = REV, with_verification: bool = True) -> pb.LookupQuery:
+    t, h, w = p.grid
+    q = pb.LookupQuery(
+        key=p.key,
+        descriptor=tensors.from_numpy(p.descriptor),
+        grid=tensor_pb2.GridTHW(t=t, h=h, w=w),
+        revision=revision,
+    )
+    if with_verification:
+        q.verification.CopyFrom(tensors.from_numpy(p.verification))
+    return q
+
+
+@pytest.fixture
+async def cache() -> AsyncIterator[tuple[pb_grpc.CacheServiceStub, EmbeddingStore]]:
+    store = EmbeddingStore(descriptor_dim=DESCRIPTOR_DIM, capacity_bytes=10**8)
+    servicer = CacheServicer(
+        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=64
+    )
+    async with in_process_server(
+        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
+    ) as channel:
+        yield pb_grpc.CacheServiceStub(channel), store
+
+
+async def lookup(stub: pb_grpc.CacheServiceStub, *queries: pb.LookupQuery) -> list:
+    resp = await stub.Lookup(pb.LookupRequest(queries=list(queries), include_embeddings=True))
+    return list(resp.results)
+
+
+def test_verification_image_and_residual() -> None:
+    pixels = np.zeros((64, 96, 3), np.uint8)
+    pixels[:, :, 0] = 255  # pure red: luma 76 (ITU-R 601)
+    v = verification_image(pixels)
+    assert v.dtype == np.uint8 and v.shape == (32, 48) and int(v[0, 0]) == 76
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 200, (32, 48), dtype=np.uint8)
+    assert verification_residual(a, a) == 0.0
+    # A global gain and offset (contrast and brightness) is normalised away.
+    b = np.clip(a.astype(np.float32) * 1.05 + 6, 0, 255).round().astype(np.uint8)
+    assert verification_residual(a, b) < 1.0 and verify(a, b)
+    # One 4x4 block changed by 40 levels: that block's mean residual is ~40.
+    c = a.copy()
+    c[8:12, 8:12] = np.clip(c[8:12, 8:12].astype(np.int16) + 40, 0, 255).astype(np.uint8)
+    assert verification_residual(a, c) > 30 and not verify(a, c)
+    # Another shape (another plan) or a missing image never passes.
+    assert verification_residual(a, a[:, :40]) == float("inf")
+    assert not verify(a, None) and not verify(None, a)
+
+
+async def test_adversarial_pairs_never_hit_through_the_cache(cache) -> None:
+    stub, store = cache
+    pairs = cache_eval.adversarial_pairs()
+    kinds = {kind for kind, _, _ in pairs}
+    assert {"receipt-gradient", "chart-one-bar", "ui-light", "ui-dark"} <= kinds
+    fooled = 0
+    for kind, a, b in pairs:
+        pa = prepare(encode(a))
+        await stub.Put(pb.PutRequest(entries=[put_entry(pa)]))
+        for data in (encode(b), encode(b, "JPEG", quality=90)):
+            pb_ = prepare(data)
+            cos = cosine_similarity(pa.descriptor, pb_.descriptor)
+            fooled += cos >= store.threshold and pb_.grid == pa.grid
+            (result,) = await lookup(stub, query(pb_))
+            assert result.tier == MISS, (kind, cos, result.matched_key)
+            assert verification_residual(pa.verification, pb_.verification) > VERIFY_TOLERANCE
+    # The descriptor alone would have answered most of them with the other picture.
+    assert fooled >= len(pairs)
+
+
+async def test_poisoning_construction_never_hits(cache) -> None:
+    """The attacker's image shares the victim's 32x32 box averages (descriptor cosine
+    ~1.0) and is stored first; the victim's own photo must not get its embeddings, while a
+    JPEG of the victim still finds the victim's genuine entry behind the attacker's (the
+    next candidate is tried)."""
+    stub, store = cache
+    victim = Image.open(io.BytesIO(photo("astronaut.png"))).convert("RGB").resize((256, 256))
+    attacker = cache_eval.lowfreq_swap(victim, Image.open(io.BytesIO(photo("chelsea.png"))))
+    pa, pv = prepare(encode(attacker)), prepare(encode(victim))
+    assert cosine_similarity(pa.descriptor, pv.descriptor) > 0.99 and pa.grid == pv.grid
+    await stub.Put(pb.PutRequest(entries=[put_entry(pa)]))
+    (result,) = await lookup(stub, query(pv))
+    assert result.tier == MISS and result.similarity > 0.99
+    # The victim's genuine entry, then a near duplicate of it: the attacker's entry is the
+    # closer descriptor for some queries, the victim's is the only one that verifies.
+    await stub.Put(pb.PutRequest(entries=[put_entry(pv)]))
+    near = prepare(encode(victim, "JPEG", quality=80))
+    (result,) = await lookup(stub, query(near))
+    assert result.tier == SIMILAR and result.matched_key == pv.key
+
+
+async def test_near_duplicates_still_hit(cache) -> None:
+    stub, _ = cache
+    for name in ("astronaut.png", "coffee.png", "rocket.jpg"):
+        image = decode_image(photo(name), index=0, max_decoded_pixels=40_000_000)
+        original = prepare(photo(name))
+        await stub.Put(pb.PutRequest(entries=[put_entry(original)]))
+        variants = [
+            encode(image, "JPEG", quality=70),
+            encode(image, "JPEG", quality=95),
+            encode(ImageEnhance.Brightness(image).enhance(1.03)),
+            encode(ImageEnhance.Contrast(image).enhance(0.95)),
+            encode(image.resize((round(image.width * 0.98), round(image.height * 0.98)))),
+        ]
+        for i, data in enumerate(variants):
+            (result,) = await lookup(stub, query(prepare(data)))
+            assert result.tier == SIMILAR and result.matched_key == original.key, (name, i)
+            assert list(result.embedding.embeddings.shape) == [original.tokens, WIDTH]
+
+
+async def test_other_revision_never_hits_and_missing_verification_never_hits(cache) -> None:
+    stub, _ = cache
+    image = decode_image(photo("chelsea.png"), index=0, max_decoded_pixels=40_000_000)
+    stored = prepare(photo("chelsea.png"), revision="rev-A")
+    await stub.Put(pb.PutRequest(entries=[put_entry(stored, revision="rev-A")]))
+    jpeg = encode(image, "JPEG", quality=90)
+    same, other = prepare(jpeg, revision="rev-A"), prepare(jpeg, revision="rev-B")
+    same_rev, other_rev, no_verify = await lookup(
+        stub,
+        query(same, revision="rev-A"),
+        query(other, revision="rev-B"),
+        query(same, revision="rev-A", with_verification=False),
+    )
+    assert same_rev.tier == SIMILAR and same_rev.matched_key == stored.key
+    assert other_rev.tier == MISS and other_rev.similarity > 0.85
+    assert no_verify.tier == MISS
+    # An entry stored without a verification image is never a similarity hit either.
+    coffee = decode_image(photo("coffee.png"), index=0, max_decoded_pixels=40_000_000)
+    bare = prepare(photo("coffee.png"))
+    await stub.Put(pb.PutRequest(entries=[put_entry(bare, with_verification=False)]))
+    (result,) = await lookup(stub, query(prepare(encode(coffee, "JPEG", quality=90))))
+    assert result.tier == MISS and result.similarity > 0.85
+    # ... while its exact key still hits exactly.
+    (result,) = await lookup(stub, query(bare))
+    assert result.tier == generation_pb2.CACHE_TIER_EXACT
+
+
+async def test_verification_counts_in_the_budget_and_bad_ones_are_invalid(cache) -> None:
+    stub, store = cache
+    p = prepare(photo("coffee.png"))
+    await stub.Put(pb.PutRequest(entries=[put_entry(p)]))
+    assert store.bytes == p.tokens * WIDTH * 4 + p.verification.nbytes
+    store.check_invariants()
+    bad = put_entry(prepare(photo("rocket.jpg")))
+    bad.verification.CopyFrom(tensors.from_numpy(p.verification.astype(np.float32)))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Put(pb.PutRequest(entries=[bad]))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "entries[0].verification" in exc.value.details()
+    q = query(p)
+    q.verification.CopyFrom(tensors.from_numpy(np.zeros((4,), np.uint8)))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await lookup(stub, q)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "queries[0].verification" in exc.value.details()
