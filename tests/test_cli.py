@@ -204,3 +204,23 @@ def test_generate_help_leaves_out_empty_defaults_but_shows_zero() -> None:
     assert "0 = greedy (default: 0.0)" in text
     assert "(default: None)" not in text and "(default: [])" not in text
     assert "(default: False)" not in text
+
+
+@pytest.mark.e2e
+def test_generate_sends_an_http_image_as_url_to_the_gateway(cluster) -> None:
+    # The session cluster runs without GATEWAY_ALLOW_URLS: the gateway names the url field.
+    out = _splitvl(
+        "generate",
+        "--image",
+        "http://127.0.0.1:9/photo.png",
+        "--prompt",
+        "hi",
+        "--address",
+        cluster.ports.address("gateway"),
+        "--timeout",
+        "60",
+    )
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.startswith("FAILED_PRECONDITION:"), out.stderr
+    assert "images[0].url" in out.stderr
