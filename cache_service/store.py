@@ -265,15 +265,34 @@ class EmbeddingStore:
         the best candidate seen. Expired entries are never returned. With ``lease``, a
         returned entry stays leased (not evictable) until :meth:`release`."""
         with self._lock:
-            now = self.clock()
-            match = self._lookup(key, descriptor, grid, similar, now, revision, verification)
-            if match.entry is not None:
-                self._entries.move_to_end(match.entry.key)
-                if lease:
-                    match.entry.leases += 1
-                    self._leased += match.entry.leases == 1
-            self._publish()
-            return match
+            match, candidates = self._lookup(key, descriptor, grid, similar, self.clock(), revision)
+            if match.entry is not None or not candidates:
+                return self._answer(match, lease)
+        # The verification (up to ~20 ms per candidate for a 2048x2048 plan) runs outside the
+        # lock, so other lookups and puts are not held up; entries are immutable, and the
+        # chosen one is checked again under the lock before it is returned.
+        rejected = match.rejected
+        for score, cand in candidates:
+            if not verify(verification, cand.verification):
+                rejected += 1  # another picture that merely shares the thumbnail
+                continue
+            with self._lock:
+                if self._entries.get(cand.key) is cand and not self._expired(cand, self.clock()):
+                    hit = Match("similar", score, cand, consulted_similar=True, rejected=rejected)
+                    return self._answer(hit, lease)
+        with self._lock:
+            miss = Match("miss", match.similarity, None, consulted_similar=True, rejected=rejected)
+            return self._answer(miss, lease)
+
+    def _answer(self, match: Match, lease: bool) -> Match:
+        """Refresh (and lease) the entry that answers; called under the lock."""
+        if match.entry is not None:
+            self._entries.move_to_end(match.entry.key)
+            if lease:
+                match.entry.leases += 1
+                self._leased += match.entry.leases == 1
+        self._publish()
+        return match
 
     def _lookup(
         self,
@@ -283,21 +302,24 @@ class EmbeddingStore:
         similar: bool,
         now: float,
         revision: str,
-        verification: np.ndarray | None,
-    ) -> Match:
+    ) -> tuple[Match, list[tuple[float, Entry]]]:
+        """The exact hit, or a miss with the similarity candidates still to verify: score
+        >= threshold, equal grid, equal revision, best first (``rejected`` counts those
+        refused for another revision)."""
         entry = self._entries.get(key)
         if entry is not None and self._expired(entry, now):
             entry = None
         if entry is not None:
-            return Match("exact", 1.0, entry)
+            return Match("exact", 1.0, entry), []
         if not similar or descriptor is None or self._index.live == 0:
-            return Match("miss", 0.0, None)
+            return Match("miss", 0.0, None), []
         vec = self.normalise(descriptor)
         if vec is None or vec.shape[0] != self.dim:
-            return Match("miss", 0.0, None, consulted_similar=True)
+            return Match("miss", 0.0, None, consulted_similar=True), []
         scores, ids = self._index.search(vec, self.search_k)
         best = 0.0
         rejected = 0
+        candidates: list[tuple[float, Entry]] = []
         for score, idx in zip(scores, ids, strict=True):
             cand = self._by_id.get(int(idx))
             if cand is None or self._expired(cand, now):
@@ -306,13 +328,12 @@ class EmbeddingStore:
             best = max(best, s)
             if cand.grid != grid or s < self.threshold - SCORE_TOLERANCE:
                 continue
-            # Another revision's embeddings, or another picture that merely shares the
-            # thumbnail: try the next candidate.
-            if cand.revision != revision or not verify(verification, cand.verification):
+            if cand.revision != revision:  # another checkpoint's embeddings
                 rejected += 1
                 continue
-            return Match("similar", s, cand, consulted_similar=True, rejected=rejected)
-        return Match("miss", best, None, consulted_similar=True, rejected=rejected)
+            candidates.append((s, cand))
+        candidates.sort(key=lambda c: -c[0])
+        return Match("miss", best, None, consulted_similar=True, rejected=rejected), candidates
 
     def _expired(self, entry: Entry, now: float) -> bool:
         """True when past its TTL; reclaims it at once unless it is leased."""

@@ -492,6 +492,33 @@ def descriptor_cost(repeats: int = 20) -> dict[str, float]:
     return out
 
 
+def verification_cost(repeats: int = 20) -> dict[str, dict[str, float]]:
+    """Median CPU ms of :func:`verification_image` (gateway) and
+    :func:`verification_residual` (cache, per candidate; worst case: an image against a
+    JPEG of itself, both directions computed) at resized (plan) sizes 448x448, 1024x1024
+    and 2048x2048, and the verification image's bytes."""
+    image = _decode((_skimage_dir() / "astronaut.png").read_bytes())
+    out = {}
+    for side in (448, 1024, 2048):
+        pixels = np.asarray(image.resize((side, side), Image.Resampling.BICUBIC))
+        other = np.asarray(_decode(_encode(Image.fromarray(pixels), "JPEG", quality=90)))
+        make, compare = [], []
+        for _ in range(repeats):
+            start = time.thread_time()
+            a = verification_image(pixels)
+            make.append((time.thread_time() - start) * 1000)
+            b = verification_image(other)
+            start = time.thread_time()
+            verification_residual(a, b)
+            compare.append((time.thread_time() - start) * 1000)
+        out[f"{side}x{side}"] = {
+            "image_ms": round(float(np.median(make)), 3),
+            "residual_ms": round(float(np.median(compare)), 3),
+            "bytes": int(a.nbytes),
+        }
+    return out
+
+
 def _row(pairs: list[Pair], threshold: float) -> dict[str, Any]:
     near = [p for p in pairs if p.kind == "near"]
     distinct = [p for p in pairs if p.kind == "distinct"]
@@ -665,6 +692,7 @@ def main(args: argparse.Namespace) -> int:
     pairs = build_pairs(spec, quick=args.quick)
     report = evaluate(pairs, threshold)
     report["descriptor_ms_by_size"] = descriptor_cost()
+    report["verification_cost_by_plan_size"] = verification_cost()
     report["pixel_budget"] = [spec.min_pixels, spec.max_pixels]
     report["seconds"] = round(time.perf_counter() - start, 1)
     if args.json:
@@ -690,6 +718,7 @@ def main(args: argparse.Namespace) -> int:
     print("highest distinct pairs:", report["highest_distinct"])
     print("descriptor ms:", report["descriptor_ms"], report["descriptor_ms_by_size"])
     print("verification ms:", report["verification_ms"], "tolerance", VERIFY_TOLERANCE)
+    print("verification cost by plan size:", report["verification_cost_by_plan_size"])
     print("lowest distinct residuals:", report["lowest_distinct_residuals"])
     print("highest near-duplicate residuals kept:", report["highest_near_duplicate_residuals_kept"])
     return 0

@@ -104,6 +104,9 @@ def verify(a: np.ndarray | None, b: np.ndarray | None, tolerance: float = VERIFY
     False when either is missing: an entry or a query without one is never a similarity
     hit (it can still hit exactly).
     """
-    if a is None or b is None:
+    if a is None or b is None or a.shape != b.shape or a.size == 0 or a.ndim != 2:
         return False
-    return verification_residual(a, b) <= tolerance
+    fa = a.astype(np.float32)
+    fb = b.astype(np.float32)
+    # Same as verification_residual(a, b) <= tolerance, the second direction only if needed.
+    return _residual(fa, fb) <= tolerance or _residual(fb, fa) <= tolerance
