@@ -17,15 +17,16 @@ the Host header and TLS SNI stay the URL's own host. Environment proxies are ign
 Statuses (each names the URL's host, never the full URL, whose query may hold secrets):
 
 - URLs disabled: FAILED_PRECONDITION ``IMAGE_URLS_DISABLED``.
-- Not http/https, no host, too long, bad redirect target, too many redirects, a
-  forbidden address: INVALID_ARGUMENT.
+- Not http/https, no host, too long, a host name that cannot be encoded (IDNA), bad
+  redirect target, too many redirects, a forbidden address: INVALID_ARGUMENT.
 - Upstream HTTP 4xx: INVALID_ARGUMENT ``URL_FETCH_REJECTED`` with the status (the
   caller's URL is wrong; retrying will not help).
 - Upstream HTTP 5xx, refused/reset connection, DNS failure, a connect or read timeout:
   UNAVAILABLE ``URL_FETCH_FAILED`` (may succeed on retry).
 - Body over ``max_image_bytes`` (by Content-Length, or while streaming): RESOURCE_EXHAUSTED.
 - More than ``url_max_inflight`` fetches at once over all requests: RESOURCE_EXHAUSTED
-  ``URL_FETCHES_BUSY`` at once (each fetch may buffer ``max_image_bytes``).
+  ``URL_FETCHES_BUSY`` at once (each fetch may buffer ``max_image_bytes``), with a
+  RetryInfo / ``retry-after-ms`` hint of ``GATEWAY_RETRY_AFTER_MS``.
 - The request's own deadline ran out during the fetch: DEADLINE_EXCEEDED.
 """
 
@@ -45,28 +46,73 @@ from yarl import URL
 from gateway.settings import GatewaySettings
 from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 
-# AWS/GCP/Azure/OpenStack instance metadata (IPv4, and AWS's IPv6 endpoint). Refused even
-# when private addresses are allowed: credentials live there.
+# Cloud metadata and credential endpoints: AWS/GCP/Azure/OpenStack instance metadata
+# (169.254.169.254, AWS's IPv6 fd00:ec2::254), AWS ECS task credentials (169.254.170.2),
+# EKS Pod Identity (169.254.170.23, fd00:ec2::23) and Alibaba Cloud metadata
+# (100.100.100.200). Refused even when private addresses are allowed: credentials live there.
 METADATA_ADDRESSES = frozenset(
-    {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
+    ipaddress.ip_address(a)
+    for a in (
+        "169.254.169.254",
+        "fd00:ec2::254",
+        "169.254.170.2",
+        "169.254.170.23",
+        "fd00:ec2::23",
+        "100.100.100.200",
+    )
 )
+# Kinds refused even under GATEWAY_URL_ALLOW_PRIVATE: metadata, and link-local as a whole
+# (169.254.0.0/16, fe80::/10), where clouds put their credential endpoints (new ones
+# appear there; a list cannot keep up). There is no allowlist for them.
+ALWAYS_REFUSED = frozenset({"cloud-metadata", "link-local"})
+# IPv6 prefixes that embed an IPv4 address a packet may be relayed to: NAT64 (RFC 6052 well
+# known, RFC 8215 local use). 6to4 (2002::/16) and Teredo (2001::/32) come from ipaddress.
+_TUNNELS = ("6to4-", "teredo-", "nat64-")
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 # Leave this much of the request's deadline for decoding, encoding and the first token.
 DEADLINE_MARGIN_S = 0.25
 _FORBIDDEN = "splitvl-forbidden-address"
-_FORBIDDEN_KIND = re.compile(_FORBIDDEN + r":([a-z-]+)")
+_FORBIDDEN_KIND = re.compile(_FORBIDDEN + r":([a-z0-9-]+)")
 _CHUNK = 64 * 1024
 _REDIRECTS = (301, 302, 303, 307, 308)
 
 
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> tuple[str, ipaddress.IPv4Address] | None:
+    """The IPv4 address a 6to4, Teredo or NAT64 address leads to, with the tunnel's name."""
+    if ip.sixtofour is not None:
+        return "6to4", ip.sixtofour
+    if ip.teredo is not None:
+        return "teredo", ip.teredo[1]  # (server, client): packets go to the client
+    if any(ip in net for net in _NAT64):
+        return "nat64", ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def address_kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
-    """Why ``ip`` is not a public unicast address (e.g. ``"loopback"``), or None if it is."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    """Why ``ip`` is not a public unicast address (e.g. ``"loopback"``), or None if it is.
+
+    An IPv6 address that embeds an IPv4 one (IPv4-mapped, 6to4, Teredo, NAT64) is judged by
+    the IPv4 address: ``"6to4-loopback"`` for 2002:7f00:1::, ``"nat64-cloud-metadata"``
+    for 64:ff9b::a9fe:a9fe. Deprecated site-local fec0::/10 is ``"site-local"``.
+    """
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+        else:
+            embedded = _embedded_ipv4(ip)
+            if embedded is not None:
+                tunnel, inner = embedded
+                kind = address_kind(inner)
+                if kind is not None:
+                    return f"{tunnel}-{kind}"
+                # a public IPv4 behind the tunnel: the prefix's own class decides below
     if ip in METADATA_ADDRESSES:
         return "cloud-metadata"
     for kind in ("loopback", "link_local", "multicast", "unspecified", "reserved", "private"):
         if getattr(ip, f"is_{kind}"):
             return kind.replace("_", "-")
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
+        return "site-local"  # fec0::/10: deprecated (RFC 3879), yet ipaddress calls it global
     if not ip.is_global:
         return "non-global"  # e.g. 100.64.0.0/10 (CGNAT), 192.0.0.0/24
     return None
@@ -75,9 +121,17 @@ def address_kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | Non
 def refused_kind(
     ip: ipaddress.IPv4Address | ipaddress.IPv6Address, *, allow_private: bool
 ) -> str | None:
-    """The reason ``ip`` may not be connected to under the policy, or None."""
+    """The reason ``ip`` may not be connected to under the policy, or None.
+
+    ``allow_private`` lets loopback, private, site-local, CGNAT and the like through, never
+    cloud metadata or link-local (:data:`ALWAYS_REFUSED`), also not when embedded in a
+    6to4/Teredo/NAT64 address.
+    """
     kind = address_kind(ip)
-    if kind is None or (allow_private and kind != "cloud-metadata"):
+    if kind is None:
+        return None
+    base = kind.split("-", 1)[1] if kind.startswith(_TUNNELS) else kind
+    if allow_private and base not in ALWAYS_REFUSED:
         return None
     return kind
 
@@ -142,6 +196,7 @@ class UrlFetcher:
                 f"{len(pending)} would pass the limit of {s.url_max_inflight}; retry shortly",
                 field="images",
                 limit=s.url_max_inflight,
+                retry_after_ms=s.retry_after_ms,
             )
         self.inflight += len(pending)
         try:
@@ -248,7 +303,20 @@ class UrlFetcher:
         try:
             literal = ipaddress.ip_address(parsed.host)
         except ValueError:
-            return parsed  # a name: checked at connect time, on the address it resolves to
+            # A name: checked at connect time, on the address it resolves to. It must encode
+            # as the resolver will (IDNA: labels of 1-63 characters), or the fetch would fail
+            # later with a UnicodeError that says nothing about the caller's URL.
+            try:
+                str(parsed)
+                (parsed.raw_host or "").encode("idna")
+            except (UnicodeError, ValueError) as exc:
+                raise invalid_argument(
+                    "URL_INVALID",
+                    f"{what} has a host name that cannot be encoded (IDNA: each label 1-63 "
+                    "characters)",
+                    field=field,
+                ) from exc
+            return parsed
         kind = refused_kind(literal, allow_private=self.settings.url_allow_private)
         if kind is not None:
             raise self._forbidden(field, parsed, kind)
@@ -305,8 +373,9 @@ class UrlFetcher:
                 if found is not None:
                     raise self._forbidden(field, url, found.group(1)) from exc
                 raise self._unavailable(field, url, "could not be reached") from exc
-            except aiohttp.InvalidURL as exc:
-                # e.g. a legacy numeric IPv4 form (2130706433, 127.1), which aiohttp refuses.
+            except (aiohttp.InvalidURL, UnicodeError) as exc:
+                # Whatever URL the client library cannot parse or encode is the caller's
+                # (e.g. a legacy numeric IPv4 form, or a host the resolver cannot encode).
                 raise invalid_argument(
                     "URL_INVALID",
                     f"{field}: host {_host(url)} is not a valid host name or canonical address",

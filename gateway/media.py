@@ -18,8 +18,11 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 
 from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 
+# RFC 2397 / RFC 2045: the scheme, the media type and the "base64" token are
+# case-insensitive (``DATA:IMAGE/PNG;BASE64,...`` is the same URL).
 _DATA_URL = re.compile(
-    r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?),(?P<data>.*)$", re.DOTALL
+    r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?),(?P<data>.*)$",
+    re.DOTALL | re.IGNORECASE,
 )
 
 
@@ -54,13 +57,13 @@ def image_bytes(image: pb.ImageInput, *, index: int, max_bytes: int) -> bytes | 
                 limit=max_bytes,
             )
         match = _DATA_URL.match(url)
-        if match is None or ";base64" not in (match.group("params") or ""):
+        if match is None or ";base64" not in (match.group("params") or "").lower():
             raise invalid_argument(
                 "DATA_URL_INVALID",
                 f"{field}.data_url is not a base64 data URL (expected 'data:image/...;base64,...')",
                 field=f"{field}.data_url",
             )
-        mime = match.group("mime") or ""
+        mime = (match.group("mime") or "").lower()
         if mime and not mime.startswith("image/"):
             raise invalid_argument(
                 "DATA_URL_INVALID",

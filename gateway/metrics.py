@@ -7,6 +7,15 @@ the shared interceptor in ``vlcommon.metrics``. Names: docs/observability.md.
 from prometheus_client import Counter, Histogram
 
 IMAGES = Counter("splitvl_gateway_images_total", "Images in requests that passed preprocessing.")
+IMAGES_DECODED = Counter(
+    "splitvl_gateway_images_decoded_total",
+    "Images decoded by the preprocess threads (including those of requests that then failed).",
+)
+PREPROCESS_STOPPED = Counter(
+    "splitvl_gateway_preprocess_stopped_total",
+    "Requests whose image preparation stopped early, by reason (cancelled, deadline).",
+    ["reason"],
+)
 CACHE_LOOKUPS = Counter(
     "splitvl_gateway_cache_lookups_total",
     "Images the cache answered for, by tier (exact, similar, miss).",

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import io
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 from opentelemetry import trace
+from PIL import Image
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2, decoder_service_pb2_grpc
@@ -45,6 +48,7 @@ from vlcommon.errors import (
     check_role,
     from_rpc_error,
     invalid_argument,
+    resource_exhausted,
 )
 from vlcommon.imaging import (
     ResizePlan,
@@ -160,6 +164,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self._preprocess = ThreadPoolExecutor(
             max_workers=settings.preprocess_threads, thread_name_prefix="preprocess"
         )
+        # Requests submitted to the preprocess threads and not finished there (running or
+        # queued); updated from the worker threads too, hence the lock.
+        self._preprocess_lock = threading.Lock()
+        self.preprocess_pending = 0
 
     # -- validation ---------------------------------------------------------------------
     def _parse(
@@ -260,36 +268,107 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         check_no_control_tokens(text, self.forbidden_tokens, field)
 
     def _budget(self, request: pb.GenerateRequest) -> tuple[int, int]:
-        lo = request.pixel_budget.min_pixels or self.spec.min_pixels
-        hi = request.pixel_budget.max_pixels or self.spec.max_pixels
+        budget = request.pixel_budget
+        lo = budget.min_pixels or self.spec.min_pixels
+        hi = budget.max_pixels or self.spec.max_pixels
         floor = self.spec.factor**2
         if lo < floor or hi < lo or hi > self.spec.max_pixels:
+            # Say which bound the client sent and which is the model's default, so that
+            # e.g. {max_pixels: 1024} is not reported as a mysterious [4096, 1024].
+            def origin(value: int, name: str) -> str:
+                given = "set" if getattr(budget, name) else "model default"
+                return f"{name}={value} ({given})"
+
             raise invalid_argument(
                 "PIXEL_BUDGET_INVALID",
-                f"pixel_budget [{lo}, {hi}] is out of range: min_pixels >= {floor}, "
-                f"min_pixels <= max_pixels <= {self.spec.max_pixels}",
+                f"pixel_budget is out of range: {origin(lo, 'min_pixels')}, "
+                f"{origin(hi, 'max_pixels')}; it needs min_pixels >= {floor} and "
+                f"min_pixels <= max_pixels <= {self.spec.max_pixels} (an unset field takes "
+                "the model default)",
                 field="pixel_budget",
                 limit=self.spec.max_pixels,
             )
         return lo, hi
 
-    def _prepare_images(self, datas: list[bytes], lo: int, hi: int) -> list[PreparedImage]:
+    def _check_request_pixels(self, datas: list[bytes]) -> None:
+        """Refuse a request whose images sum to over ``max_request_pixels`` (headers only).
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED ``REQUEST_PIXELS_TOO_LARGE`` naming
+                GATEWAY_MAX_REQUEST_PIXELS. An unreadable header is left to decode_image.
+        """
+        limit = self.settings.max_request_pixels
+        total = 0
+        for data in datas:
+            try:
+                with Image.open(io.BytesIO(data)) as im:  # reads the header, not the pixels
+                    width, height = im.size
+            except Exception:  # noqa: BLE001 - decode_image names the image and the fault
+                continue
+            total += width * height
+        if total > limit:
+            raise resource_exhausted(
+                "REQUEST_PIXELS_TOO_LARGE",
+                f"the request's {len(datas)} images hold {total} decoded pixels (width*height "
+                f"summed); the limit is {limit} per request (GATEWAY_MAX_REQUEST_PIXELS)",
+                field="images",
+                limit=limit,
+            )
+
+    @staticmethod
+    def _check_live(stop: threading.Event, deadline: float | None) -> None:
+        """Stop preparing images for a request that was cancelled or ran out of time."""
+        if stop.is_set():
+            metrics.PREPROCESS_STOPPED.labels(reason="cancelled").inc()
+            raise ServiceError(
+                grpc.StatusCode.CANCELLED, "CANCELLED", "the request was cancelled"
+            )
+        if deadline is not None and time.monotonic() >= deadline:
+            metrics.PREPROCESS_STOPPED.labels(reason="deadline").inc()
+            raise ServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "DEADLINE_EXCEEDED",
+                "the request's deadline expired while its images were prepared",
+            )
+
+    def _prepare_images(
+        self,
+        datas: list[bytes],
+        lo: int,
+        hi: int,
+        stop: threading.Event | None = None,
+        deadline: float | None = None,
+    ) -> list[PreparedImage]:
         """Decode, plan, key, describe and resize each image, one at a time.
 
         The pixels kept (and sent to the encoder) are the resized ones, produced by the one
         shared resize function: a 6000x6000 upload shrinks to the pixel budget here instead
         of travelling as 108 MB, and only one full-size decode is alive per thread.
+
+        Args:
+            stop: Set (from the event loop) when the request is cancelled; checked, with
+                ``deadline`` (``time.monotonic()`` seconds), before each image and stage.
+
+        Raises:
+            ServiceError: as decode_image and plan_resize; RESOURCE_EXHAUSTED
+                ``REQUEST_PIXELS_TOO_LARGE``; CANCELLED / DEADLINE_EXCEEDED when stopped.
         """
+        stop = stop or threading.Event()
+        self._check_live(stop, deadline)
+        self._check_request_pixels(datas)
         prepared = []
         for index, data in enumerate(datas):
+            self._check_live(stop, deadline)
             with tracer.start_as_current_span("image.decode") as span:
                 span.set_attribute("splitvl.image.index", index)
                 span.set_attribute("splitvl.image.encoded_bytes", len(data))
                 image = decode_image(
                     data, index=index, max_decoded_pixels=self.settings.max_decoded_pixels
                 )
+                metrics.IMAGES_DECODED.inc()
                 span.set_attribute("splitvl.image.width", image.width)
                 span.set_attribute("splitvl.image.height", image.height)
+            self._check_live(stop, deadline)
             with tracer.start_as_current_span("image.resize") as span:
                 plan = plan_resize(
                     image.height, image.width, self.spec, index=index, min_pixels=lo, max_pixels=hi
@@ -300,7 +379,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 span.set_attribute("splitvl.image.grid_thw", list(plan.grid))
                 span.set_attribute("splitvl.image.tokens", plan.tokens)
                 key = exact_key(image, plan, self.revision)
+                self._check_live(stop, deadline)
                 descriptor = similarity_descriptor(image)
+                self._check_live(stop, deadline)
                 if (image.height, image.width) == (plan.resized_height, plan.resized_width):
                     resized = np.asarray(image, dtype=np.uint8)  # already the planned size
                 else:
@@ -310,6 +391,52 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 PreparedImage(pixels=resized, plan=plan, key=key, descriptor=descriptor)
             )
         return prepared
+
+    async def _run_preprocess(
+        self, datas: list[bytes], lo: int, hi: int, context: grpc.aio.ServicerContext
+    ) -> list[PreparedImage]:
+        """Run :meth:`_prepare_images` on a preprocess thread, bounded and cancellable.
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED ``PREPROCESS_BUSY`` (with a retry hint) when
+                ``preprocess_threads + preprocess_queue`` requests are already there.
+        """
+        if not datas:
+            return []
+        s = self.settings
+        capacity = s.preprocess_threads + s.preprocess_queue
+        with self._preprocess_lock:
+            if self.preprocess_pending >= capacity:
+                raise resource_exhausted(
+                    "PREPROCESS_BUSY",
+                    f"{self.preprocess_pending} requests are preparing or waiting to prepare "
+                    f"images; the limit is {capacity} (GATEWAY_PREPROCESS_THREADS + "
+                    "GATEWAY_PREPROCESS_QUEUE); retry shortly",
+                    field="images",
+                    limit=capacity,
+                    retry_after_ms=s.retry_after_ms,
+                )
+            self.preprocess_pending += 1
+
+        def finished(_: object) -> None:
+            with self._preprocess_lock:
+                self.preprocess_pending -= 1
+
+        left = _remaining(context)
+        deadline = None if left is None else time.monotonic() + left
+        stop = threading.Event()
+        # In the thread, under the current span: image.decode/image.resize are its children.
+        future = self._preprocess.submit(
+            contextvars.copy_context().run, self._prepare_images, datas, lo, hi, stop, deadline
+        )
+        future.add_done_callback(finished)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The client hung up or its deadline passed: the thread stops at its next check
+            # instead of decoding the rest of the request's images for nobody.
+            stop.set()
+            raise
 
     def _usable_hit(self, emb: tensor_pb2.ImageEmbedding, im: PreparedImage) -> bool:
         """Trust a cache hit only if its tensor fits this image and this model.
@@ -483,15 +610,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 messages, sources = self._parse(request)
                 lo, hi = self._budget(request)
                 datas = await self._fetch_urls(sources, context)
-                # In the thread, under this span: image.decode/image.resize are its children.
-                images = await asyncio.get_running_loop().run_in_executor(
-                    self._preprocess,
-                    contextvars.copy_context().run,
-                    self._prepare_images,
-                    datas,
-                    lo,
-                    hi,
-                )
+                images = await self._run_preprocess(datas, lo, hi, context)
                 span.set_attribute("splitvl.images", len(images))
                 span.set_attribute("splitvl.grids", [str(im.plan.grid) for im in images])
             timings.preprocess_ms = (time.perf_counter() - t_start) * 1000

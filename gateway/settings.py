@@ -1,6 +1,6 @@
 """Gateway settings (environment prefix ``GATEWAY_``)."""
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from vlcommon.settings import MiB, ServerSettings
@@ -31,6 +31,14 @@ class GatewaySettings(ServerSettings):
     max_decoded_pixels: int = Field(
         40_000_000, ge=1, description="Width*height of one decoded image (bombs refused)."
     )
+    # Per request: 8 images just under max_decoded_pixels are ~7 s of decoding CPU; the sum
+    # of width*height over a request's images (read from their headers) is capped too.
+    max_request_pixels: int = Field(
+        80_000_000,
+        ge=1,
+        description="Width*height summed over a request's images (from their headers, "
+        "before decoding).",
+    )
     max_text_chars: int = Field(65536, ge=1, description="Characters of text per request.")
     max_tokens_limit: int = Field(4096, ge=1)
     max_messages: int = Field(64, ge=1)
@@ -40,8 +48,8 @@ class GatewaySettings(ServerSettings):
     allow_urls: bool = Field(False, description="Accept ImageInput.url (http/https).")
     url_allow_private: bool = Field(
         False,
-        description="Let URLs reach loopback/private/link-local addresses (tests, trusted "
-        "networks); cloud-metadata addresses stay refused.",
+        description="Let URLs reach loopback/private/site-local/CGNAT addresses (tests, "
+        "trusted networks); cloud-metadata and link-local addresses stay refused.",
     )
     url_max_chars: int = Field(8192, ge=16, description="Length of one image URL.")
     url_connect_timeout_s: float = Field(3.0, gt=0, description="TCP+TLS connect per hop.")
@@ -62,3 +70,23 @@ class GatewaySettings(ServerSettings):
     preprocess_threads: int = Field(
         2, ge=1, description="Threads decoding and resizing images (bounds their memory)."
     )
+    preprocess_queue: int = Field(
+        16,
+        ge=0,
+        description="Requests that may wait for a preprocess thread; past it RESOURCE_EXHAUSTED "
+        "PREPROCESS_BUSY with a retry hint.",
+    )
+
+    @model_validator(mode="after")
+    def _public_message_limit(self) -> "GatewaySettings":
+        """The gateway's public server gets its own message limit (GATEWAY_MAX_MESSAGE_BYTES).
+
+        The shared 256 MiB default suits internal hops (embeddings); a public client could
+        make the gateway hold several times its message while it is parsed. Unless set, it
+        is ``max_images * max_image_bytes + 1 MiB`` (room for text and framing), at least
+        the 4 MiB floor. Data URLs cost 4/3 of their image in base64. The gateway's channels
+        to its own services keep vlcommon.settings.channel_options' 256 MiB.
+        """
+        if "max_message_bytes" not in self.model_fields_set:
+            self.max_message_bytes = max(4 * MiB, self.max_images * self.max_image_bytes + MiB)
+        return self

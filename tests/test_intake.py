@@ -61,7 +61,8 @@ async def gateway(tiny_model, **overrides: object) -> AsyncIterator[gpb_grpc.Gat
         encoder_address=nowhere,
         decoder_address=nowhere,
         cache_address="",
-        **{**LIMITS, **overrides},  # type: ignore[arg-type]
+        # An override of None drops the setting (its default applies).
+        **{k: v for k, v in {**LIMITS, **overrides}.items() if v is not None},  # type: ignore[arg-type]
     )
     down_channel = grpc.aio.insecure_channel(nowhere)
     servicer = GatewayServicer(
@@ -274,6 +275,69 @@ async def test_pixel_budget_bounds(tiny_model, tiny_png) -> None:
                 "pixel_budget",
                 f"min_pixels >= {floor}",
             )
+
+
+async def test_pixel_budget_message_says_which_fields_were_set(tiny_model, tiny_png) -> None:
+    spec = load_vision_spec(tiny_model)
+    r = request(image(tiny_png))
+    r.pixel_budget.max_pixels = spec.min_pixels - 1  # only max set: below the default min
+    async with gateway(tiny_model) as stub:
+        err = await refused(stub, r, grpc.StatusCode.INVALID_ARGUMENT, spec.max_pixels)
+        assert f"min_pixels={spec.min_pixels} (model default)" in err.details(), err.details()
+        assert f"max_pixels={spec.min_pixels - 1} (set)" in err.details()
+        r.pixel_budget.min_pixels = 1  # both set
+        err = await refused(stub, r, grpc.StatusCode.INVALID_ARGUMENT, spec.max_pixels)
+        assert "min_pixels=1 (set)" in err.details(), err.details()
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    ["DATA:image/png;base64,", "data:IMAGE/PNG;base64,", "data:image/png;BASE64,", "Data:;Base64,"],
+)
+async def test_data_url_scheme_type_and_base64_are_case_insensitive(
+    tiny_model, tiny_png, prefix: str
+) -> None:
+    # RFC 2397 / RFC 2045: scheme, media type and the base64 token are case-insensitive.
+    url = prefix + base64.b64encode(tiny_png).decode()
+    async with gateway(tiny_model) as stub:
+        await accepted(stub, request(gpb.ContentPart(image=gpb.ImageInput(data_url=url))))
+        text_url = "DATA:TEXT/PLAIN;BASE64," + base64.b64encode(b"hi").decode()
+        err = await status(stub, request(gpb.ContentPart(image=gpb.ImageInput(data_url=text_url))))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "media type 'text/plain'" in err.details()
+
+
+async def test_public_message_limit_defaults_to_the_image_limits(tiny_model) -> None:
+    # Unless GATEWAY_MAX_MESSAGE_BYTES is set, the public server takes max_images x
+    # max_image_bytes + 1 MiB, not the 256 MiB internal hops need for embeddings.
+    overrides = {k: v for k, v in LIMITS.items() if k != "max_message_bytes"}
+    overrides.update(max_images=2, max_image_bytes=2 * MiB)
+    settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
+    limit = 2 * 2 * MiB + MiB
+    assert settings.max_message_bytes == limit
+    assert GatewaySettings().max_message_bytes == 8 * 20 * MiB + MiB  # the documented default
+    assert GatewaySettings(max_message_bytes=64 * MiB).max_message_bytes == 64 * MiB
+
+    def sized(n: int) -> gpb.GenerateRequest:
+        r = request(image(b"\0" * (2 * MiB)), image(b"\0" * (2 * MiB)), text(""))
+        r.messages[0].parts[2].text = "a" * (MiB // 2)
+        # The text part fills the rest: between 16 KiB and 2 MiB its length prefixes keep
+        # their size, so the message grows one for one with the text from here.
+        overhead = r.ByteSize() - MiB // 2
+        r.messages[0].parts[2].text = "a" * (n - overhead)
+        return r
+
+    async with gateway(tiny_model, **{**overrides, "max_message_bytes": None}) as stub:
+        at = sized(limit)
+        assert at.ByteSize() == limit
+        err = await status(stub, at)
+        # Past the transport: refused by the text limit, not by the message size.
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        over = sized(limit + 1)
+        assert over.ByteSize() == limit + 1
+        err = await status(stub, over)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"{limit + 1} vs. {limit}" in err.details()
 
 
 async def test_request_bytes_edge(tiny_model, tiny_png) -> None:

@@ -323,6 +323,61 @@ async def test_bearer_token_ok_missing_wrong(tmp_path: Path) -> None:
             assert CACHE in names
 
 
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"GATEWAY_AUTH_TOKENS": " , "}, "GATEWAY_AUTH_TOKENS"),
+        ({"GATEWAY_AUTH_TOKEN_FILE": "COMMENTS"}, "GATEWAY_AUTH_TOKEN_FILE"),
+        ({"GATEWAY_AUTH_TOKEN_FILE": "MISSING"}, "GATEWAY_AUTH_TOKEN_FILE"),
+        ({"GATEWAY_INTERNAL_TOKEN": " \t "}, "GATEWAY_INTERNAL_TOKEN"),
+    ],
+)
+async def test_auth_asked_for_but_empty_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], named: str
+) -> None:
+    # These used to start a gateway with no auth at all, silently (fail-open).
+    from gateway.settings import GatewaySettings
+    from vlcommon.security import ConfigError
+    from vlcommon.server import serve
+
+    comments = tmp_path / "tokens"
+    comments.write_text("# tokens go here\n\n   # none yet\n")
+    files = {"COMMENTS": str(comments), "MISSING": str(tmp_path / "absent")}
+    for key, value in env.items():
+        monkeypatch.setenv(key, files.get(value, value))
+    started = asyncio.get_running_loop().create_future()
+    with pytest.raises(ConfigError, match=named):
+        await serve(
+            service_name="gateway",
+            service_full_names=[],
+            settings=GatewaySettings(port=0),
+            register=lambda s: None,
+            stop_event=asyncio.Event(),
+            on_started=started.set_result,
+            public=True,
+        )
+    assert not started.done()  # it never listened
+
+
+def test_empty_auth_exits_non_zero_with_the_setting_named() -> None:
+    # The real entry point of a service (the cache: no model to load) exits, not serves.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CACHE_AUTH_TOKENS": " , ", "CACHE_PORT": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "cache_service", "--gpu", "off"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "CACHE_AUTH_TOKENS" in proc.stderr and "refusing to start" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 # -- the internal token (encoder, cache, decoder) -----------------------------------------
 
 

@@ -153,6 +153,20 @@ async def fetch_error(f: UrlFetcher, url: str, time_left: float | None = 30.0) -
         ("fd00:ec2::254", "cloud-metadata"),
         ("169.254.1.1", "link-local"),
         ("fe80::1", "link-local"),
+        # More credential endpoints: ECS task role, EKS Pod Identity, Alibaba Cloud.
+        ("169.254.170.2", "cloud-metadata"),
+        ("169.254.170.23", "cloud-metadata"),
+        ("fd00:ec2::23", "cloud-metadata"),
+        ("100.100.100.200", "cloud-metadata"),
+        ("fec0::1", "site-local"),  # deprecated site-local; ipaddress calls it global
+        # IPv6 transition addresses are judged by the IPv4 address they lead to.
+        ("2002:7f00:1::", "6to4-loopback"),
+        ("2002:a9fe:a9fe::", "6to4-cloud-metadata"),
+        ("2002:a00:1::", "6to4-private"),
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", "teredo-loopback"),  # client 127.0.0.1
+        ("64:ff9b::a9fe:a9fe", "nat64-cloud-metadata"),
+        ("64:ff9b:1::a00:1", "nat64-private"),
+        ("2002:808:808::", None),  # 6to4 to a public address
         ("224.0.0.1", "multicast"),
         ("ff02::1", "multicast"),
         ("0.0.0.0", "unspecified"),
@@ -166,8 +180,10 @@ def test_address_classes(address: str, kind: str | None) -> None:
     ip = ipaddress.ip_address(address)
     assert address_kind(ip) == kind
     assert refused_kind(ip, allow_private=False) == kind
-    # The test switch opens private ranges but never the metadata endpoints.
-    expected = "cloud-metadata" if kind == "cloud-metadata" else None
+    # The test switch opens private ranges but never metadata or link-local (also not
+    # behind a 6to4/Teredo/NAT64 address).
+    always = ("cloud-metadata", "link-local")
+    expected = kind if kind is not None and kind.endswith(always) else None
     assert refused_kind(ip, allow_private=True) == expected
 
 
@@ -202,6 +218,19 @@ async def test_other_spellings_of_loopback_are_refused(server: ImageServer, host
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT, err.message
     assert err.reason in ("URL_ADDRESS_FORBIDDEN", "URL_INVALID")
     assert len(server.hits) == before
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["a" * 64 + ".example.com", "a" * 300 + ".com", "ex..ample.com", "\u00fc" * 70 + ".de"],
+)
+async def test_hosts_the_client_cannot_encode_are_invalid_argument(host: str) -> None:
+    # A label over 63 characters used to reach the resolver and end UNAVAILABLE
+    # "(UnicodeError)"; it is the caller's URL that is wrong.
+    err = await fetch_error(fetcher(), f"http://{host}/img.png")
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT, err.message
+    assert err.reason == "URL_INVALID"
+    assert err.metadata["field"] == "images[1].url" and "images[1].url" in err.message
 
 
 async def test_redirect_targets_are_checked_again(server: ImageServer) -> None:
@@ -286,6 +315,8 @@ async def test_fetches_in_flight_are_bounded(server: ImageServer) -> None:
     assert not slow.done()  # it did not wait for a slot
     assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert exc.value.reason == "URL_FETCHES_BUSY" and exc.value.metadata["limit"] == "2"
+    # A concurrency limit: the answer carries the retry hint (RetryInfo, retry-after-ms).
+    assert exc.value.retry_after_ms == GatewaySettings().retry_after_ms > 0
     assert (await f.fetch_all(two[:1], 30.0))[0] == b"x" * 5  # 1 + 1 fits
     assert (await slow)[0] == b"z" * 10
     assert f.inflight == 0

@@ -82,6 +82,53 @@ def load_tokens(tokens: str = "", token_file: str = "") -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
+class ConfigError(ValueError):
+    """A setting that would leave the service less protected than asked: it refuses to start."""
+
+
+def auth_settings(settings: ServerSettings, *, public: bool) -> tuple[tuple[str, ...], str]:
+    """The bearer tokens and the internal token a server requires, checked for fail-open.
+
+    An operator who sets ``*_AUTH_TOKENS`` or ``*_AUTH_TOKEN_FILE`` asked for auth: if they
+    yield no token (``" , "``, a file of comments), serving without auth would silently
+    ignore that, so this refuses. The same for an ``*_INTERNAL_TOKEN`` of only whitespace.
+
+    Returns:
+        ``(bearer_tokens, internal_token)``; the internal token is "" when ``public``
+        (the gateway sends it downstream but does not require it of its callers).
+
+    Raises:
+        ConfigError: naming the environment variable that yields no token, or a token
+            file that cannot be read.
+    """
+    prefix = str(settings.model_config.get("env_prefix", "")).upper()
+    raw_tokens = settings.auth_tokens.get_secret_value()
+    try:
+        bearer = load_tokens(raw_tokens, settings.auth_token_file)
+    except ValueError as exc:
+        raise ConfigError(f"{prefix}AUTH_TOKEN_FILE: {exc}") from exc
+    if (raw_tokens or settings.auth_token_file) and not bearer:
+        given = [
+            name
+            for name, value in (
+                (f"{prefix}AUTH_TOKENS", raw_tokens),
+                (f"{prefix}AUTH_TOKEN_FILE", settings.auth_token_file),
+            )
+            if value
+        ]
+        raise ConfigError(
+            f"{' and '.join(given)} set but yield no token (blank entries and '#' comments "
+            "are skipped): refusing to start without the bearer auth that was asked for"
+        )
+    internal = settings.internal_token.get_secret_value()
+    if internal and not internal.strip():
+        raise ConfigError(
+            f"{prefix}INTERNAL_TOKEN is only whitespace: refusing to start with an empty "
+            "shared secret"
+        )
+    return bearer, "" if public else internal
+
+
 def _digest(token: str) -> bytes:
     # Digests have one length, so compare_digest's time does not reveal a token's length.
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()

@@ -26,7 +26,13 @@ from grpc_reflection.v1alpha import reflection
 from vlcommon import telemetry
 from vlcommon.errors import ServiceError, abort, invalid_argument
 from vlcommon.metrics import MetricsInterceptor
-from vlcommon.security import AdmissionInterceptor, AuthInterceptor, is_loopback, load_tokens
+from vlcommon.security import (
+    AdmissionInterceptor,
+    AuthInterceptor,
+    ConfigError,
+    auth_settings,
+    is_loopback,
+)
 from vlcommon.security import server_credentials as tls_server_credentials
 from vlcommon.settings import ServerSettings, server_options
 
@@ -87,13 +93,13 @@ async def serve(
             sent downstream, never required of them (``auth_tokens`` guards it instead).
             False (encoder, cache, decoder): ``internal_token``, when set, is required.
     """
+    # Before anything listens: auth that was asked for but yields no token fails here.
+    bearer_tokens, internal_token = auth_settings(settings, public=public)
     telemetry.setup_tracing(f"splitvl-{service_name}")
     if settings.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, addr=settings.host)
-    internal_token = "" if public else settings.internal_token.get_secret_value()
-    bearer_tokens = load_tokens(settings.auth_tokens.get_secret_value(), settings.auth_token_file)
     admission = AdmissionInterceptor(settings.max_concurrent_rpcs, settings.retry_after_ms)
     interceptors = [*telemetry.server_interceptors(), MetricsInterceptor(service_name)]
     if bearer_tokens or internal_token:
@@ -219,8 +225,17 @@ async def drain(
 
 def run(coro: Awaitable[None]) -> None:
     """asyncio.run for a service's main coroutine (stock asyncio: grpc.aio's poller is
-    only supported on the default event loop)."""
-    asyncio.run(coro)  # type: ignore[arg-type]
+    only supported on the default event loop).
+
+    Raises:
+        SystemExit: status 1 with the message on stderr for a :class:`ConfigError`
+            (e.g. ``GATEWAY_AUTH_TOKENS`` set but empty), instead of a traceback.
+    """
+    try:
+        asyncio.run(coro)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        log.critical("refusing to start: %s", exc)
+        raise SystemExit(f"refusing to start: {exc}") from None
 
 
 class _Undecodable:
