@@ -113,6 +113,9 @@ def test_c04_undecodable_images_name_their_index(name, index) -> None:
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert exc.value.reason == "IMAGE_DECODE_FAILED"
     assert f"images[{index}] could not be decoded" in exc.value.message
+    assert "object at 0x" not in exc.value.message and "the data" not in exc.value.message
+    if name == "b07_not_an_image.jpg":
+        assert exc.value.message.endswith("not a recognised image format")
     # Truncated loading stays off globally.
     from PIL import ImageFile
 

@@ -138,10 +138,13 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
         # Pillow's decoders raise more than OSError/ValueError on hostile files (seen:
         # NotImplementedError for DDS, IndexError for a fuzzed GIF, AttributeError for a
         # fuzzed SPIDER file). Whatever a decoder raises, the input is what is wrong.
+        reason = (
+            "not a recognised image format"  # Pillow: "cannot identify image file <BytesIO>"
+            if isinstance(exc, Image.UnidentifiedImageError)
+            else _clean(exc)
+        )
         raise invalid_argument(
-            "IMAGE_DECODE_FAILED",
-            f"{field} could not be decoded: {_clean(exc)}",
-            field=field,
+            "IMAGE_DECODE_FAILED", f"{field} could not be decoded: {reason}", field=field
         ) from exc
 
 
