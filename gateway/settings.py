@@ -70,8 +70,10 @@ class GatewaySettings(ServerSettings):
     preprocess_threads: int = Field(
         2, ge=1, description="Threads decoding and resizing images (bounds their memory)."
     )
+    # As deep as admission control (max_concurrent_rpcs): a request admitted by the server
+    # may wait here; abandoned ones stop between images, so the queue costs waiting, not CPU.
     preprocess_queue: int = Field(
-        16,
+        256,
         ge=0,
         description="Requests that may wait for a preprocess thread; past it RESOURCE_EXHAUSTED "
         "PREPROCESS_BUSY with a retry hint.",
