@@ -362,6 +362,19 @@ def test_byte_budget_is_never_exceeded_under_a_random_workload() -> None:
     store.check_invariants()
 
 
+def _put_100b(store: EmbeddingStore, key: str, descriptor: np.ndarray) -> None:
+    """Put a 100-byte entry (25 fp32 rows + the verification image) with grid (1, 4, 4)."""
+    store.put(
+        key,
+        descriptor,
+        (1, 4, 4),
+        tensor_pb2.DATA_TYPE_FP32,
+        (25, 1),
+        b"\0" * (100 - V.nbytes),
+        verification=V,
+    )
+
+
 def _reference_best(vectors: dict[str, np.ndarray], q: np.ndarray, threshold: float):
     """Brute-force answer: the best-scoring key at or above the threshold, or None."""
     best = max(vectors, key=lambda k: float(vectors[k] @ q))
@@ -382,25 +395,9 @@ def test_migration_to_hnsw_and_back_and_tombstone_rebuilds() -> None:
         rebuild_fraction=0.25,
     )
     for i in range(99):
-        store.put(
-            f"k{i}",
-            vecs[i],
-            (1, 4, 4),
-            tensor_pb2.DATA_TYPE_FP32,
-            (25, 1),
-            b"\0" * (100 - V.nbytes),
-            verification=V,
-        )
+        _put_100b(store, f"k{i}", vecs[i])
     assert store.index_kind == "flat"
-    store.put(
-        "k99",
-        vecs[99],
-        (1, 4, 4),
-        tensor_pb2.DATA_TYPE_FP32,
-        (25, 1),
-        b"\0" * (100 - V.nbytes),
-        verification=V,
-    )
+    _put_100b(store, "k99", vecs[99])
     assert store.index_kind == "hnsw" and store.index_size == 100 and store.rebuilds == 1
     store.check_invariants()
 
@@ -418,15 +415,7 @@ def test_migration_to_hnsw_and_back_and_tombstone_rebuilds() -> None:
         assert m.similarity == pytest.approx(float(vecs[i] @ q), abs=1e-5)  # exact re-score
     # Removals from HNSW are tombstones; evicted vectors are never answered.
     store.capacity_bytes = 40 * 100
-    store.put(
-        "k100",
-        vecs[100],
-        (1, 4, 4),
-        tensor_pb2.DATA_TYPE_FP32,
-        (25, 1),
-        b"\0" * (100 - V.nbytes),
-        verification=V,
-    )
+    _put_100b(store, "k100", vecs[100])
     assert len(store) == 40 and store.evictions["lru"] == 61
     # 40 live vectors are below half the threshold: the index was rebuilt from them as the
     # exact index, leaving the 61 tombstones behind.
@@ -434,42 +423,18 @@ def test_migration_to_hnsw_and_back_and_tombstone_rebuilds() -> None:
     store.check_invariants()
     store.capacity_bytes = 400 * 100
     for i in range(101, 260):
-        store.put(
-            f"k{i}",
-            vecs[i],
-            (1, 4, 4),
-            tensor_pb2.DATA_TYPE_FP32,
-            (25, 1),
-            b"\0" * (100 - V.nbytes),
-            verification=V,
-        )
+        _put_100b(store, f"k{i}", vecs[i])
     assert store.index_kind == "hnsw"
     assert store.index_kind == "hnsw" and store.index_size == 199 and store.tombstones == 0
     store.capacity_bytes = 180 * 100
-    store.put(
-        "k260",
-        vecs[260],
-        (1, 4, 4),
-        tensor_pb2.DATA_TYPE_FP32,
-        (25, 1),
-        b"\0" * (100 - V.nbytes),
-        verification=V,
-    )
+    _put_100b(store, "k260", vecs[260])
     assert store.index_kind == "hnsw" and store.tombstones == 20  # 20 < 25% of 200: kept
     store.check_invariants()
     for i in range(60, 261):  # tombstoned vectors are in the graph but never answered
         m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True, verification=V)
         assert (m.entry.key if m.entry else None) == (f"k{i}" if f"k{i}" in store else None)
     store.capacity_bytes = 150 * 100
-    store.put(
-        "k261",
-        vecs[261],
-        (1, 4, 4),
-        tensor_pb2.DATA_TYPE_FP32,
-        (25, 1),
-        b"\0" * (100 - V.nbytes),
-        verification=V,
-    )
+    _put_100b(store, "k261", vecs[261])
     # 51 tombstones > 25% of 201 vectors: purged by a rebuild of the 150 live ones.
     assert store.index_kind == "hnsw" and store.tombstones == 0 and store.index_size == 150
     store.check_invariants()
@@ -495,15 +460,7 @@ def test_background_rebuild_replays_concurrent_adds_and_removals() -> None:
         background_rebuild=True,
     )
     for i in range(300):  # crosses the threshold (a rebuild in a thread) and evicts 50
-        store.put(
-            f"k{i}",
-            vecs[i],
-            (1, 4, 4),
-            tensor_pb2.DATA_TYPE_FP32,
-            (25, 1),
-            b"\0" * (100 - V.nbytes),
-            verification=V,
-        )
+        _put_100b(store, f"k{i}", vecs[i])
     assert store.wait_for_rebuild(timeout=60)
     store.check_invariants()
     assert store.index_kind == "hnsw" and len(store) == 250
@@ -535,15 +492,7 @@ def test_background_rebuild_catches_up_outside_the_lock(monkeypatch) -> None:
 
     def writer(lo: int, hi: int) -> None:
         for i in range(lo, hi):
-            store.put(
-                f"k{i}",
-                vecs[i],
-                (1, 4, 4),
-                tensor_pb2.DATA_TYPE_FP32,
-                (25, 1),
-                b"\0" * (100 - V.nbytes),
-                verification=V,
-            )
+            _put_100b(store, f"k{i}", vecs[i])
 
     threads = [threading.Thread(target=writer, args=(t * 500, t * 500 + 500)) for t in range(4)]
     for th in threads:
