@@ -13,7 +13,7 @@ import logging
 import faiss
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
 
-from cache_service.index import IndexParams, gpu_count
+from cache_service.index import gpu_count
 from cache_service.servicer import POLICIES, CacheServicer
 from cache_service.settings import CacheSettings
 from cache_service.store import EmbeddingStore
@@ -40,13 +40,7 @@ def build_store(settings: CacheSettings) -> EmbeddingStore:
         search_k=settings.search_k,
         ttl_s=settings.ttl_s,
         index_threshold=settings.index_threshold,
-        index_params=IndexParams(
-            projected_dim=settings.projected_dim,
-            hnsw_m=settings.hnsw_m,
-            ef_construction=settings.hnsw_ef_construction,
-            ef_search=settings.hnsw_ef_search,
-            k_factor=settings.refine_k_factor,
-        ),
+        index_params=settings.index_params(),
         use_gpu=use_gpu,
         rebuild_fraction=settings.rebuild_fraction,
         background_rebuild=True,

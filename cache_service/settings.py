@@ -3,6 +3,7 @@
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from cache_service.index import IndexParams
 from vlcommon.imaging import DESCRIPTOR_DIM
 from vlcommon.settings import ServerSettings
 
@@ -45,3 +46,13 @@ class CacheSettings(ServerSettings):
     gpu: str = Field(
         "auto", pattern="^(auto|on|off)$", description="FAISS GPU index: auto = if one is seen."
     )
+
+    def index_params(self) -> IndexParams:
+        """The FAISS index parameters these settings name (service and cache-bench alike)."""
+        return IndexParams(
+            projected_dim=self.projected_dim,
+            hnsw_m=self.hnsw_m,
+            ef_construction=self.hnsw_ef_construction,
+            ef_search=self.hnsw_ef_search,
+            k_factor=self.refine_k_factor,
+        )

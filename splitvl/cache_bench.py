@@ -55,7 +55,6 @@ class BenchConfig:
 
 
 def default_config() -> BenchConfig:
-    from cache_service.index import IndexParams
     from cache_service.settings import CacheSettings
 
     overrides: dict[str, Any] = {}  # defaults and CACHE_* environment variables
@@ -65,13 +64,7 @@ def default_config() -> BenchConfig:
         threshold=s.threshold,
         search_k=s.search_k,
         index_threshold=s.index_threshold,
-        params=IndexParams(
-            projected_dim=s.projected_dim,
-            hnsw_m=s.hnsw_m,
-            ef_construction=s.hnsw_ef_construction,
-            ef_search=s.hnsw_ef_search,
-            k_factor=s.refine_k_factor,
-        ),
+        params=s.index_params(),
     )
 
 
