@@ -21,8 +21,9 @@ of go-grpc-prometheus's ``grpc_server_handled_total``, in about sixty lines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -98,6 +99,23 @@ def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> str
     return grpc.StatusCode.OK.name
 
 
+@contextlib.contextmanager
+def _observed(m: Any, method: str, context: grpc.aio.ServicerContext) -> Iterator[None]:
+    """In-flight gauge, duration and the request count by final status of one RPC."""
+    t0 = time.perf_counter()
+    error: BaseException | None = None
+    m.in_flight.labels(method).inc()
+    try:
+        yield
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        m.in_flight.labels(method).dec()
+        m.duration.labels(method).observe(time.perf_counter() - t0)
+        m.requests.labels(method, _code(context, error)).inc()
+
+
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Counts and times every unary-unary and unary-stream RPC of one service.
 
@@ -123,18 +141,8 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             unary = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                t0 = time.perf_counter()
-                error: BaseException | None = None
-                m.in_flight.labels(method).inc()
-                try:
+                with _observed(m, method, context):
                     return await unary(request, context)
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    m.in_flight.labels(method).dec()
-                    m.duration.labels(method).observe(time.perf_counter() - t0)
-                    m.requests.labels(method, _code(context, error)).inc()
 
             return handler._replace(unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
         if handler.unary_stream is not None:
@@ -143,19 +151,9 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             async def unary_stream(
                 request: Any, context: grpc.aio.ServicerContext
             ) -> AsyncIterator[Any]:
-                t0 = time.perf_counter()
-                error: BaseException | None = None
-                m.in_flight.labels(method).inc()
-                try:
+                with _observed(m, method, context):
                     async for item in stream(request, context):
                         yield item
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    m.in_flight.labels(method).dec()
-                    m.duration.labels(method).observe(time.perf_counter() - t0)
-                    m.requests.labels(method, _code(context, error)).inc()
 
             return handler._replace(unary_stream=unary_stream)  # type: ignore[attr-defined,no-any-return]
         return handler  # no client- or bidi-streaming RPCs in this project
