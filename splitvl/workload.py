@@ -128,31 +128,46 @@ def make_workload(
     seed: int,
     pool: list[Image.Image] | None = None,
 ) -> list[Request]:
-    """A list of requests; each image is a designed repeat with probability repeat_fraction.
+    """A list of requests in which a fixed fraction of the images are designed repeats.
 
     Args:
         factory: Source of unique images (shared across workloads so all stay distinct).
         requests: Number of requests.
-        repeat_fraction: Probability that an image repeats an earlier one (exact or near).
+        repeat_fraction: Fraction of the images that repeat an earlier one: exactly
+            round(repeat_fraction * requests * images_per_request) of them, at random
+            positions, half exact copies and half JPEG re-encodes.
         images_per_request: Images in each request.
         seed: Seed for the repeat decisions and prompts.
-        pool: Earlier images that repeats may also draw from (e.g. a warm-up set); with
-            repeat_fraction 1 every image comes from it.
+        pool: Images served before this workload (a warm-up set); when given, every
+            repeat draws from it alone; without it, repeats draw from this workload's
+            earlier images.
     """
     rng = random.Random(seed)
     seen: list[Image.Image] = list(pool or [])
+    total = requests * images_per_request
+    # Exactly round(fraction * total) repeats at random positions, half exact and half near
+    # (a Bernoulli draw per image made a 4-request run anything from 0 to 4 repeats, and
+    # the measured hit rate with it). Without a pool, the first image cannot repeat.
+    slots = range(total) if pool else range(1, total)
+    n_repeats = min(len(slots), round(repeat_fraction * total))
+    repeat_at = set(rng.sample(list(slots), n_repeats))
+    near = [k % 2 == 1 for k in range(n_repeats)]
+    rng.shuffle(near)
     out: list[Request] = []
     for i in range(requests):
         images, kinds = [], []
-        for _ in range(images_per_request):
-            if seen and rng.random() < repeat_fraction:
-                base = rng.choice(seen)
-                if rng.random() < 0.5:
-                    images.append(png(base))
-                    kinds.append("exact")
-                else:
+        for j in range(images_per_request):
+            if i * images_per_request + j in repeat_at:
+                # With a pool, repeats come from it only: images served before the measured
+                # run, so every repeat could hit a cache (a repeat of an image still in
+                # flight cannot, and at 32 concurrent requests the whole run is in flight).
+                base = rng.choice(list(pool) if pool else seen)
+                if near.pop():
                     images.append(jpeg(base))
                     kinds.append("near")
+                else:
+                    images.append(png(base))
+                    kinds.append("exact")
             else:
                 image = factory.make()
                 seen.append(image)

@@ -22,7 +22,8 @@ def test_unique_images_are_pairwise_dissimilar_and_repeats_are_designed() -> Non
     work = make_workload(factory, requests=24, repeat_fraction=0.5, seed=11)
     kinds = [k for r in work for k in r.kinds]
     uniques = [r.images[0] for r in work if r.kinds[0] == "unique"]
-    assert 6 <= kinds.count("unique") <= 18 and kinds.count("exact") + kinds.count("near") > 0
+    assert (kinds.count("unique"), kinds.count("exact"), kinds.count("near")) == (12, 6, 6)
+    assert work[0].kinds == ["unique"]  # without a pool the first image has nothing to repeat
     d = np.stack([_descriptor(b) for b in uniques])
     sims = d @ d.T - np.eye(len(uniques)) * 2
     assert sims.max() < MAX_UNIQUE_SIMILARITY
@@ -31,6 +32,24 @@ def test_unique_images_are_pairwise_dissimilar_and_repeats_are_designed() -> Non
         if req.kinds[0] == "near":  # a JPEG re-encode of an earlier image: a similarity hit
             best = max(float(_descriptor(req.images[0]) @ e) for e in d)
             assert best > 0.95
+
+
+def test_repeats_come_from_the_pool_only_and_their_count_is_exact() -> None:
+    factory = ImageFactory(side=64, seed=8)
+    pool = [factory.make() for _ in range(3)]
+    pool_pixels = {np.asarray(im).tobytes() for im in pool}
+    for requests in (1, 4, 7):
+        work = make_workload(factory, requests=requests, repeat_fraction=0.5, seed=4, pool=pool)
+        kinds = [r.kinds[0] for r in work]
+        assert len(kinds) - kinds.count("unique") == round(0.5 * requests)
+        for req in work:
+            pixels = np.asarray(Image.open(io.BytesIO(req.images[0])).convert("RGB"))
+            if req.kinds[0] == "exact":  # lossless copy of a pool image, never of a new one
+                assert pixels.tobytes() in pool_pixels
+            elif req.kinds[0] == "unique":
+                assert pixels.tobytes() not in pool_pixels
+    every = make_workload(factory, requests=5, repeat_fraction=1.0, seed=4, pool=pool)
+    assert all(r.kinds[0] in ("exact", "near") for r in every)
 
 
 def test_same_seed_same_workload() -> None:
