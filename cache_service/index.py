@@ -158,6 +158,35 @@ class VectorIndex:
                 np.ascontiguousarray(vectors, dtype=np.float32), ids.astype(np.int64)
             )
 
+    def reserve(self, n: int) -> None:
+        """Allocate the flat storage for ``n`` vectors now (CPU kinds; no-op on GPU).
+
+        FAISS grows its flat code buffers as ``std::vector``s, whose doubling holds the old
+        and the new buffer at once: filling 1M x 3,072 float32 vectors chunk by chunk
+        peaked near 19 GB for 12.3 GB of vectors. Resizing to ``n`` and back to 0 keeps the
+        capacity (``std::vector::resize`` never shrinks it), so later adds up to ``n``
+        vectors never reallocate. It commits the memory at once (zero-filled pages).
+        """
+        if self.kind == "gpu_flat":
+            return
+        flats = []
+        inner = faiss.downcast_index(self._inner)
+        if isinstance(inner, faiss.IndexRefine):
+            flats.append(faiss.downcast_index(inner.refine_index))
+            base = faiss.downcast_index(inner.base_index)
+            if isinstance(base, faiss.IndexPreTransform):
+                base = faiss.downcast_index(base.index)
+            if isinstance(base, faiss.IndexHNSW):
+                flats.append(faiss.downcast_index(base.storage))
+        elif isinstance(inner, faiss.IndexFlatCodes):
+            flats.append(inner)
+        for flat in flats:
+            wanted = (flat.ntotal + n) * flat.code_size
+            if flat.codes.size() < wanted:
+                used = flat.codes.size()
+                flat.codes.resize(wanted)
+                flat.codes.resize(used)
+
     def remove(self, index_id: int) -> None:
         """Remove one id: at once for ``flat``, as a tombstone otherwise."""
         if self.removable:

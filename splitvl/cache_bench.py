@@ -1,7 +1,7 @@
 """``splitvl cache-bench``: the similarity tier's lookup latency, memory and recall by size.
 
-For each size N (default 10k and 100k; add 1000000 explicitly: about 19 GB of RSS
-and over 16 minutes on a 2-core machine) it fills the cache service's own index kinds
+For each size N (default 10k and 100k; add 1000000 explicitly: about 14 GB of RSS
+and 15-20 minutes on a 2-core machine) it fills the cache service's own index kinds
 (``cache_service.index``: ``flat`` = exact ``IndexFlatIP``, ``hnsw`` = HNSW on a random
 projection with exact re-scoring, both with the service's default settings) with N
 descriptors of the real dimension (``CacheSettings().descriptor_dim``, i.e.
@@ -164,6 +164,7 @@ def bench_size(
         x = model.draw(stop - start, np.random.default_rng([seed, start]))
         if approx is None:
             approx = VectorIndex("hnsw", cfg.dim, cfg.params)
+            approx.reserve(n)  # no std::vector doubling: 1M peaks at ~1x its vectors
         sel = (targets >= start) & (targets < stop)
         sources[sel] = x[targets[sel] - start]
         approx.add(np.arange(start, stop, dtype=np.int64), x)
@@ -316,7 +317,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--sizes",
         default="10000,100000",
-        help="comma-separated entry counts (1000000 needs ~19 GB of memory and minutes)",
+        help="comma-separated entry counts (1000000 needs ~14 GB of memory, ~20 min)",
     )
     p.add_argument("--queries", type=int, default=1000, help="half near-duplicates, half new")
     p.add_argument("--json", action="store_true", help="print one JSON object")

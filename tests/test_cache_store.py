@@ -505,3 +505,37 @@ def test_background_rebuild_catches_up_outside_the_lock(monkeypatch) -> None:
     for i in range(2000):
         m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True, verification=V)
         assert (m.entry.key if m.entry else None) == (f"k{i}" if f"k{i}" in store else None), i
+
+
+@pytest.mark.parametrize("kind", ["flat", "hnsw"])
+def test_reserve_keeps_the_flat_storage_in_place_while_filling(kind: str) -> None:
+    """reserve(n): adds up to n vectors never reallocate FAISS's code buffers (the doubling
+    that made a 1M-entry fill peak at 1.5x its vectors); searches are unchanged."""
+    import faiss
+
+    from cache_service.index import VectorIndex
+
+    def storage(index: VectorIndex) -> list:
+        inner = faiss.downcast_index(index._inner)
+        if kind == "flat":
+            return [inner]
+        hnsw = faiss.downcast_index(faiss.downcast_index(inner.base_index).index)
+        return [faiss.downcast_index(inner.refine_index), faiss.downcast_index(hnsw.storage)]
+
+    rng = np.random.default_rng(5)
+    vecs = rng.standard_normal((3000, 64)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    moved = {}
+    for reserved in (False, True):
+        index = VectorIndex(kind, 64, IndexParams(projected_dim=16))
+        if reserved:
+            index.reserve(len(vecs))
+        pointers: set[tuple[int, ...]] = set()
+        for start in range(0, len(vecs), 500):
+            index.add(np.arange(start, start + 500), vecs[start : start + 500])
+            pointers.add(tuple(int(f.codes.owned_data.data()) for f in storage(index)))
+        moved[reserved] = len(pointers)
+        assert index.ntotal == len(vecs)
+        scores, ids = index.search(vecs[1234], 1)
+        assert int(ids[0]) == 1234 and scores[0] == pytest.approx(1.0, abs=1e-5)
+    assert moved == {False: moved[False], True: 1} and moved[False] > 1
