@@ -14,7 +14,7 @@ from qwenvl.encoder.v1 import encoder_service_pb2, encoder_service_pb2_grpc
 from encoder_service.batcher import Batcher
 from encoder_service.engine import VisionEngine
 from encoder_service.servicer import EncoderServicer
-from encoder_service.settings import EncoderSettings
+from encoder_service.settings import EncoderSettings, batch_patches_for
 from vlcommon.server import configure_logging, run, serve
 
 log = logging.getLogger("encoder_service")
@@ -35,7 +35,7 @@ async def main_async(settings: EncoderSettings) -> None:
         batcher = Batcher(
             engine.encode,
             max_batch_images=settings.max_batch_images,
-            max_batch_patches=settings.max_batch_patches,
+            max_batch_patches=batch_patches_for(settings.max_batch_patches, engine.device.type),
             max_wait_ms=settings.max_wait_ms,
             max_queue=settings.max_queue,
         )

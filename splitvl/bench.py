@@ -268,14 +268,15 @@ def encoder_batching(
     images: int,
     concurrency: int,
     reps: int,
-    max_batch_images: int,
     threads: int,
 ) -> dict[str, Any]:
-    """images/s of the vision engine at batch size 1 and with dynamic batching."""
+    """images/s of the vision engine at batch size 1 and with dynamic batching as the
+    encoder service runs it (``EncoderSettings`` defaults and ``ENCODER_*`` variables)."""
     import torch
 
     from encoder_service.batcher import Batcher
     from encoder_service.engine import VisionEngine
+    from encoder_service.settings import EncoderSettings, batch_patches_for
     from vlcommon.imaging import plan_resize
 
     torch.set_num_threads(threads)
@@ -287,15 +288,16 @@ def encoder_batching(
         plan = plan_resize(image.height, image.width, engine.spec, index=0)
         pre.append(engine.preprocess(np.asarray(image), plan))
     engine.encode(pre[:1])  # warm-up
+    settings = EncoderSettings()
+    dynamic_opts = {
+        "max_batch_images": settings.max_batch_images,
+        "max_batch_patches": batch_patches_for(settings.max_batch_patches, engine.device.type),
+        "max_wait_ms": settings.max_wait_ms,
+    }
+    single_opts = {"max_batch_images": 1, "max_batch_patches": 1 << 20, "max_wait_ms": 0.0}
 
-    async def run(batch: int) -> float:
-        b = Batcher(
-            engine.encode,
-            max_batch_images=batch,
-            max_batch_patches=1 << 20,
-            max_wait_ms=5.0,
-            max_queue=1024,
-        )
+    async def run(opts: dict[str, Any]) -> float:
+        b = Batcher(engine.encode, **opts, max_queue=1024)
         b.start()
         sem = asyncio.Semaphore(concurrency)
 
@@ -311,14 +313,16 @@ def encoder_batching(
 
     single, dynamic = [], []
     for _ in range(reps):
-        single.append(asyncio.run(run(1)))
-        dynamic.append(asyncio.run(run(max_batch_images)))
+        single.append(asyncio.run(run(single_opts)))
+        dynamic.append(asyncio.run(run(dynamic_opts)))
     t0 = time.perf_counter()
     for p in pre[:4]:
         engine.encode([p])
     per_image = (time.perf_counter() - t0) / 4
     return {
         "side": side,
+        "patches_per_image": int(np.prod(pre[0].grid)),
+        "dynamic_settings": dynamic_opts,
         "images_per_s_batch1": spread(single),
         "images_per_s_dynamic": spread(dynamic),
         "speedup": statistics.median(dynamic) / statistics.median(single),
@@ -352,7 +356,9 @@ def build_workloads(plan: Plan, seed_offset: int = 0) -> dict[str, list[dict[str
     Repeats refer to images served BEFORE the measured run (a warm-up set, sent unmeasured
     to every system alike, so vLLM's own caches get the same chance): at concurrency 32 a
     repeat of a request still in flight could not hit any cache, which is not what a
-    server with popular images sees. repeat50 also repeats earlier images of its own run.
+    server with popular images sees. So every repeat draws from the warm-up set, and a
+    scenario's repeat fraction is exact (repeat50: half the images, half of those exact
+    copies and half JPEG re-encodes).
     """
     from splitvl.workload import png
 
@@ -671,6 +677,9 @@ def main(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    # vLLM logs to stdout by default; the in-process engine (and its engine-core process,
+    # which inherits the environment) would put its log lines before --json's document.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     model = args.model or str(bench_model())
     plan = Plan(
         concurrency=args.concurrency,
@@ -701,7 +710,6 @@ def main(args: argparse.Namespace) -> int:
                 images=12 if args.quick else 32,
                 concurrency=16,
                 reps=plan.reps,
-                max_batch_images=8,
                 threads=threads,
             )
         )

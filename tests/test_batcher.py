@@ -65,6 +65,26 @@ async def test_patch_budget_bounds_a_batch() -> None:
     assert sum(len(c) for c in vit.calls) == 4
 
 
+async def test_cpu_default_runs_448_images_alone_and_packs_224_ones(monkeypatch) -> None:
+    """ENCODER_MAX_BATCH_PATCHES=0 (the default) resolves by device: on CPU 1,024 patches
+    per call, so 448x448 images (784 patches) are not held behind others and 224x224 ones
+    (196) pack five to a call; on a GPU 16,384; an explicit value wins."""
+    from encoder_service.settings import EncoderSettings, batch_patches_for
+
+    monkeypatch.delenv("ENCODER_MAX_BATCH_PATCHES", raising=False)
+    default = EncoderSettings().max_batch_patches
+    assert batch_patches_for(default, "cuda") == 16384
+    monkeypatch.setenv("ENCODER_MAX_BATCH_PATCHES", "3000")
+    assert batch_patches_for(EncoderSettings().max_batch_patches, "cpu") == 3000
+    cpu = batch_patches_for(default, "cpu")
+    for patches, per_call in ((784, [1, 1, 1, 1, 1, 1]), (196, [5, 1])):
+        vit = FakeViT()
+        b = batcher(vit, max_batch_images=8, max_batch_patches=cpu)
+        await asyncio.gather(*(b.submit(f"k{i}", image(i, patches)) for i in range(6)))
+        await b.stop()
+        assert [len(c) for c in vit.calls] == per_call
+
+
 async def test_identical_keys_in_flight_are_encoded_once() -> None:
     vit = FakeViT()
     b = batcher(vit)
