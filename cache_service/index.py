@@ -169,7 +169,7 @@ class VectorIndex:
         """
         if self.kind == "gpu_flat":
             return
-        flats = []
+        flats: list[Any] = []  # faiss.IndexFlatCodes
         inner = faiss.downcast_index(self._inner)
         if isinstance(inner, faiss.IndexRefine):
             flats.append(faiss.downcast_index(inner.refine_index))

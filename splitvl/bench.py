@@ -58,6 +58,7 @@ class Run:
     samples: list[Sample]
     elapsed: float
     peak_rss: dict[str, int]
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, float]:
         ttft = [s.ttft for s in self.samples]
@@ -85,11 +86,19 @@ def pct(values: list[float], q: float) -> float:
 
 
 class RssSampler:
-    """Samples the resident memory of process trees every 0.2 s; keeps each tree's peak."""
+    """Samples the resident memory of process trees every 0.2 s; keeps each tree's peak.
+
+    Also counts CPU seconds (user + system) over the block per process: ``cpu_s`` maps
+    ``tree`` (the process itself) and ``tree/<child name>`` (e.g. ``decoder/VLLM::Worker``,
+    ``decoder/VLLM::EngineCore``, summed over children of one name) to seconds, to show
+    which process, and so which core, a run was bound by.
+    """
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
         self.peak: dict[str, int] = dict.fromkeys(pids, 0)
+        self.cpu_s: dict[str, float] = {}
+        self._cpu0: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -108,13 +117,33 @@ class RssSampler:
                 self.peak[name] = max(self.peak[name], rss)
             self._stop.wait(0.2)
 
+    def _cpu(self) -> dict[str, float]:
+        import psutil
+
+        out: dict[str, float] = {}
+        for name, pid in self.pids.items():
+            try:
+                proc = psutil.Process(pid)
+                procs = [(name, proc)] + [
+                    (f"{name}/{c.name()}", c) for c in proc.children(recursive=True)
+                ]
+                for label, p in procs:
+                    t = p.cpu_times()
+                    out[label] = out.get(label, 0.0) + t.user + t.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return out
+
     def __enter__(self) -> RssSampler:
+        self._cpu0 = self._cpu()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        end = self._cpu()
+        self.cpu_s = {k: round(v - self._cpu0.get(k, 0.0), 2) for k, v in end.items()}
 
 
 async def closed_loop(
@@ -288,7 +317,8 @@ def encoder_batching(
         plan = plan_resize(image.height, image.width, engine.spec, index=0)
         pre.append(engine.preprocess(np.asarray(image), plan))
     engine.encode(pre[:1])  # warm-up
-    settings = EncoderSettings()
+    env_only: dict[str, Any] = {}  # defaults and ENCODER_* environment variables
+    settings = EncoderSettings(**env_only)
     dynamic_opts = {
         "max_batch_images": settings.max_batch_images,
         "max_batch_patches": batch_patches_for(settings.max_batch_patches, engine.device.type),
@@ -440,7 +470,9 @@ def bench_vllm(
                     samples, elapsed = await run_load(
                         work["requests"], conc, engine.raw, plan.rate, rep
                     )
-                results["vllm"].setdefault(scenario, []).append(Run(samples, elapsed, rss.peak))
+                results["vllm"].setdefault(scenario, []).append(
+                    Run(samples, elapsed, rss.peak, rss.cpu_s)
+                )
                 log(f"  vllm {scenario} rep {rep}: {len(samples) / elapsed:.2f} req/s")
                 if scenario in ("repeat100", "repeat0_conc1"):
                     # The same requests on precomputed embeddings: at repeat100 the bound of a
@@ -455,7 +487,7 @@ def bench_vllm(
                             work["requests"], conc, call, plan.rate, rep
                         )
                     results["vllm_embeds"].setdefault(scenario, []).append(
-                        Run(samples, elapsed, rss.peak)
+                        Run(samples, elapsed, rss.peak, rss.cpu_s)
                     )
                     log(f"  vllm_embeds {scenario} rep {rep}: {len(samples) / elapsed:.2f} req/s")
 
@@ -540,7 +572,7 @@ def bench_split(
                                 work["requests"], conc, call, plan.rate, rep
                             )
                         results[system].setdefault(scenario, []).append(
-                            Run(samples, elapsed, rss.peak)
+                            Run(samples, elapsed, rss.peak, rss.cpu_s)
                         )
                         log(f"  {system} {scenario} rep {rep}: {len(samples) / elapsed:.2f} req/s")
 
@@ -556,7 +588,12 @@ def summarise(runs: dict[str, dict[str, list[Run]]]) -> dict[str, dict[str, dict
             per = [r.summary() for r in reps]
             out.setdefault(system, {})[scenario] = {
                 k: spread([p[k] for p in per]) for k in per[0]
-            } | {"peak_rss_mib_by_process": {k: v / 2**20 for k, v in reps[-1].peak_rss.items()}}
+            } | {
+                "peak_rss_mib_by_process": {k: v / 2**20 for k, v in reps[-1].peak_rss.items()},
+                "cpu_s_by_process": {
+                    k: statistics.median(r.cpu_s.get(k, 0.0) for r in reps) for k in reps[-1].cpu_s
+                },
+            }
     return out
 
 
@@ -645,6 +682,13 @@ def print_table(table: dict[str, dict[str, dict[str, Any]]], out: Any) -> None:
                     else f"{v['median']:.{digits}f}"
                 )
             print(f"| {scenario:<15} | {system:<13} | " + " | ".join(cells) + " |", file=out)
+    print("\nCPU seconds by process during the measured run (median of repetitions):", file=out)
+    for scenario in ("repeat0", "repeat50"):
+        for system in ("vllm", "split_cache"):
+            cpu = table.get(system, {}).get(scenario, {}).get("cpu_s_by_process")
+            if cpu:
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items()) if v >= 0.05)
+                print(f"  {scenario} {system}: {parts}", file=out)
 
 
 def plot_cdf(runs: dict[str, dict[str, list[Run]]], path: Path) -> None:

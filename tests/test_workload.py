@@ -94,3 +94,39 @@ async def test_open_loop_starts_every_request_without_waiting_for_answers() -> N
     release.set()
     samples, _ = await task
     assert len(samples) == 5
+
+
+def test_rss_sampler_counts_cpu_seconds_per_process_and_child() -> None:
+    """The bench's per-process CPU accounting: a busy child is charged to ``tree/<name>``,
+    not to the tree's own process, and the process's own spin to ``tree``."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from splitvl.bench import RssSampler
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\n"
+    # The child spins 0.5 s of CPU when told, says so, and stays alive until told again
+    # (a child that has exited is no longer in the tree when the block ends).
+    script = "import sys\nsys.stdin.readline()\n" + spin.format(0.5)
+    script += "print('spun', flush=True)\nsys.stdin.readline()\n"
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        time.sleep(0.5)  # the child's interpreter start-up happens before the block
+        with RssSampler({"bench": os.getpid()}) as sampler:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            exec(spin.format(0.3))
+            assert child.stdout.readline().strip() == "spun"
+        name = next(k for k in sampler.cpu_s if k.startswith("bench/"))
+        assert 0.25 <= sampler.cpu_s["bench"] < 0.5
+        assert sampler.cpu_s[name] >= 0.3
+    finally:
+        child.kill()
+        child.wait()
+        child.stdin.close()
+        child.stdout.close()
