@@ -142,8 +142,25 @@ def _pct(times: tuple[list[float], list[float]]) -> dict[str, float]:
     }
 
 
+def _tune(approx: Any, ef_search: int, k_factor: int) -> None:
+    """Set the HNSW candidate list and the re-scored candidates per neighbour in place."""
+    import faiss
+
+    refine = faiss.downcast_index(approx.index.index)
+    refine.k_factor = float(k_factor)
+    base = faiss.downcast_index(refine.base_index)
+    if isinstance(base, faiss.IndexPreTransform):
+        base = faiss.downcast_index(base.index)
+    base.hnsw.efSearch = ef_search
+
+
 def bench_size(
-    n: int, cfg: BenchConfig, n_queries: int, seed: int = 0, log: Any = None
+    n: int,
+    cfg: BenchConfig,
+    n_queries: int,
+    seed: int = 0,
+    log: Any = None,
+    sweep: list[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """Build both index kinds over ``n`` descriptors and measure them (see module docstring)."""
     import faiss
@@ -193,6 +210,19 @@ def bench_size(
     hits = [i for i, e in enumerate(exact) if e >= 0]
     same = sum(1 for i in hits if approx_answers[i] == exact[i])
     extra = sum(1 for i, a in enumerate(approx_answers) if a >= 0 and a != exact[i])
+    # Other (ef_search, k_factor) settings on the same graph: recall against latency.
+    swept: dict[str, Any] = {}
+    for ef, kf in sweep or []:
+        _tune(approx, ef, kf)
+        answers, times = _timed(approx, queries, cfg.search_k, cfg.threshold)
+        swept[f"ef{ef}_k{kf}"] = {
+            **_pct(times),
+            "recall": round(sum(1 for i in hits if answers[i] == exact[i]) / len(hits), 4)
+            if hits
+            else None,
+        }
+        say(f"  {n}: ef_search {ef}, k_factor {kf}: {swept[f'ef{ef}_k{kf}']}")
+    _tune(approx, cfg.params.ef_search, cfg.params.k_factor)
 
     class _Flat:  # times single-query exact searches on the shared full vectors
         def __init__(self, index: Any) -> None:
@@ -238,12 +268,19 @@ def bench_size(
             "recall": round(tomb_same / len(hits), 4) if hits else None,
         },
     }
+    if swept:
+        result["sweep"] = swept
     del approx, flat_all, refine
     gc.collect()
     return result
 
 
-def run(sizes: list[int], n_queries: int = 1000, log: Any = None) -> dict[str, Any]:
+def run(
+    sizes: list[int],
+    n_queries: int = 1000,
+    log: Any = None,
+    sweep: list[tuple[int, int]] | None = None,
+) -> dict[str, Any]:
     """Benchmark every size; the ``--json`` document."""
     import os
 
@@ -271,7 +308,7 @@ def run(sizes: list[int], n_queries: int = 1000, log: Any = None) -> dict[str, A
     for n in sizes:
         if log:
             log(f"size {n} ...")
-        out["sizes"][str(n)] = bench_size(n, cfg, n_queries, log=log)
+        out["sizes"][str(n)] = bench_size(n, cfg, n_queries, log=log, sweep=sweep)
     return out
 
 
@@ -300,12 +337,19 @@ def table(result: dict[str, Any]) -> str:
             f"{a['bytes_per_entry']:>14} {recall:>7} {a['build_s']:>8}   "
             f"{cell(t)} recall {t['recall']}"
         )
+        for name, x in r.get("sweep", {}).items():
+            lines.append(f"{'':>9} {name:>30} {cell(x):>30} {'':>12} {'':>14} {x['recall']:>7}")
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.sizes.split(",") if x]
-    result = run(sizes, args.queries, log=lambda m: print(m, file=sys.stderr, flush=True))
+    sweep = [
+        (int(ef), int(kf)) for ef, kf in (pair.split(":") for pair in args.sweep.split(",") if pair)
+    ]
+    result = run(
+        sizes, args.queries, log=lambda m: print(m, file=sys.stderr, flush=True), sweep=sweep
+    )
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
 
@@ -320,5 +364,10 @@ def add_parser(sub: Any) -> None:
         help="comma-separated entry counts (1000000 needs ~14 GB of memory, ~20 min)",
     )
     p.add_argument("--queries", type=int, default=1000, help="half near-duplicates, half new")
+    p.add_argument(
+        "--sweep",
+        default="",
+        help="extra EF_SEARCH:K_FACTOR settings timed on the same HNSW graph, e.g. 128:8,128:16",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)

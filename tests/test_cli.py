@@ -27,7 +27,9 @@ def test_image_input_sends_urls_as_url_data_urls_as_data_url_files_as_bytes(tmp_
     path.write_bytes(PNG_1X1)
     data_url = "data:image/png;base64," + base64.b64encode(PNG_1X1).decode()
 
-    assert image_input("https://example.com/a.png") == pb.ImageInput(url="https://example.com/a.png")
+    assert image_input("https://example.com/a.png") == pb.ImageInput(
+        url="https://example.com/a.png"
+    )
     assert image_input("HTTP://example.com/b.jpg").url == "HTTP://example.com/b.jpg"
     assert image_input(data_url) == pb.ImageInput(data_url=data_url)
     assert image_input(str(path)) == pb.ImageInput(data=PNG_1X1)
@@ -224,3 +226,31 @@ def test_generate_sends_an_http_image_as_url_to_the_gateway(cluster) -> None:
     assert "Traceback" not in out.stderr
     assert out.stderr.startswith("FAILED_PRECONDITION:"), out.stderr
     assert "images[0].url" in out.stderr
+
+
+def test_cache_bench_measures_recall_and_sweeps_search_settings_on_one_graph() -> None:
+    """A small real run of `splitvl cache-bench` (past the HNSW threshold): the approximate
+    index never answers with an entry the exact index would not (scores are re-scored
+    exactly); the sweep times other settings on the same graph and puts the service's
+    defaults back."""
+    import faiss
+
+    from cache_service.index import VectorIndex
+    from splitvl.cache_bench import _tune, bench_size, default_config, table
+
+    cfg = default_config()
+    r = bench_size(3000, cfg, 200, sweep=[(16, 1), (256, 16)])
+    assert r["index"] == "hnsw" and r["exact_hits"] > 50
+    assert r["approx_hits_differing"] == 0 and r["recall"] == 1.0
+    assert set(r["sweep"]) == {"ef16_k1", "ef256_k16"}
+    assert all(0 <= x["recall"] <= 1 and x["p99_ms"] > 0 for x in r["sweep"].values())
+    assert r["flat"]["bytes_per_entry"] == cfg.dim * 4 + 16
+    summary = {"dim": cfg.dim, "threshold": cfg.threshold, "hnsw": {}, "faiss": "x"}
+    summary |= {"cpus": 2, "load_average_1m_at_start": 0.0, "sizes": {"3000": r}}
+    assert "ef256_k16" in table(summary)
+
+    index = VectorIndex("hnsw", cfg.dim, cfg.params)
+    _tune(index, 200, 3)
+    refine = faiss.downcast_index(index.index.index)
+    hnsw = faiss.downcast_index(faiss.downcast_index(refine.base_index).index)
+    assert (hnsw.hnsw.efSearch, refine.k_factor) == (200, 3.0)
