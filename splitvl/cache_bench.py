@@ -146,9 +146,9 @@ def _tune(approx: Any, ef_search: int, k_factor: int) -> None:
     """Set the HNSW candidate list and the re-scored candidates per neighbour in place."""
     import faiss
 
-    refine = faiss.downcast_index(approx.index.index)
+    refine: Any = faiss.downcast_index(approx.index.index)
     refine.k_factor = float(k_factor)
-    base = faiss.downcast_index(refine.base_index)
+    base: Any = faiss.downcast_index(refine.base_index)
     if isinstance(base, faiss.IndexPreTransform):
         base = faiss.downcast_index(base.index)
     base.hnsw.efSearch = ef_search
@@ -214,10 +214,10 @@ def bench_size(
     swept: dict[str, Any] = {}
     for ef, kf in sweep or []:
         _tune(approx, ef, kf)
-        answers, times = _timed(approx, queries, cfg.search_k, cfg.threshold)
+        tuned, tuned_times = _timed(approx, queries, cfg.search_k, cfg.threshold)
         swept[f"ef{ef}_k{kf}"] = {
-            **_pct(times),
-            "recall": round(sum(1 for i in hits if answers[i] == exact[i]) / len(hits), 4)
+            **_pct(tuned_times),
+            "recall": round(sum(1 for i in hits if tuned[i] == exact[i]) / len(hits), 4)
             if hits
             else None,
         }
