@@ -662,9 +662,7 @@ def print_table(table: dict[str, dict[str, dict[str, Any]]], out: Any) -> None:
     ]
     head = f"| {'scenario':<15} | {'system':<13} | " + " | ".join(c[1] for c in cols) + " |"
     print(head, file=out)
-    print(
-        "|" + "|".join("-" * (len(x) + 2) for x in head.strip("|").split("|")[:-1]) + "|", file=out
-    )
+    print("|" + "|".join("-" * len(x) for x in head.strip("|").split("|")) + "|", file=out)
     for scenario in SCENARIOS:
         for system in ("vllm", "vllm_embeds", "split_nocache", "split_cache"):
             row = table.get(system, {}).get(scenario)
