@@ -343,15 +343,42 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    sizes = [int(x) for x in args.sizes.split(",") if x]
-    sweep = [
-        (int(ef), int(kf)) for ef, kf in (pair.split(":") for pair in args.sweep.split(",") if pair)
-    ]
+    sizes, sweep = args.sizes, args.sweep
+    if args.queries < 2:
+        raise SystemExit("splitvl cache-bench: --queries must be at least 2")
+    if min(sizes) < args.queries // 2:
+        raise SystemExit(
+            f"splitvl cache-bench: every size must hold the {args.queries // 2} entries the "
+            f"near-duplicate queries copy (--queries {args.queries}); got {min(sizes)}"
+        )
     result = run(
         sizes, args.queries, log=lambda m: print(m, file=sys.stderr, flush=True), sweep=sweep
     )
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0
+
+
+def _sizes(text: str) -> list[int]:
+    """``--sizes`` value: comma-separated positive entry counts."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items or not all(x.isdigit() and int(x) > 0 for x in items):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive entry counts")
+    return [int(x) for x in items]
+
+
+def _sweep_pairs(text: str) -> list[tuple[int, int]]:
+    """``--sweep`` value: comma-separated ``EF_SEARCH:K_FACTOR`` pairs of positive integers."""
+    pairs = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        if len(parts) != 2 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not EF_SEARCH:K_FACTOR (two positive integers, e.g. 128:16)"
+            )
+        pairs.append((int(parts[0]), int(parts[1])))
+    return pairs
 
 
 def add_parser(sub: Any) -> None:
@@ -360,13 +387,16 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--sizes",
-        default="10000,100000",
-        help="comma-separated entry counts (1000000 needs ~14 GB of memory, ~20 min)",
+        type=_sizes,
+        default=[10_000, 100_000],
+        help="comma-separated entry counts (default 10000,100000; 1000000 needs ~17 GB "
+        "of memory and ~7 min)",
     )
     p.add_argument("--queries", type=int, default=1000, help="half near-duplicates, half new")
     p.add_argument(
         "--sweep",
-        default="",
+        type=_sweep_pairs,
+        default=[],
         help="extra EF_SEARCH:K_FACTOR settings timed on the same HNSW graph, e.g. 128:8,128:16",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")

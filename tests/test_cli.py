@@ -115,7 +115,34 @@ def test_docstring_lists_every_subcommand() -> None:
 
 def test_cache_bench_default_sizes_leave_out_the_million() -> None:
     args = cli.build_parser().parse_args(["cache-bench"])
-    assert args.sizes == "10000,100000"
+    assert args.sizes == [10_000, 100_000]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--sizes", "10k"],
+        ["--sizes", "0"],
+        ["--sizes", ","],
+        ["--sweep", "128"],
+        ["--sweep", "128:0"],
+        ["--sweep", "a:b"],
+        ["--sweep", "1:2:3"],
+    ],
+)
+def test_cache_bench_refuses_malformed_sizes_and_sweeps_with_a_usage_error(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["cache-bench", *argv])
+    assert exit_info.value.code == 2  # argparse's usage error, not a traceback
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_cache_bench_parses_sweeps_and_checks_sizes_against_queries(capsys) -> None:
+    args = cli.build_parser().parse_args(["cache-bench", "--sweep", "128:8, 256:16,"])
+    assert args.sweep == [(128, 8), (256, 16)]
+    args = cli.build_parser().parse_args(["cache-bench", "--sizes", "100", "--queries", "1000"])
+    with pytest.raises(SystemExit, match="every size must hold the 500 entries"):
+        args.func(args)
 
 
 def test_decoder_args_append_to_the_tiny_defaults_env_then_flags(tmp_path, monkeypatch) -> None:
