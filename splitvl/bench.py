@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from splitvl.argtypes import non_negative_int, positive_float, positive_int
 from splitvl.workload import ImageFactory, Request, make_workload
 
 SCENARIOS = ("repeat0", "repeat50", "repeat0_conc1", "repeat50_conc1", "repeat100")
@@ -211,7 +212,9 @@ class Stream:
 class VllmAlone:
     """vLLM's AsyncLLM in this process (its engine core in a child process)."""
 
-    def __init__(self, model: str, max_tokens: int, images_per_request: int) -> None:
+    def __init__(
+        self, model: str, max_tokens: int, images_per_request: int, block_size: int | None = None
+    ) -> None:
         from transformers import AutoProcessor
         from vllm import AsyncEngineArgs, SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -227,6 +230,7 @@ class VllmAlone:
                 seed=0,
                 enable_mm_embeds=True,
                 limit_mm_per_prompt={"image": images_per_request, "video": 0},
+                block_size=block_size,
             )
         )
         self.params = SamplingParams(
@@ -377,6 +381,7 @@ class Plan:
     seed: int
     quick: bool = False
     rate: float | None = None
+    block_size: int | None = None  # vLLM KV-cache block size, the same for both systems
 
 
 def build_workloads(plan: Plan, seed_offset: int = 0) -> dict[str, list[dict[str, Any]]]:
@@ -445,7 +450,7 @@ def bench_vllm(
     from vlcommon.imaging import decode_image, exact_key, plan_resize
 
     results: dict[str, dict[str, list[Run]]] = {"vllm": {}, "vllm_embeds": {}}
-    engine = VllmAlone(model, plan.max_tokens, plan.images_per_request)
+    engine = VllmAlone(model, plan.max_tokens, plan.images_per_request, plan.block_size)
     vision = VisionEngine.load(model, device="cpu")
 
     def embeds_for(req: Request) -> tuple[Any, Any, list[str]]:
@@ -522,6 +527,7 @@ def bench_split(
         decoder_args=[
             "--limit-mm-per-prompt",
             json.dumps({"image": plan.images_per_request, "video": 0}),
+            *(["--block-size", str(plan.block_size)] if plan.block_size else []),
         ],
         env={"VLLM_CPU_KVCACHE_SPACE": "2"},
         progress=log,
@@ -734,6 +740,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         quick=args.quick,
         rate=args.rate,
+        block_size=args.block_size,
     )
     log(f"model {model}; plan {plan}")
     t_start = time.perf_counter()
@@ -837,20 +844,28 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="splitvl against vLLM alone on the same workloads")
     p.add_argument("--model", help="checkpoint (default: the bench checkpoint, built once)")
     p.add_argument("--quick", action="store_true", help="smaller workloads (< 10 min here)")
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--concurrency", type=positive_int, default=32)
     p.add_argument(
         "--rate",
-        type=float,
+        type=positive_float,
         default=None,
         help="open-loop Poisson arrivals at this many requests/s instead of a closed loop",
     )
-    p.add_argument("--requests", type=int, default=0, help="requests per closed-loop run")
-    p.add_argument("--requests-conc1", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--image-side", type=int, default=448)
-    p.add_argument("--images-per-request", type=int, default=1)
+    p.add_argument(
+        "--requests", type=non_negative_int, default=0, help="requests per closed-loop run"
+    )
+    p.add_argument("--requests-conc1", type=non_negative_int, default=0)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--reps", type=positive_int, default=3)
+    p.add_argument("--image-side", type=positive_int, default=448)
+    p.add_argument("--images-per-request", type=positive_int, default=1)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        help="vLLM KV-cache block size for both systems (default: vLLM's; 128 on CPU)",
+    )
     p.add_argument("--skip-encoder", action="store_true")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--json", action="store_true")

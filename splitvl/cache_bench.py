@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from splitvl.argtypes import positive_int
+
 RANK = 256
 NOISE = 0.05
 CHUNK = 50_000
@@ -392,7 +394,9 @@ def add_parser(sub: Any) -> None:
         help="comma-separated entry counts (default 10000,100000; 1000000 needs ~17 GB "
         "of memory and ~7 min)",
     )
-    p.add_argument("--queries", type=int, default=1000, help="half near-duplicates, half new")
+    p.add_argument(
+        "--queries", type=positive_int, default=1000, help="half near-duplicates, half new"
+    )
     p.add_argument(
         "--sweep",
         type=_sweep_pairs,

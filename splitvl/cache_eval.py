@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 
+from splitvl.argtypes import cosine, positive_int
 from vlcommon.imaging import (
     DESCRIPTOR_SIDE,
     cosine_similarity,
@@ -352,9 +353,7 @@ def adversarial_pairs(quick: bool = False) -> list[tuple[str, Image.Image, Image
         out.append(("ui-light", ui_screen(ma, dark=False), ui_screen(mb, dark=False)))
         out.append(("ui-dark", ui_screen(ma, dark=True), ui_screen(mb, dark=True)))
     for i, (ta, tb) in enumerate(TEXT_PAIRS[:1] if quick else TEXT_PAIRS[:4]):
-        out.append(
-            ("text-page-photo", text_page_photo(ta, seed=i), text_page_photo(tb, seed=i))
-        )
+        out.append(("text-page-photo", text_page_photo(ta, seed=i), text_page_photo(tb, seed=i)))
     root = _skimage_dir()
     for victim, source in QUICK_POISON_PAIRS if quick else POISON_PAIRS:
         v = _decode((root / victim).read_bytes()).resize((256, 256))
@@ -642,9 +641,7 @@ def evaluate(
         ],
         "highest_near_duplicate_residuals_kept": [
             [p.b.name, round(p.residual, 2)]
-            for p in sorted(
-                (p for p in near if p.verified), key=lambda p: -p.residual
-            )[:5]
+            for p in sorted((p for p in near if p.verified), key=lambda p: -p.residual)[:5]
         ],
         "verify_tolerance": VERIFY_TOLERANCE,
         "by_transform": _by_transform(near, threshold),
@@ -753,11 +750,11 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("cache-eval", help="calibrate the similarity threshold on labelled pairs")
     p.add_argument(
-        "--threshold", type=float, default=None, help="default: the cache service's default"
+        "--threshold", type=cosine, default=None, help="default: the cache service's default"
     )
     p.add_argument("--model", help="read the pixel budget from this checkpoint instead")
-    p.add_argument("--min-pixels", type=int, default=DEFAULT_MIN_PIXELS)
-    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS)
+    p.add_argument("--min-pixels", type=positive_int, default=DEFAULT_MIN_PIXELS)
+    p.add_argument("--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS)
     p.add_argument("--quick", action="store_true", help="9 photos and 6 text pairs only")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)

@@ -27,6 +27,13 @@ import tempfile
 import threading
 from pathlib import Path
 
+from splitvl.argtypes import (
+    base_port,
+    base_port_or_off,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from splitvl.launcher import (
     DECODER_DEFAULT_ARGS,
     DEFAULT_BASE_PORT,
@@ -186,13 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--base-port",
-            type=int,
+            type=base_port,
             default=DEFAULT_BASE_PORT,
             help="gateway port; encoder, cache, decoder take the next three",
         )
         p.add_argument(
             "--metrics-base-port",
-            type=int,
+            type=base_port_or_off,
             default=DEFAULT_METRICS_BASE_PORT,
             help="Prometheus port of the gateway, +1..+3 for the others; 0 = off",
         )
@@ -208,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.set_defaults(func=func)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=positive_int, default=16)
 
     from splitvl import bench, cache_bench, cache_eval, load, soak
 
@@ -235,11 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the user's text, after the images")
     p.add_argument(
         "--max-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="output token limit; unset = the decoder's DECODER_MAX_TOKENS_DEFAULT (256)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past EOS until max tokens"
     )
@@ -249,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one JSON object (text, token_ids, images, finish_reason, usage, timings)",
     )
     p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_BASE_PORT}", help="the gateway")
-    p.add_argument("--timeout", type=float, default=300.0, help="deadline, seconds")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="deadline, seconds")
     p.set_defaults(func=cmd_generate)
     return parser
 

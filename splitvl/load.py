@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from splitvl.argtypes import fraction, non_negative_float, positive_float, positive_int
 from vlcommon.errors import retry_info
 
 BAD_CODES = ("INTERNAL", "UNKNOWN")
@@ -218,9 +219,7 @@ async def run_load(
     from vlcommon.settings import channel_options
 
     security = security or ClientSecurity.from_env()
-    chans = [
-        aio_channel(address, security, options=channel_options()) for _ in range(channels)
-    ]
+    chans = [aio_channel(address, security, options=channel_options()) for _ in range(channels)]
     stubs = [pb_grpc.GatewayServiceStub(ch) for ch in chans]
     results: list[CallResult] = []
     next_request = 0
@@ -376,14 +375,20 @@ def add_parser(sub: Any) -> None:
         "--log-dir",
         help="service logs of the own cluster (default: a temp dir, removed after a pass)",
     )
-    p.add_argument("--concurrency", type=int, default=200, help="calls in flight")
-    p.add_argument("--duration", type=float, default=120.0, help="seconds to keep starting calls")
-    p.add_argument("--deadline", type=float, default=60.0, help="deadline of each call, s")
-    p.add_argument("--slack", type=float, default=10.0, help="past deadline + slack: hung")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--image-side", type=int, default=128)
-    p.add_argument("--pool", type=int, default=1200, help="distinct requests to cycle through")
-    p.add_argument("--repeat-fraction", type=float, default=0.5)
+    p.add_argument("--concurrency", type=positive_int, default=200, help="calls in flight")
+    p.add_argument(
+        "--duration", type=positive_float, default=120.0, help="seconds to keep starting calls"
+    )
+    p.add_argument("--deadline", type=positive_float, default=60.0, help="deadline of each call, s")
+    p.add_argument(
+        "--slack", type=non_negative_float, default=10.0, help="past deadline + slack: hung"
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=16)
+    p.add_argument("--image-side", type=positive_int, default=128)
+    p.add_argument(
+        "--pool", type=positive_int, default=1200, help="distinct requests to cycle through"
+    )
+    p.add_argument("--repeat-fraction", type=fraction, default=0.5)
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)

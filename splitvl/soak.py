@@ -35,6 +35,8 @@ from typing import Any
 
 import grpc
 
+from splitvl.argtypes import non_negative_int, positive_float, positive_int
+
 MAX_GROWTH = 0.05
 
 
@@ -264,13 +266,15 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("soak", help="distinct images in a row; RSS growth of each service")
     p.add_argument("--model", help="checkpoint (default: tiny)")
     p.add_argument("--log-dir", help="service logs (default: a temp dir, removed after a pass)")
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--warmup", type=int, default=200, help="requests before the first sample")
-    p.add_argument("--sample-every", type=int, default=100)
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--image-side", type=int, default=128)
-    p.add_argument("--cache-mib", type=float, default=4.0, help="cache byte budget, MiB")
+    p.add_argument("--requests", type=positive_int, default=1000)
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=200, help="requests before the first sample"
+    )
+    p.add_argument("--sample-every", type=positive_int, default=100)
+    p.add_argument("--concurrency", type=positive_int, default=1)
+    p.add_argument("--max-tokens", type=positive_int, default=4)
+    p.add_argument("--image-side", type=positive_int, default=128)
+    p.add_argument("--cache-mib", type=positive_float, default=4.0, help="cache byte budget, MiB")
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)

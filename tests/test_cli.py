@@ -281,3 +281,43 @@ def test_cache_bench_measures_recall_and_sweeps_search_settings_on_one_graph() -
     refine = faiss.downcast_index(index.index.index)
     hnsw = faiss.downcast_index(faiss.downcast_index(refine.base_index).index)
     assert (hnsw.hnsw.efSearch, refine.k_factor) == (200, 3.0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--concurrency", "0"],  # used to wait forever on a zero-permit semaphore
+        ["bench", "--reps", "0"],
+        ["bench", "--rate", "-1"],
+        ["bench", "--rate", "nan"],
+        ["bench", "--requests", "-5"],
+        ["bench", "--block-size", "0"],
+        ["load", "--concurrency", "0"],
+        ["load", "--repeat-fraction", "1.5"],
+        ["load", "--duration", "0"],
+        ["soak", "--sample-every", "0"],
+        ["soak", "--cache-mib", "inf"],
+        ["cache-eval", "--threshold", "2"],
+        ["cache-eval", "--max-pixels", "0"],
+        ["cache-bench", "--queries", "0"],
+        ["up", "--base-port", "65534"],
+        ["up", "--metrics-base-port", "-1"],
+        ["generate", "--prompt", "x", "--max-tokens", "0"],
+        ["generate", "--prompt", "x", "--timeout", "0"],
+    ],
+)
+def test_numeric_flags_out_of_range_are_usage_errors_naming_the_flag(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    flag = next(a for a in reversed(argv) if a.startswith("--") and a != "--prompt")
+    assert f"argument {flag}" in err, err
+
+
+def test_numeric_flags_accept_their_edges() -> None:
+    parse = cli.build_parser().parse_args
+    assert parse(["load", "--repeat-fraction", "0", "--slack", "0"]).repeat_fraction == 0.0
+    assert parse(["up", "--base-port", "65532", "--metrics-base-port", "0"]).base_port == 65532
+    assert parse(["cache-eval", "--threshold", "-1"]).threshold == -1.0
+    assert parse(["bench", "--requests", "0", "--rate", "0.5"]).rate == 0.5
