@@ -34,7 +34,14 @@ class CacheSettings(ServerSettings):
     )
     hnsw_m: int = Field(32, ge=4, description="HNSW graph neighbours per node (FAISS M).")
     hnsw_ef_construction: int = Field(40, ge=8, description="HNSW efConstruction.")
-    hnsw_ef_search: int = Field(64, ge=8, description="HNSW efSearch (recall vs latency).")
+    hnsw_ef_search: int = Field(
+        64, ge=8, description="HNSW efSearch (recall vs latency) up to the reference size."
+    )
+    hnsw_ef_reference_entries: int = Field(
+        100_000,
+        ge=0,
+        description="Entries past which efSearch grows as (n / this) ** 0.6; 0 = fixed.",
+    )
     projected_dim: int = Field(
         256, ge=8, description="Random-projection dimensions HNSW searches in."
     )
@@ -55,4 +62,5 @@ class CacheSettings(ServerSettings):
             ef_construction=self.hnsw_ef_construction,
             ef_search=self.hnsw_ef_search,
             k_factor=self.refine_k_factor,
+            ef_reference_entries=self.hnsw_ef_reference_entries,
         )

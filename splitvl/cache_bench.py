@@ -153,6 +153,8 @@ def _tune(approx: Any, ef_search: int, k_factor: int) -> None:
     base: Any = faiss.downcast_index(refine.base_index)
     if isinstance(base, faiss.IndexPreTransform):
         base = faiss.downcast_index(base.index)
+    # Holds while the index keeps its size (VectorIndex sets efSearch again only when its
+    # size calls for another value, IndexParams.ef_search_for).
     base.hnsw.efSearch = ef_search
 
 
@@ -224,7 +226,7 @@ def bench_size(
             else None,
         }
         say(f"  {n}: ef_search {ef}, k_factor {kf}: {swept[f'ef{ef}_k{kf}']}")
-    _tune(approx, cfg.params.ef_search, cfg.params.k_factor)
+    _tune(approx, cfg.params.ef_search_for(approx.ntotal), cfg.params.k_factor)
 
     class _Flat:  # times single-query exact searches on the shared full vectors
         def __init__(self, index: Any) -> None:
@@ -260,6 +262,7 @@ def bench_size(
         **{k: serving[k] for k in ("p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms")},
         "bytes_per_entry": serving["bytes_per_entry"],
         "index": "hnsw" if n >= cfg.index_threshold else "flat",
+        "ef_search": cfg.params.ef_search_for(n) if n >= cfg.index_threshold else None,
         "recall": round(same / len(hits), 4) if hits else None,
         "exact_hits": len(hits),
         "approx_hits_differing": extra,
@@ -298,6 +301,7 @@ def run(
             "M": cfg.params.hnsw_m,
             "ef_construction": cfg.params.ef_construction,
             "ef_search": cfg.params.ef_search,
+            "ef_reference_entries": cfg.params.ef_reference_entries,
             "k_factor": cfg.params.k_factor,
             "search_k": cfg.search_k,
         },

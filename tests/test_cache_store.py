@@ -539,3 +539,39 @@ def test_reserve_keeps_the_flat_storage_in_place_while_filling(kind: str) -> Non
         scores, ids = index.search(vecs[1234], 1)
         assert int(ids[0]) == 1234 and scores[0] == pytest.approx(1.0, abs=1e-5)
     assert moved == {False: moved[False], True: 1} and moved[False] > 1
+
+
+def test_ef_search_grows_with_the_index_past_its_reference_size() -> None:
+    """IndexParams.ef_search_for: the configured efSearch up to the reference size, then
+    (n / reference) ** 0.6 times it (64 at 100k -> 255 at 1M, where 256 measured recall
+    0.990 against 0.962); VectorIndex applies it as it grows, and a value set from outside
+    holds until the size calls for another."""
+    import faiss
+
+    from cache_service.index import VectorIndex
+
+    defaults = IndexParams()
+    assert defaults.ef_search_for(100_000) == 64
+    assert defaults.ef_search_for(1_000_000) == 255
+    assert IndexParams(ef_reference_entries=0).ef_search_for(10**7) == 64
+
+    params = IndexParams(projected_dim=16, ef_search=16, ef_reference_entries=100)
+    index = VectorIndex("hnsw", 64, params)
+    hnsw = faiss.downcast_index(faiss.downcast_index(index._inner).base_index)
+    hnsw = faiss.downcast_index(hnsw.index)
+    rng = np.random.default_rng(9)
+    vecs = rng.standard_normal((1000, 64)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    index.add(np.arange(100), vecs[:100])
+    index.search(vecs[0], 4)
+    assert hnsw.hnsw.efSearch == 16  # at the reference size
+    index.add(np.arange(100, 1000), vecs[100:])
+    _, ids = index.search(vecs[500], 4)
+    assert int(ids[0]) == 500 and hnsw.hnsw.efSearch == round(16 * 10**0.6) == 64
+    hnsw.hnsw.efSearch = 200  # e.g. cache-bench's sweep
+    index.search(vecs[1], 4)
+    assert hnsw.hnsw.efSearch == 200
+    more = rng.standard_normal((1000, 64)).astype(np.float32)
+    index.add(np.arange(1000, 2000), more / np.linalg.norm(more, axis=1, keepdims=True))
+    index.search(vecs[1], 4)
+    assert hnsw.hnsw.efSearch == round(16 * 20**0.6) == 97
