@@ -159,7 +159,7 @@ class VectorIndex:
         self.kind = kind
         self.dim = dim
         self.params = params
-        self._inner = _inner(kind, dim, params)
+        self._inner: Any = _inner(kind, dim, params)  # IndexRefineFlat for hnsw
         self.index = faiss.IndexIDMap2(self._inner)
         self._hnsw: Any = self._inner.__dict__.get("_parts", (None, None))[1]
         # efSearch by size (IndexParams.ef_search_for), set again only when the size
@@ -194,25 +194,34 @@ class VectorIndex:
         capacity (``std::vector::resize`` never shrinks it), so later adds up to ``n``
         vectors never reallocate. It commits the memory at once (zero-filled pages).
         """
-        if self.kind == "gpu_flat":
+        flats: list[Any]  # faiss.IndexFlatCodes
+        if self._hnsw is not None:  # the exact vectors it re-scores with, and the graph's
+            flats = [
+                faiss.downcast_index(x) for x in (self._inner.refine_index, self._hnsw.storage)
+            ]
+        elif self.kind == "flat":
+            flats = [self._inner]
+        else:
             return
-        flats: list[Any] = []  # faiss.IndexFlatCodes
-        inner = faiss.downcast_index(self._inner)
-        if isinstance(inner, faiss.IndexRefine):
-            flats.append(faiss.downcast_index(inner.refine_index))
-            base = faiss.downcast_index(inner.base_index)
-            if isinstance(base, faiss.IndexPreTransform):
-                base = faiss.downcast_index(base.index)
-            if isinstance(base, faiss.IndexHNSW):
-                flats.append(faiss.downcast_index(base.storage))
-        elif isinstance(inner, faiss.IndexFlatCodes):
-            flats.append(inner)
         for flat in flats:
             wanted = (flat.ntotal + n) * flat.code_size
             if flat.codes.size() < wanted:
                 used = flat.codes.size()
                 flat.codes.resize(wanted)
                 flat.codes.resize(used)
+
+    def tune_search(self, ef_search: int, k_factor: int) -> None:
+        """Set an HNSW index's candidate list and its exactly re-scored candidates per
+        neighbour (``splitvl cache-bench --sweep``). The ``ef_search`` holds until the
+        index's size calls for another value (:meth:`IndexParams.ef_search_for`).
+
+        Raises:
+            ValueError: the index is not ``hnsw``.
+        """
+        if self._hnsw is None:
+            raise ValueError(f"a {self.kind} index has no search settings to tune")
+        self._inner.k_factor = float(k_factor)
+        self._hnsw.hnsw.efSearch = ef_search
 
     def remove(self, index_id: int) -> None:
         """Remove one id: at once for ``flat``, as a tombstone otherwise."""

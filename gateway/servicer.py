@@ -86,7 +86,7 @@ class PreparedImage:
     key: str
     descriptor: np.ndarray  # float32 [DESCRIPTOR_DIM]
     # uint8 [resized_height/2, resized_width/2]: the cache verifies similarity candidates
-    # on it (vlcommon.verification); computed from ``pixels``.
+    # on it (vlcommon.verification); built from ``pixels`` when there is a cache.
     verification: np.ndarray | None = None
     tier: int = generation_pb2.CACHE_TIER_MISS
     similarity: float = 0.0
@@ -103,9 +103,13 @@ class Downstream:
 
 
 def _verification(im: PreparedImage) -> tensor_pb2.Tensor:
-    """The image's verification image as a UINT8 tensor (computed now if not yet)."""
+    """The image's verification image as a UINT8 tensor (for a Lookup query or Put entry).
+
+    ``_prepare_images`` builds it whenever the gateway has a cache, and only then are there
+    lookups and puts; an empty tensor (never a similarity hit) if it is missing anyway.
+    """
     if im.verification is None:
-        im.verification = verification_image(im.pixels)
+        return tensor_pb2.Tensor()
     return tensors.from_numpy(im.verification)
 
 

@@ -144,20 +144,6 @@ def _pct(times: tuple[list[float], list[float]]) -> dict[str, float]:
     }
 
 
-def _tune(approx: Any, ef_search: int, k_factor: int) -> None:
-    """Set the HNSW candidate list and the re-scored candidates per neighbour in place."""
-    import faiss
-
-    refine: Any = faiss.downcast_index(approx.index.index)
-    refine.k_factor = float(k_factor)
-    base: Any = faiss.downcast_index(refine.base_index)
-    if isinstance(base, faiss.IndexPreTransform):
-        base = faiss.downcast_index(base.index)
-    # Holds while the index keeps its size (VectorIndex sets efSearch again only when its
-    # size calls for another value, IndexParams.ef_search_for).
-    base.hnsw.efSearch = ef_search
-
-
 def bench_size(
     n: int,
     cfg: BenchConfig,
@@ -212,21 +198,20 @@ def bench_size(
     faiss.omp_set_num_threads(1)
     approx_answers, approx_times = _timed(approx, queries, cfg.search_k, cfg.threshold)
     hits = [i for i, e in enumerate(exact) if e >= 0]
-    same = sum(1 for i in hits if approx_answers[i] == exact[i])
+
+    def recall(answers: list[int]) -> float | None:
+        """Share of the exact index's hits the approximate one answers the same way."""
+        return round(sum(answers[i] == exact[i] for i in hits) / len(hits), 4) if hits else None
+
     extra = sum(1 for i, a in enumerate(approx_answers) if a >= 0 and a != exact[i])
     # Other (ef_search, k_factor) settings on the same graph: recall against latency.
     swept: dict[str, Any] = {}
     for ef, kf in sweep or []:
-        _tune(approx, ef, kf)
+        approx.tune_search(ef, kf)
         tuned, tuned_times = _timed(approx, queries, cfg.search_k, cfg.threshold)
-        swept[f"ef{ef}_k{kf}"] = {
-            **_pct(tuned_times),
-            "recall": round(sum(1 for i in hits if tuned[i] == exact[i]) / len(hits), 4)
-            if hits
-            else None,
-        }
+        swept[f"ef{ef}_k{kf}"] = {**_pct(tuned_times), "recall": recall(tuned)}
         say(f"  {n}: ef_search {ef}, k_factor {kf}: {swept[f'ef{ef}_k{kf}']}")
-    _tune(approx, cfg.params.ef_search_for(approx.ntotal), cfg.params.k_factor)
+    approx.tune_search(cfg.params.ef_search_for(approx.ntotal), cfg.params.k_factor)
 
     class _Flat:  # times single-query exact searches on the shared full vectors
         def __init__(self, index: Any) -> None:
@@ -247,7 +232,6 @@ def bench_size(
     for index_id in rng.choice(pool, size=n // 5, replace=False):
         approx.remove(int(index_id))
     tomb_answers, tomb_times = _timed(approx, queries, cfg.search_k, cfg.threshold)
-    tomb_same = sum(1 for i in hits if tomb_answers[i] == exact[i])
     faiss.omp_set_num_threads(threads)
     flat_bytes = float(cfg.dim * 4 + 16)  # IndexFlatIP row + IndexIDMap2's id and reverse map
     approximate = {
@@ -263,14 +247,14 @@ def bench_size(
         "bytes_per_entry": serving["bytes_per_entry"],
         "index": "hnsw" if n >= cfg.index_threshold else "flat",
         "ef_search": cfg.params.ef_search_for(n) if n >= cfg.index_threshold else None,
-        "recall": round(same / len(hits), 4) if hits else None,
+        "recall": recall(approx_answers),
         "exact_hits": len(hits),
         "approx_hits_differing": extra,
         "flat": flat,
         "approximate": approximate,
         "approximate_20pct_tombstones": {
             **_pct(tomb_times),
-            "recall": round(tomb_same / len(hits), 4) if hits else None,
+            "recall": recall(tomb_answers),
         },
     }
     if swept:

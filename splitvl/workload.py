@@ -143,7 +143,11 @@ def make_workload(
             earlier images.
     """
     rng = random.Random(seed)
-    seen: list[Image.Image] = list(pool or [])
+    seen: list[Image.Image] = []  # this workload's unique images
+    # With a pool, repeats come from it only: images served before the measured run, so
+    # every repeat could hit a cache (a repeat of an image still in flight cannot, and at
+    # 32 concurrent requests the whole run is in flight).
+    sources = list(pool) if pool else seen
     total = requests * images_per_request
     # Exactly round(fraction * total) repeats at random positions, half exact and half near
     # (a Bernoulli draw per image made a 4-request run anything from 0 to 4 repeats, and
@@ -158,10 +162,7 @@ def make_workload(
         images, kinds = [], []
         for j in range(images_per_request):
             if i * images_per_request + j in repeat_at:
-                # With a pool, repeats come from it only: images served before the measured
-                # run, so every repeat could hit a cache (a repeat of an image still in
-                # flight cannot, and at 32 concurrent requests the whole run is in flight).
-                base = rng.choice(list(pool) if pool else seen)
+                base = rng.choice(sources)
                 if near.pop():
                     images.append(jpeg(base))
                     kinds.append("near")

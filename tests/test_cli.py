@@ -263,7 +263,7 @@ def test_cache_bench_measures_recall_and_sweeps_search_settings_on_one_graph() -
     import faiss
 
     from cache_service.index import VectorIndex
-    from splitvl.cache_bench import _tune, bench_size, default_config, table
+    from splitvl.cache_bench import bench_size, default_config, table
 
     cfg = default_config()
     r = bench_size(3000, cfg, 200, sweep=[(16, 1), (256, 16)])
@@ -277,10 +277,12 @@ def test_cache_bench_measures_recall_and_sweeps_search_settings_on_one_graph() -
     assert "ef256_k16" in table(summary)
 
     index = VectorIndex("hnsw", cfg.dim, cfg.params)
-    _tune(index, 200, 3)
+    index.tune_search(200, 3)
     refine = faiss.downcast_index(index.index.index)
     hnsw = faiss.downcast_index(faiss.downcast_index(refine.base_index).index)
     assert (hnsw.hnsw.efSearch, refine.k_factor) == (200, 3.0)
+    with pytest.raises(ValueError, match="flat index"):
+        VectorIndex("flat", cfg.dim, cfg.params).tune_search(200, 3)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,8 @@ served. Calibration and costs: docs/cache.md.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 from PIL import Image
 
@@ -58,10 +60,22 @@ def _block_means(x: np.ndarray) -> np.ndarray:
     rows = np.arange(0, x.shape[0], VERIFY_BLOCK)
     cols = np.arange(0, x.shape[1], VERIFY_BLOCK)
     sums = np.add.reduceat(np.add.reduceat(x, rows, axis=0), cols, axis=1)
-    counts = np.outer(
-        np.diff(np.append(rows, x.shape[0])), np.diff(np.append(cols, x.shape[1]))
-    )
+    counts = np.outer(np.diff(np.append(rows, x.shape[0])), np.diff(np.append(cols, x.shape[1])))
     return sums / counts
+
+
+def _comparable(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Both present, 2-D, non-empty and of one shape (equal plan sizes)."""
+    return a is not None and b is not None and a.shape == b.shape and a.size > 0 and a.ndim == 2
+
+
+def _residuals(a: np.ndarray, b: np.ndarray) -> Iterator[float]:
+    """The residual in both directions, lazily: a brightened copy clips highlights, which
+    only the darker image can predict."""
+    fa = a.astype(np.float32)
+    fb = b.astype(np.float32)
+    yield _residual(fa, fb)
+    yield _residual(fb, fa)
 
 
 def verification_residual(a: np.ndarray, b: np.ndarray) -> float:
@@ -76,13 +90,7 @@ def verification_residual(a: np.ndarray, b: np.ndarray) -> float:
         8-bit luma levels (0 for identical images); ``inf`` when the shapes differ or an
         image is empty.
     """
-    if a.shape != b.shape or a.size == 0 or a.ndim != 2:
-        return float("inf")
-    fa = a.astype(np.float32)
-    fb = b.astype(np.float32)
-    # Both directions: a brightened copy clips highlights, which only the darker image
-    # can predict.
-    return min(_residual(fa, fb), _residual(fb, fa))
+    return min(_residuals(a, b)) if _comparable(a, b) else float("inf")
 
 
 def _residual(fa: np.ndarray, fb: np.ndarray) -> float:
@@ -102,11 +110,10 @@ def verify(a: np.ndarray | None, b: np.ndarray | None, tolerance: float = VERIFY
     """Whether two verification images show the same picture (see the module docstring).
 
     False when either is missing: an entry or a query without one is never a similarity
-    hit (it can still hit exactly).
+    hit (it can still hit exactly). Same as ``verification_residual(a, b) <= tolerance``,
+    computing the second direction only when the first fails.
     """
-    if a is None or b is None or a.shape != b.shape or a.size == 0 or a.ndim != 2:
+    if not _comparable(a, b):
         return False
-    fa = a.astype(np.float32)
-    fb = b.astype(np.float32)
-    # Same as verification_residual(a, b) <= tolerance, the second direction only if needed.
-    return _residual(fa, fb) <= tolerance or _residual(fb, fa) <= tolerance
+    assert a is not None and b is not None
+    return any(r <= tolerance for r in _residuals(a, b))
