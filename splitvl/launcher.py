@@ -176,10 +176,18 @@ class Cluster:
         log = self.log_path(name).open("ab" if append else "wb")
         self.procs[name] = subprocess.Popen(
             self._command(name),
+            stdin=subprocess.DEVNULL,  # a background process group must not read the tty
             stdout=log,
             stderr=subprocess.STDOUT,
             env=child_env,
-            start_new_session=True,
+            # Its own process group (``kill``/``stop`` signal the group: vLLM's engine-core
+            # and worker children go with the decoder), but not its own session: Linux gives
+            # every session its own scheduler autogroup, and with one autogroup per service
+            # the kernel here starved every other process for 5-60 s at a time while vLLM
+            # decoded (measured: a 0.1 s heartbeat stalled 6-51 s with per-service sessions,
+            # never with one). A new process group also keeps a terminal's Ctrl-C to the
+            # launcher, which stops the services in order.
+            process_group=0,
         )
         log.close()
 
@@ -263,14 +271,19 @@ class Cluster:
             self.kill(name)
         self._spawn(name, self._env(), append=True)
         start = time.monotonic()
-        while health_status(self.ports.address(name), security=self.security()) != "SERVING":
+        while (
+            status := health_status(self.ports.address(name), security=self.security())
+        ) != "SERVING":
             if self.procs[name].poll() is not None:
                 raise RuntimeError(
                     f"{name} exited with code {self.procs[name].returncode}:\n"
                     f"{self.log_tail(name)}"
                 )
             if time.monotonic() - start > timeout_s:
-                raise RuntimeError(f"{name} not SERVING after {timeout_s:.0f}s")
+                raise RuntimeError(
+                    f"{name} not SERVING after {timeout_s:.0f}s (health: {status}):\n"
+                    f"{self.log_tail(name)}"
+                )
             time.sleep(0.2)
 
     def security(self) -> ClientSecurity:
