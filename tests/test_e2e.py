@@ -78,6 +78,23 @@ def test_all_four_services_are_serving(cluster) -> None:
         assert health_status(cluster.ports.address(name)) == "SERVING", name
 
 
+def test_services_share_the_launchers_session_each_in_its_own_process_group(cluster) -> None:
+    """Each service leads its own process group, so a kill takes vLLM's engine-core and
+    worker children with the decoder; none starts a session of its own (one scheduler
+    autogroup per session starved the other processes for seconds while vLLM decoded)."""
+    import os
+
+    import psutil
+
+    for name, proc in cluster.procs.items():
+        assert os.getpgid(proc.pid) == proc.pid, name
+        assert os.getsid(proc.pid) == os.getsid(0), name
+    children = psutil.Process(cluster.procs["decoder"].pid).children(recursive=True)
+    assert children  # vLLM's engine core and worker
+    for child in children:
+        assert os.getpgid(child.pid) == cluster.procs["decoder"].pid, child.name()
+
+
 def test_equality_transformers_vllm_raw_and_services(cluster, tiny_model, tmp_path) -> None:
     """The project's first correctness test (greedy, float32, eos ignored)."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
