@@ -183,8 +183,8 @@ class Cluster:
             # Its own process group (``kill``/``stop`` signal the group: vLLM's engine-core
             # and worker children go with the decoder), but not its own session: Linux gives
             # every session its own scheduler autogroup, and with one autogroup per service
-            # the kernel here starved every other process for 5-60 s at a time while vLLM
-            # decoded (measured: a 0.1 s heartbeat stalled 6-51 s with per-service sessions,
+            # the kernel here starved every other process for seconds at a time while vLLM
+            # decoded (measured: a 0.1 s heartbeat stalled 5-51 s with per-service sessions,
             # never with one). A new process group also keeps a terminal's Ctrl-C to the
             # launcher, which stops the services in order.
             process_group=0,
