@@ -351,9 +351,9 @@ def main(args: argparse.Namespace) -> int:
 def _sizes(text: str) -> list[int]:
     """``--sizes`` value: comma-separated positive entry counts."""
     items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items or not all(x.isdigit() and int(x) > 0 for x in items):
+    if not items:
         raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive entry counts")
-    return [int(x) for x in items]
+    return [positive_int(x) for x in items]
 
 
 def _sweep_pairs(text: str) -> list[tuple[int, int]]:
@@ -363,11 +363,11 @@ def _sweep_pairs(text: str) -> list[tuple[int, int]]:
         if not item:
             continue
         parts = item.split(":")
-        if len(parts) != 2 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+        if len(parts) != 2:
             raise argparse.ArgumentTypeError(
                 f"{item!r} is not EF_SEARCH:K_FACTOR (two positive integers, e.g. 128:16)"
             )
-        pairs.append((int(parts[0]), int(parts[1])))
+        pairs.append((positive_int(parts[0]), positive_int(parts[1])))
     return pairs
 
 
