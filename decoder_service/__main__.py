@@ -3,7 +3,8 @@
 All of vLLM's engine arguments are accepted as they are (``AsyncEngineArgs.add_cli_args``);
 splitvl sets defaults it depends on: ``--enable-mm-embeds``, ``--limit-mm-per-prompt``
 with a non-zero image count (with 0 vLLM drops deepstack, FACTS.md) and, on CPU,
-``--enforce-eager``. Service flags: ``--host``, ``--port``, ``--metrics-port`` and the
+``--enforce-eager`` and ``--block-size 32`` (``engine.CPU_BLOCK_SIZE``: a cache hit then
+reuses its image's KV). Service flags: ``--host``, ``--port``, ``--metrics-port`` and the
 ``DECODER_*`` environment variables.
 """
 
@@ -18,7 +19,7 @@ from pydantic_settings import SettingsConfigDict
 from qwenvl.decoder.v1 import decoder_service_pb2, decoder_service_pb2_grpc
 
 from decoder_service import metrics
-from decoder_service.engine import DecoderEngine
+from decoder_service.engine import DecoderEngine, default_block_size
 from decoder_service.servicer import DecoderServicer
 from decoder_service.validation import Limits
 from vlcommon.server import configure_logging, limit_torch_threads, run, serve
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_mm_embeds=True,
         limit_mm_per_prompt={"image": 8, "video": 0},
         enforce_eager=_on_cpu() or None,
+        block_size=default_block_size(_on_cpu()),
     )
     args = parser.parse_args(argv)
     settings = DecoderSettings(

@@ -28,6 +28,22 @@ from vlcommon.model_info import VisionSpec, load_vision_spec, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
+# vLLM's KV-cache block size on CPU when the operator sets none (``--block-size``).
+# vLLM's CPU default is 128 tokens; its prefix cache reuses whole blocks only, so a cache
+# hit on a 448x448 image (196 image tokens after a 4-token header) reused only the first
+# 128 tokens and still prefilled ~90 of ~215, ~40% of a miss. With 32 it reuses 192.
+# Measured with `splitvl bench --quick --block-size 32` (docs/benchmarks.md, 2026-11-30),
+# against the same run with 128: vLLM alone was faster too (32 concurrent: 1.92 against
+# 1.82 req/s with no repeats, decode step 73 against 85 ms; one at a time 0.78 against
+# 0.72 req/s), so the benchmark gives both systems this default. 16 (vLLM's GPU default)
+# fails at KV-cache set-up on CPU.
+CPU_BLOCK_SIZE = 32
+
+
+def default_block_size(on_cpu: bool) -> int | None:
+    """The decoder's KV-cache block size (tokens) when none is given; None = vLLM's."""
+    return CPU_BLOCK_SIZE if on_cpu else None
+
 
 @dataclass(frozen=True)
 class ImageInput:

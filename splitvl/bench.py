@@ -719,6 +719,9 @@ def plot_cdf(runs: dict[str, dict[str, list[Run]]], path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from decoder_service.engine import default_block_size
     from splitvl.cli import splitvl_home
     from vlcommon.cpus import available_cpus, split_cpus
 
@@ -740,7 +743,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         quick=args.quick,
         rate=args.rate,
-        block_size=args.block_size,
+        block_size=args.block_size or default_block_size(not torch.cuda.is_available()),
     )
     log(f"model {model}; plan {plan}")
     t_start = time.perf_counter()
@@ -864,7 +867,8 @@ def add_parser(sub: Any) -> None:
         "--block-size",
         type=positive_int,
         default=None,
-        help="vLLM KV-cache block size for both systems (default: vLLM's; 128 on CPU)",
+        help="vLLM KV-cache block size for both systems (default: the decoder's: 32 on CPU,"
+        " vLLM's own on GPU)",
     )
     p.add_argument("--skip-encoder", action="store_true")
     p.add_argument("--out", default="bench-out")

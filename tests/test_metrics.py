@@ -231,3 +231,46 @@ def test_refused_request_is_counted_with_its_status(cluster) -> None:
         time.sleep(0.2)
     assert gw("splitvl_gateway_requests_total", method="Generate", code="INVALID_ARGUMENT") == 1
     assert gw("splitvl_gateway_requests_total", method="Generate", code="OK") == 0
+
+
+@pytest.mark.e2e
+def test_a_cache_hit_with_another_prompt_reuses_its_images_kv_in_the_decoder(cluster) -> None:
+    """The decoder's CPU block size (``engine.CPU_BLOCK_SIZE`` = 32) lets vLLM's prefix
+    cache reuse all but the last partial block of a repeated image's tokens.
+
+    vLLM reuses whole blocks only: with its CPU default of 128 a prompt of ~100 image
+    tokens reused none of them, so a cache hit still paid the image's whole prefill.
+    """
+    from decoder_service.engine import CPU_BLOCK_SIZE
+
+    image = png_bytes(rgb("chelsea.png").crop((40, 20, 264, 244)))  # unseen 224x224 crop
+    first = generate(
+        cluster.ports.address("gateway"),
+        build_request([image], "What is this?", max_tokens=2, ignore_eos=True),
+        timeout_s=120,
+    )
+    assert first.images[0]["tier"] == "miss"
+    tokens = first.images[0]["tokens"]
+    assert tokens > CPU_BLOCK_SIZE  # else there is no whole block to reuse
+    time.sleep(1.0)  # the first request's engine stats reach the decoder's counters
+    before = scrape(cluster, "decoder")
+    second = generate(
+        cluster.ports.address("gateway"),
+        build_request([image], "Describe the animal, please.", max_tokens=2, ignore_eos=True),
+        timeout_s=120,
+    )
+    assert second.images[0]["tier"] == "exact"
+    deadline = time.monotonic() + 15
+    while True:
+        dec = Delta(before, scrape(cluster, "decoder"))
+        queried = dec.get("splitvl_decoder_engine_prefix_cache_queried_tokens_total")
+        if queried >= second.usage["prompt_tokens"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert queried == second.usage["prompt_tokens"]
+    hit = dec("splitvl_decoder_engine_prefix_cache_hit_tokens_total")
+    # The prompt is the chat header, the image's tokens, then the text that differs:
+    # every whole block before the text is reused, so at most one block of the image is
+    # prefilled again; and the differing text never is reused.
+    assert hit % CPU_BLOCK_SIZE == 0
+    assert tokens - CPU_BLOCK_SIZE < hit < second.usage["prompt_tokens"] - 1
