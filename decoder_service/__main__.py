@@ -19,7 +19,7 @@ from pydantic_settings import SettingsConfigDict
 from qwenvl.decoder.v1 import decoder_service_pb2, decoder_service_pb2_grpc
 
 from decoder_service import metrics
-from decoder_service.engine import DecoderEngine, default_block_size
+from decoder_service.engine import DecoderEngine, cpu_block_size_error, default_block_size
 from decoder_service.servicer import DecoderServicer
 from decoder_service.validation import Limits
 from vlcommon.server import configure_logging, limit_torch_threads, run, serve
@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     engine_args = AsyncEngineArgs.from_cli_args(args)
     if not engine_args.enable_mm_embeds:
         parser.error("--enable-mm-embeds is required: the decoder takes precomputed embeddings")
+    if _on_cpu() and engine_args.block_size is not None:
+        problem = cpu_block_size_error(engine_args.block_size)
+        if problem:
+            parser.error(problem)
     configure_logging("decoder")
     limit_torch_threads()
     run(main_async(settings, engine_args))

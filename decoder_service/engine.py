@@ -45,6 +45,33 @@ def default_block_size(on_cpu: bool) -> int | None:
     return CPU_BLOCK_SIZE if on_cpu else None
 
 
+def cpu_block_size_error(block_size: int) -> str | None:
+    """Why vLLM's CPU attention cannot run with this KV-cache block size, or None.
+
+    The sizes come from vLLM itself (``CPUAttentionBackend.get_supported_kernel_block_sizes``:
+    multiples of 32 in vLLM 0.32); any other size failed later, inside the engine core's
+    KV-cache set-up, with a traceback instead of a usage error.
+    """
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    allowed = CPUAttentionBackend.get_supported_kernel_block_sizes()
+    names = []
+    for size in allowed:
+        base = getattr(size, "base", None)
+        if base is not None:
+            if block_size > 0 and block_size % base == 0:
+                return None
+            names.append(f"a positive multiple of {base}")
+        else:
+            if block_size == size:
+                return None
+            names.append(str(size))
+    return (
+        f"--block-size must be {' or '.join(names)} on CPU (vLLM's CPU attention kernels),"
+        f" got {block_size}"
+    )
+
+
 @dataclass(frozen=True)
 class ImageInput:
     """One image's embeddings as validated by the servicer.

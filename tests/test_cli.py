@@ -323,3 +323,41 @@ def test_numeric_flags_accept_their_edges() -> None:
     assert parse(["up", "--base-port", "65532", "--metrics-base-port", "0"]).base_port == 65532
     assert parse(["cache-eval", "--threshold", "-1"]).threshold == -1.0
     assert parse(["bench", "--requests", "0", "--rate", "0.5"]).rate == 0.5
+
+
+# -- the decoder's own command line ------------------------------------------------------------
+@pytest.mark.parametrize("size", [16, 48, 0, -32])
+def test_decoder_refuses_a_block_size_vllms_cpu_attention_cannot_run(
+    size: int, tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from decoder_service.__main__ import _on_cpu, main
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # main() sets it; restored after
+
+    if not _on_cpu():
+        pytest.skip("the limit is vLLM's CPU attention's")
+    with pytest.raises(SystemExit) as stop:
+        main(["--model", str(tiny_model), "--block-size", str(size)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--block-size must be a positive multiple of 32 on CPU" in err
+    assert f"got {size}" in err
+
+
+@pytest.mark.parametrize("size", [32, 64, 128, 256])  # 32: the decoder's CPU default
+def test_block_sizes_vllms_cpu_attention_runs_are_accepted(size: int) -> None:
+    from decoder_service.engine import cpu_block_size_error
+
+    assert cpu_block_size_error(size) is None
+
+
+def test_decoder_refuses_to_run_without_mm_embeds(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from decoder_service.__main__ import main
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # main() sets it; restored after
+    with pytest.raises(SystemExit) as stop:
+        main(["--model", str(tiny_model), "--no-enable-mm-embeds"])
+    assert stop.value.code == 2
+    assert "--enable-mm-embeds is required" in capsys.readouterr().err
