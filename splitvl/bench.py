@@ -843,6 +843,24 @@ def bench_model() -> Path:
     return path
 
 
+def block_size(text: str) -> int:
+    """``--block-size``: a KV-cache block size both engines of the run can use.
+
+    On CPU that is vLLM's CPU attention's (``decoder_service.engine.cpu_block_size_error``);
+    any other size used to fail in vLLM alone's engine core after the workload was built.
+    """
+    value = positive_int(text)
+    import torch
+
+    if not torch.cuda.is_available():
+        from decoder_service.engine import cpu_block_size_error
+
+        problem = cpu_block_size_error(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem.removeprefix("--block-size "))
+    return value
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="splitvl against vLLM alone on the same workloads")
     p.add_argument("--model", help="checkpoint (default: the bench checkpoint, built once)")
@@ -865,7 +883,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument(
         "--block-size",
-        type=positive_int,
+        type=block_size,
         default=None,
         help="vLLM KV-cache block size for both systems (default: the decoder's: 32 on CPU,"
         " vLLM's own on GPU)",

@@ -344,6 +344,20 @@ def test_decoder_refuses_a_block_size_vllms_cpu_attention_cannot_run(
     assert f"got {size}" in err
 
 
+def test_bench_refuses_a_block_size_vllms_cpu_attention_cannot_run(capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the limit is vLLM's CPU attention's")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["bench", "--block-size", "16"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --block-size: must be a positive multiple of 32 on CPU" in err
+    assert "got 16" in err
+    assert cli.build_parser().parse_args(["bench", "--block-size", "64"]).block_size == 64
+
+
 @pytest.mark.parametrize("size", [32, 64, 128, 256])  # 32: the decoder's CPU default
 def test_block_sizes_vllms_cpu_attention_runs_are_accepted(size: int) -> None:
     from decoder_service.engine import cpu_block_size_error
