@@ -22,6 +22,7 @@ from decoder_service import metrics
 from decoder_service.engine import DecoderEngine, cpu_block_size_error, default_block_size
 from decoder_service.servicer import DecoderServicer
 from decoder_service.validation import Limits
+from vlcommon.model_info import model_error
 from vlcommon.server import configure_logging, limit_torch_threads, run, serve
 from vlcommon.settings import ServerSettings
 
@@ -111,13 +112,22 @@ def main(argv: list[str] | None = None) -> None:
             if getattr(args, k) is not None
         }
     )
+
+    def usage_error(message: str) -> None:
+        # parser.error would print vLLM's usage first: ~250 lines of engine flags.
+        parser.exit(2, f"{parser.prog}: error: {message} (flags: --help)\n")
+
+    # Before AsyncEngineArgs, which resolves the model itself and raises from huggingface_hub.
+    problem = model_error(args.model)
+    if problem:
+        usage_error(problem)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     if not engine_args.enable_mm_embeds:
-        parser.error("--enable-mm-embeds is required: the decoder takes precomputed embeddings")
+        usage_error("--enable-mm-embeds is required: the decoder takes precomputed embeddings")
     if _on_cpu() and engine_args.block_size is not None:
         problem = cpu_block_size_error(engine_args.block_size)
         if problem:
-            parser.error(problem)
+            usage_error(problem)
     configure_logging("decoder")
     limit_torch_threads()
     run(main_async(settings, engine_args))

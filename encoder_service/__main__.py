@@ -15,6 +15,7 @@ from encoder_service.batcher import Batcher
 from encoder_service.engine import VisionEngine
 from encoder_service.servicer import EncoderServicer
 from encoder_service.settings import EncoderSettings, batch_patches_for
+from vlcommon.model_info import model_error
 from vlcommon.server import configure_logging, run, serve
 
 log = logging.getLogger("encoder_service")
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = EncoderSettings(**overrides)
     if not settings.model:
         parser.error("--model (or ENCODER_MODEL) is required")
+    problem = model_error(settings.model)
+    if problem:
+        parser.error(problem)
     configure_logging("encoder")
     if settings.cpus:
         import os

@@ -18,7 +18,7 @@ from qwenvl.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from gateway.servicer import Downstream, GatewayServicer
 from gateway.settings import GatewaySettings
 from vlcommon import telemetry
-from vlcommon.model_info import load_vision_spec, model_revision, resolve_model_dir
+from vlcommon.model_info import load_vision_spec, model_error, model_revision, resolve_model_dir
 from vlcommon.security import ClientSecurity, aio_channel
 from vlcommon.server import configure_logging, limit_torch_threads, run, serve
 from vlcommon.settings import channel_options
@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = GatewaySettings(**{k: v for k, v in vars(args).items() if v is not None})
     if not settings.model:
         parser.error("--model (or GATEWAY_MODEL) is required")
+    problem = model_error(settings.model)
+    if problem:
+        parser.error(problem)
     configure_logging("gateway")
     limit_torch_threads()
     run(main_async(settings))

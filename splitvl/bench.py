@@ -886,7 +886,7 @@ def add_parser(sub: Any) -> None:
         type=block_size,
         default=None,
         help="vLLM KV-cache block size for both systems (default: the decoder's: 32 on CPU,"
-        " vLLM's own on GPU)",
+        " vLLM's own on GPU; on CPU a positive multiple of 32)",
     )
     p.add_argument("--skip-encoder", action="store_true")
     p.add_argument("--out", default="bench-out")

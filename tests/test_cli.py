@@ -375,3 +375,46 @@ def test_decoder_refuses_to_run_without_mm_embeds(
         main(["--model", str(tiny_model), "--no-enable-mm-embeds"])
     assert stop.value.code == 2
     assert "--enable-mm-embeds is required" in capsys.readouterr().err
+
+
+# -- a service started alone with a --model it cannot load -------------------------------------
+SERVICE_MAINS = ["gateway", "encoder_service", "decoder_service"]
+
+
+@pytest.mark.parametrize("service", SERVICE_MAINS)
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        ("/nonexistent/checkpoint", "no such checkpoint directory"),
+        ("EMPTY_DIR", "the directory has no config.json"),
+        ("not a hub id!", "not a directory, nor a resolvable hub id"),
+    ],
+)
+def test_a_service_given_a_model_it_cannot_load_exits_with_a_usage_error(
+    service: str,
+    model: str,
+    reason: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It used to bind its port, log "listening", then die in a huggingface_hub traceback."""
+    import importlib
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the decoder's main() sets it
+    if model == "EMPTY_DIR":
+        model = str(tmp_path)
+    main = importlib.import_module(f"{service}.__main__").main
+    with pytest.raises(SystemExit) as stop:
+        main(["--model", model])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--model {model!r}: {reason}" in err
+    assert "Traceback" not in err and len(err.splitlines()) <= 8, err  # not vLLM's 250-line usage
+
+
+def test_the_tiny_checkpoint_is_a_model_the_services_can_load(tiny_model: Path) -> None:
+    from vlcommon.model_info import model_error
+
+    assert model_error(str(tiny_model)) is None

@@ -31,6 +31,34 @@ def resolve_model_dir(model: str) -> Path:
     return Path(snapshot_download(model))
 
 
+def model_error(model: str) -> str | None:
+    """Why a service's ``--model`` cannot be loaded, as one line naming it; None if it can.
+
+    A local path (absolute, or starting with ``.`` or ``~``, or existing) must be a directory
+    holding ``config.json``. Anything else is resolved as a hub id by ``resolve_model_dir``
+    (the local hub cache; a download unless ``HF_HUB_OFFLINE=1``), as the service would at
+    start. The services call this before they bind a port, so a wrong path is a usage error
+    (exit status 2) instead of a traceback after "listening".
+    """
+    path = Path(model).expanduser()
+    if model.startswith(("/", ".", "~")) or path.exists():
+        if not path.is_dir():
+            return f"--model {model!r}: no such checkpoint directory"
+        if not (path / "config.json").is_file():
+            return f"--model {model!r}: the directory has no config.json (not a checkpoint)"
+        return None
+    try:
+        resolved = resolve_model_dir(model)
+    # huggingface_hub raises a different type per cause (an invalid id, offline and not
+    # cached, not found, HTTP errors); each is the same usage error here.
+    except Exception as err:  # noqa: BLE001
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"--model {model!r}: not a directory, nor a resolvable hub id ({reason})"
+    if not (resolved / "config.json").is_file():
+        return f"--model {model!r}: the hub snapshot has no config.json (not a checkpoint)"
+    return None
+
+
 @dataclass(frozen=True)
 class VisionSpec:
     """Qwen3-VL vision geometry and widths.
