@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import signal
 import sys
 import tempfile
@@ -39,8 +38,10 @@ from splitvl.launcher import (
     DEFAULT_BASE_PORT,
     DEFAULT_METRICS_BASE_PORT,
     Cluster,
+    LaunchConfigError,
     Ports,
     ServiceStartError,
+    split_args,
 )
 
 
@@ -87,7 +88,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         model=model,
         ports=ports,
         log_dir=Path(args.log_dir),
-        decoder_args=[a for arg in args.decoder_arg for a in shlex.split(arg)],
+        decoder_args=[a for arg in args.decoder_arg for a in split_args(arg, "--decoder-arg")],
     )
 
 
@@ -269,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
         # One line, not a traceback: the log file has the service's own error.
         print(f"splitvl {args.command}: {err.summary}", file=sys.stderr)
         rc = 1
+    except LaunchConfigError as err:
+        print(f"splitvl {args.command}: error: {err}", file=sys.stderr)
+        rc = 2
     sys.exit(rc)
 
 

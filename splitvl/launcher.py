@@ -57,6 +57,22 @@ class ServiceStartError(RuntimeError):
         super().__init__(f"{service} {what}:\n{tail}")
 
 
+class LaunchConfigError(ValueError):
+    """The launch configuration itself is wrong (nothing was started); one line for a user."""
+
+
+def split_args(text: str, source: str) -> list[str]:
+    """Shell words of a decoder-argument string (``shlex.split``).
+
+    Raises:
+        LaunchConfigError: unbalanced quotes or a trailing escape, naming ``source``.
+    """
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        raise LaunchConfigError(f"{source}: {err} in {text!r}") from None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -143,7 +159,7 @@ class Cluster:
                 "--model",
                 self.model,
                 *DECODER_DEFAULT_ARGS,
-                *shlex.split(self._env().get("SPLITVL_DECODER_ARGS", "")),
+                *split_args(self._env().get("SPLITVL_DECODER_ARGS", ""), "SPLITVL_DECODER_ARGS"),
                 *self.decoder_args,
             ]
         return base
@@ -152,6 +168,7 @@ class Cluster:
         """Start all four (decoder first: its engine takes longest to come up)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = self._env()
+        self._command("decoder")  # a LaunchConfigError here leaves nothing started
         for name in ("decoder", "encoder", "cache", "gateway"):
             self._spawn(name, env)
 
@@ -213,12 +230,12 @@ class Cluster:
             for name in sorted(pending):
                 proc = self.procs[name]
                 if proc.poll() is not None:
-                    raise ServiceStartError(
-                        name,
-                        self.log_path(name),
-                        f"exited with code {proc.returncode} while starting",
-                        self.log_tail(name),
-                    )
+                    what = f"exited with code {proc.returncode} while starting"
+                    tail = self.log_tail(name)
+                    if proc.returncode == 2 and tail.strip():
+                        # argparse's exit status: its last line is the usage error itself.
+                        what += f" ({tail.strip().splitlines()[-1].strip()})"
+                    raise ServiceStartError(name, self.log_path(name), what, tail)
                 if health_status(self.ports.address(name), security=self.security()) == "SERVING":
                     pending.discard(name)
                     if progress is not None:
@@ -276,8 +293,7 @@ class Cluster:
         ) != "SERVING":
             if self.procs[name].poll() is not None:
                 raise RuntimeError(
-                    f"{name} exited with code {self.procs[name].returncode}:\n"
-                    f"{self.log_tail(name)}"
+                    f"{name} exited with code {self.procs[name].returncode}:\n{self.log_tail(name)}"
                 )
             if time.monotonic() - start > timeout_s:
                 raise RuntimeError(

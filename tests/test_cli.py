@@ -418,3 +418,55 @@ def test_the_tiny_checkpoint_is_a_model_the_services_can_load(tiny_model: Path) 
     from vlcommon.model_info import model_error
 
     assert model_error(str(tiny_model)) is None
+
+
+# -- splitvl up: decoder arguments an operator got wrong ----------------------------------------
+@pytest.mark.parametrize("source", ["--decoder-arg", "SPLITVL_DECODER_ARGS"])
+def test_up_with_unbalanced_quotes_in_decoder_args_is_one_line_and_starts_nothing(
+    source: str, tmp_path: Path, tiny_model: Path
+) -> None:
+    """shlex.split's ValueError used to end `up` in a traceback."""
+    bad = "--block-size '16"
+    log_dir = tmp_path / "logs"
+    argv = ["up", "--model", str(tiny_model), "--log-dir", str(log_dir)]
+    if source == "--decoder-arg":
+        out = _splitvl(*argv, f"--decoder-arg={bad}")
+    else:
+        out = _splitvl(*argv, env={"SPLITVL_DECODER_ARGS": bad})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"splitvl up: error: {source}: No closing quotation in {bad!r}"
+    ]
+    assert not list(log_dir.glob("*.log"))  # no service was started
+
+
+@pytest.mark.e2e
+def test_up_names_the_decoders_usage_error_when_it_refuses_its_arguments(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """A decoder that exits 2 (argparse) puts its error in the launcher's one line."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("--block-size 16 is refused on CPU only")
+    log_dir = tmp_path / "logs"
+    base = free_port()
+    out = _splitvl(
+        "up",
+        "--model",
+        str(tiny_model),
+        "--base-port",
+        str(base),
+        "--metrics-base-port",
+        "0",
+        "--log-dir",
+        str(log_dir),
+        "--decoder-arg=--block-size=16",
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("splitvl up: decoder exited with code 2 while starting (")
+    assert "--block-size must be a positive multiple of 32 on CPU" in lines[0]
+    assert lines[0].endswith(f"see its log: {log_dir / 'decoder.log'}")
