@@ -59,7 +59,12 @@ def run_demo(args: argparse.Namespace) -> int:
     say(f"starting the four services (model {cluster.model}; logs in {cluster.log_dir}) ...")
     results, ok = [], 0
     with cluster:
-        say(f"all four SERVING; gateway at {cluster.ports.address('gateway')}\n")
+        say(f"all four SERVING; gateway at {cluster.ports.address('gateway')}")
+        say(f"prompt {PROMPT!r}, {args.max_tokens} greedy tokens per image")
+        if not args.model:
+            say("(the tiny checkpoint's weights are random: its answers are not words; the")
+            say(" cache tier, the token ids and the stage times are what the demo shows)")
+        say("")
         for name, data in workload():
             request = build_request([data], PROMPT, max_tokens=args.max_tokens, ignore_eos=True)
             entry: dict[str, object] = {"image": name, "prompt": PROMPT}
