@@ -57,6 +57,14 @@ def _splitvl(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     )
 
 
+def _up_argv(model: Path, log_dir: Path) -> list[str]:
+    """`splitvl up` on free ports, Prometheus off, logs in ``log_dir``."""
+    return [
+        *("up", "--model", str(model), "--base-port", str(free_port())),
+        *("--metrics-base-port", "0", "--log-dir", str(log_dir)),
+    ]
+
+
 def test_generate_with_a_missing_file_is_one_line_and_exit_2(tmp_path) -> None:
     missing = tmp_path / "nope.png"
     out = _splitvl("generate", "--image", str(missing), "--prompt", "hi")
@@ -203,19 +211,8 @@ def test_up_with_a_broken_checkpoint_fails_with_one_line_naming_service_and_log(
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
-    base = free_port()
     log_dir = tmp_path / "logs"
-    out = _splitvl(
-        "up",
-        "--model",
-        str(broken),
-        "--base-port",
-        str(base),
-        "--metrics-base-port",
-        "0",
-        "--log-dir",
-        str(log_dir),
-    )
+    out = _splitvl(*_up_argv(broken, log_dir))
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
@@ -451,19 +448,7 @@ def test_up_names_the_decoders_usage_error_when_it_refuses_its_arguments(
     if torch.cuda.is_available():
         pytest.skip("--block-size 16 is refused on CPU only")
     log_dir = tmp_path / "logs"
-    base = free_port()
-    out = _splitvl(
-        "up",
-        "--model",
-        str(tiny_model),
-        "--base-port",
-        str(base),
-        "--metrics-base-port",
-        "0",
-        "--log-dir",
-        str(log_dir),
-        "--decoder-arg=--block-size=16",
-    )
+    out = _splitvl(*_up_argv(tiny_model, log_dir), "--decoder-arg=--block-size=16")
     assert out.returncode == 1, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, lines
