@@ -128,6 +128,11 @@ def main(argv: list[str] | None = None) -> None:
         problem = cpu_block_size_error(engine_args.block_size)
         if problem:
             usage_error(problem)
+    block, max_len = engine_args.block_size, engine_args.max_model_len
+    if block is not None and max_len is not None and block > max_len:
+        # vLLM would start, then fail to fit one block in the KV-cache space with a hint
+        # about gpu_memory_utilization (measured: --block-size 1048576 under splitvl up).
+        usage_error(f"--block-size {block} is larger than --max-model-len {max_len}")
     configure_logging("decoder")
     limit_torch_threads()
     run(main_async(settings, engine_args))

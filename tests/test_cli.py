@@ -355,6 +355,19 @@ def test_bench_refuses_a_block_size_vllms_cpu_attention_cannot_run(capsys) -> No
     assert cli.build_parser().parse_args(["bench", "--block-size", "64"]).block_size == 64
 
 
+def test_decoder_refuses_a_block_larger_than_the_model_length(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from decoder_service.__main__ import main
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # main() sets it; restored after
+    argv = ["--model", str(tiny_model), "--max-model-len", "4096", "--block-size", "1048576"]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert "--block-size 1048576 is larger than --max-model-len 4096" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("size", [32, 64, 128, 256])  # 32: the decoder's CPU default
 def test_block_sizes_vllms_cpu_attention_runs_are_accepted(size: int) -> None:
     from decoder_service.engine import cpu_block_size_error
