@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 # Measured with `splitvl bench --quick --block-size 32` (docs/benchmarks.md, 2026-11-30),
 # against the same run with 128: vLLM alone was faster too (32 concurrent: 1.92 against
 # 1.82 req/s with no repeats, decode step 73 against 85 ms; one at a time 0.78 against
-# 0.72 req/s), so the benchmark gives both systems this default. 16 (vLLM's GPU default)
-# fails at KV-cache set-up on CPU.
+# 0.72 req/s), so the benchmark gives both systems this default. It is the smallest size
+# vLLM's CPU attention runs (``cpu_block_size_error``; 16, vLLM's GPU default, is refused).
 CPU_BLOCK_SIZE = 32
 
 

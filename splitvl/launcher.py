@@ -168,7 +168,6 @@ class Cluster:
         """Start all four (decoder first: its engine takes longest to come up)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = self._env()
-        self._command("decoder")  # a LaunchConfigError here leaves nothing started
         for name in ("decoder", "encoder", "cache", "gateway"):
             self._spawn(name, env)
 
@@ -189,10 +188,13 @@ class Cluster:
             **placement.get(name, {}),
             **service_env(name, env),  # SPLITVL_TLS_* / SPLITVL_INTERNAL_TOKEN per service
         }
+        # Before the log is opened: a LaunchConfigError (the decoder's, spawned first) then
+        # leaves nothing started and no file behind.
+        command = self._command(name)
         # A restarted service's log is appended to the crashed one's.
         log = self.log_path(name).open("ab" if append else "wb")
         self.procs[name] = subprocess.Popen(
-            self._command(name),
+            command,
             stdin=subprocess.DEVNULL,  # a background process group must not read the tty
             stdout=log,
             stderr=subprocess.STDOUT,

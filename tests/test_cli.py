@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
@@ -323,18 +324,25 @@ def test_numeric_flags_accept_their_edges() -> None:
 
 
 # -- the decoder's own command line ------------------------------------------------------------
+@pytest.fixture
+def decoder_main(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``decoder_service.__main__.main``; it sets VLLM_CPU_KVCACHE_SPACE, restored after."""
+    from decoder_service.__main__ import main
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    return main
+
+
 @pytest.mark.parametrize("size", [16, 48, 0, -32])
 def test_decoder_refuses_a_block_size_vllms_cpu_attention_cannot_run(
-    size: int, tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    size: int, tiny_model: Path, capsys: pytest.CaptureFixture[str], decoder_main: Any
 ) -> None:
-    from decoder_service.__main__ import _on_cpu, main
-
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # main() sets it; restored after
+    from decoder_service.__main__ import _on_cpu
 
     if not _on_cpu():
         pytest.skip("the limit is vLLM's CPU attention's")
     with pytest.raises(SystemExit) as stop:
-        main(["--model", str(tiny_model), "--block-size", str(size)])
+        decoder_main(["--model", str(tiny_model), "--block-size", str(size)])
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "--block-size must be a positive multiple of 32 on CPU" in err
@@ -356,14 +364,11 @@ def test_bench_refuses_a_block_size_vllms_cpu_attention_cannot_run(capsys) -> No
 
 
 def test_decoder_refuses_a_block_larger_than_the_model_length(
-    tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], decoder_main: Any
 ) -> None:
-    from decoder_service.__main__ import main
-
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # main() sets it; restored after
     argv = ["--model", str(tiny_model), "--max-model-len", "4096", "--block-size", "1048576"]
     with pytest.raises(SystemExit) as stop:
-        main(argv)
+        decoder_main(argv)
     assert stop.value.code == 2
     assert "--block-size 1048576 is larger than --max-model-len 4096" in capsys.readouterr().err
 
@@ -376,13 +381,10 @@ def test_block_sizes_vllms_cpu_attention_runs_are_accepted(size: int) -> None:
 
 
 def test_decoder_refuses_to_run_without_mm_embeds(
-    tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], decoder_main: Any
 ) -> None:
-    from decoder_service.__main__ import main
-
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # main() sets it; restored after
     with pytest.raises(SystemExit) as stop:
-        main(["--model", str(tiny_model), "--no-enable-mm-embeds"])
+        decoder_main(["--model", str(tiny_model), "--no-enable-mm-embeds"])
     assert stop.value.code == 2
     assert "--enable-mm-embeds is required" in capsys.readouterr().err
 
