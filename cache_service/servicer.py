@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -12,7 +15,13 @@ from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service import metrics
-from cache_service.store import CacheFullError, EmbeddingStore, Entry, Match
+from cache_service.store import (
+    CacheFullError,
+    EmbeddingStore,
+    Entry,
+    KeyGridConflictError,
+    Match,
+)
 from vlcommon import tensors
 from vlcommon.errors import ServiceError, abort, invalid_argument, resource_exhausted
 from vlcommon.verification import MAX_VERIFICATION_BYTES
@@ -30,13 +39,54 @@ POLICIES = {
 }
 
 
-def _grid(msg: tensor_pb2.GridTHW, field: str) -> tuple[int, int, int]:
+def _grid(msg: tensor_pb2.GridTHW, field: str, merge: int) -> tuple[int, int, int]:
     grid = (int(msg.t), int(msg.h), int(msg.w))
-    if min(grid) <= 0:
+    if min(grid) <= 0 or grid[1] % merge or grid[2] % merge:
         raise invalid_argument(
-            "GRID_INVALID", f"{field} is {list(grid)}; every entry must be > 0", field=field
+            "GRID_INVALID",
+            f"{field} is {list(grid)}; every entry must be > 0, and h and w multiples of "
+            f"spatial_merge_size {merge}",
+            field=field,
         )
     return grid
+
+
+@dataclass(frozen=True)
+class _Query:
+    key: str
+    grid: tuple[int, int, int]
+    descriptor: np.ndarray | None
+    verification: np.ndarray | None
+    revision: str
+
+
+class _Leases:
+    """The entries one Lookup leased, released together when its RPC is done.
+
+    The matching runs on a worker thread, so a lease can be taken after the RPC was
+    cancelled; :meth:`add` then releases it at once instead of leaking it (a leaked lease
+    would keep the entry from eviction for ever).
+    """
+
+    def __init__(self, store: EmbeddingStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._entries: list[Entry] = []
+        self.done = threading.Event()
+
+    def add(self, entry: Entry) -> None:
+        with self._lock:
+            if not self.done.is_set():
+                self._entries.append(entry)
+                return
+        self._store.release(entry)
+
+    def release_all(self) -> None:
+        with self._lock:
+            self.done.set()
+            entries, self._entries = self._entries, []
+        for entry in entries:
+            self._store.release(entry)
 
 
 def _descriptor(msg: tensor_pb2.Tensor, dim: int, field: str) -> np.ndarray | None:
@@ -104,10 +154,6 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 limit=self.max_queries,
             )
 
-    def _release_all(self, leased: list[Entry]) -> None:
-        while leased:
-            self.store.release(leased.pop())
-
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
@@ -115,16 +161,19 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
         Entries returned with their embeddings are leased until the RPC is done (the
         response sent, or the call failed or was cancelled), so eviction cannot pick them.
+        The queries are checked on the event loop and matched on a worker thread: a
+        similarity candidate's verification costs up to ~20 ms (2048x2048 plans), and 256
+        queries with 8 candidates each must not stall health checks and other calls. A
+        cancelled call stops matching at the next query.
 
         Raises (as status): INVALID_ARGUMENT for a bad key, grid, descriptor, verification
         image (not UINT8 [h, w], or over 4 MiB), policy or too many queries.
         """
         t0 = time.perf_counter()
         rpc_span = trace.get_current_span()
-        leased: list[Entry] = []
-        # Runs when the call completes, whatever the outcome; releasing twice is impossible
-        # because the list is emptied.
-        context.add_done_callback(lambda _ctx: self._release_all(leased))
+        leases = _Leases(self.store)
+        # Runs when the call completes, whatever the outcome.
+        context.add_done_callback(lambda _ctx: leases.release_all())
         try:
             self._check_count(len(request.queries), "queries")
             if request.policy not in generation_pb2.CachePolicy.values():
@@ -134,44 +183,36 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     field="policy",
                 )
             policy = request.policy or self.default_policy
-            response = pb.LookupResponse()
-            tiers: list[str] = []
-            scores: list[float] = []
+            queries = []
             for i, query in enumerate(request.queries):
                 field = f"queries[{i}]"
                 if not query.key:
                     raise invalid_argument(
                         "KEY_MISSING", f"{field}.key is empty", field=f"{field}.key"
                     )
-                grid = _grid(query.grid, f"{field}.grid")
-                descriptor = _descriptor(query.descriptor, self.store.dim, f"{field}.descriptor")
-                verification = _verification(query.verification, f"{field}.verification")
-                with tracer.start_as_current_span("cache.lookup") as span:
-                    if policy == generation_pb2.CACHE_POLICY_OFF:
-                        match = Match("miss", 0.0, None)
-                    else:
-                        match = self.store.lookup(
-                            query.key,
-                            descriptor,
-                            grid,
-                            similar=policy == generation_pb2.CACHE_POLICY_SIMILAR,
-                            lease=request.include_embeddings,
-                            revision=query.revision,
-                            verification=verification,
-                        )
-                    if match.entry is not None and request.include_embeddings:
-                        leased.append(match.entry)
-                    span.set_attribute("splitvl.cache.tier", match.tier)
-                    span.set_attribute("splitvl.cache.similarity", match.similarity)
-                    span.set_attribute("splitvl.cache.rejected_candidates", match.rejected)
+                queries.append(
+                    _Query(
+                        query.key,
+                        _grid(query.grid, f"{field}.grid", self.merge),
+                        _descriptor(query.descriptor, self.store.dim, f"{field}.descriptor"),
+                        _verification(query.verification, f"{field}.verification"),
+                        query.revision,
+                    )
+                )
+            # to_thread copies the context: the per-query spans stay under this RPC's span.
+            matches = await asyncio.to_thread(
+                self._match_all, queries, policy, request.include_embeddings, leases
+            )
+            response = pb.LookupResponse()
+            for match in matches:
                 self._count(match)
-                tiers.append(match.tier)
-                scores.append(match.similarity)
                 result = response.results.add(tier=TIERS[match.tier], similarity=match.similarity)
                 if match.entry is not None:
                     result.matched_key = match.entry.key
                     if request.include_embeddings:
                         result.embedding.CopyFrom(_embedding_proto(match.entry))
+            tiers = [m.tier for m in matches]
+            scores = [m.similarity for m in matches]
             rpc_span.set_attribute("splitvl.cache.tiers", tiers)
             rpc_span.set_attribute("splitvl.cache.similarities", scores)
             if len(tiers) == 1:
@@ -182,6 +223,35 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             await abort(context, err)
         finally:
             metrics.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
+
+    def _match_all(
+        self, queries: list[_Query], policy: int, lease: bool, leases: _Leases
+    ) -> list[Match]:
+        """Match every query against the store (on a worker thread)."""
+        matches = []
+        for query in queries:
+            if leases.done.is_set():  # the call is over: nobody reads the rest
+                break
+            with tracer.start_as_current_span("cache.lookup") as span:
+                if policy == generation_pb2.CACHE_POLICY_OFF:
+                    match = Match("miss", 0.0, None)
+                else:
+                    match = self.store.lookup(
+                        query.key,
+                        query.descriptor,
+                        query.grid,
+                        similar=policy == generation_pb2.CACHE_POLICY_SIMILAR,
+                        lease=lease,
+                        revision=query.revision,
+                        verification=query.verification,
+                    )
+                if match.entry is not None and lease:
+                    leases.add(match.entry)
+                span.set_attribute("splitvl.cache.tier", match.tier)
+                span.set_attribute("splitvl.cache.similarity", match.similarity)
+                span.set_attribute("splitvl.cache.rejected_candidates", match.rejected)
+            matches.append(match)
+        return matches
 
     def _count(self, match: Match) -> None:
         self.hits[match.tier] += 1
@@ -216,7 +286,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     raise invalid_argument(
                         "KEY_MISSING", f"{field}.key is empty", field=f"{field}.key"
                     )
-                grid = _grid(entry.embedding.grid, f"{field}.embedding.grid")
+                grid = _grid(entry.embedding.grid, f"{field}.embedding.grid", self.merge)
                 descriptor = _descriptor(entry.descriptor, self.store.dim, f"{field}.descriptor")
                 verification = _verification(entry.verification, f"{field}.verification")
                 emb = entry.embedding.embeddings
@@ -269,6 +339,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         verification=verification,
                         revision=revision,
                     )
+                except KeyGridConflictError as err:
+                    raise invalid_argument(
+                        "KEY_GRID_CONFLICT",
+                        f"entries[{i}].embedding.grid is {list(grid)} but entries[{i}].key is "
+                        f"already stored with grid {list(err.stored_grid)} (a key is a digest "
+                        f"over the pixels and the resize plan); the {i} entries before it "
+                        "were stored",
+                        field=f"entries[{i}].embedding.grid",
+                    ) from err
                 except CacheFullError as err:
                     metrics.PUTS_REFUSED.labels(reason="leased").inc()
                     raise resource_exhausted(

@@ -70,6 +70,21 @@ class EntryTooLargeError(ValueError):
     """An entry alone is larger than the byte budget (RESOURCE_EXHAUSTED)."""
 
 
+class KeyGridConflictError(ValueError):
+    """A key already held with another ``image_grid_thw`` (INVALID_ARGUMENT).
+
+    The exact key is a digest over the pixels and the resize plan, so one key has one grid;
+    another grid under the same key is a client's bug, and the stored entry is kept.
+
+    Attributes:
+        stored_grid: The grid stored under the key.
+    """
+
+    def __init__(self, stored_grid: tuple[int, int, int]) -> None:
+        super().__init__(f"the key is already stored with grid {list(stored_grid)}")
+        self.stored_grid = stored_grid
+
+
 class CacheFullError(RuntimeError):
     """Leased entries hold so many bytes that an entry cannot fit (RESOURCE_EXHAUSTED).
 
@@ -258,7 +273,8 @@ class EmbeddingStore:
         revision: str = "",
         verification: np.ndarray | None = None,
     ) -> Match:
-        """Find ``key`` exactly, else (when ``similar``) the most similar entry with an equal
+        """Find ``key`` exactly (stored with an equal ``grid``: a key held with another grid
+        is a miss), else (when ``similar``) the most similar entry with an equal
         grid, an equal ``revision`` and a passing verification against ``verification``
         (uint8 [h, w], :func:`vlcommon.verification.verification_image`; without one no
         similarity hit is possible). Scores are clamped to [-1, 1]; ``similarity`` reports
@@ -310,6 +326,8 @@ class EmbeddingStore:
         if entry is not None and self._expired(entry, now):
             entry = None
         if entry is not None:
+            if entry.grid != grid:  # not this image's plan: never answer with another grid
+                return Match("miss", 0.0, None), []
             return Match("exact", 1.0, entry), []
         if not similar or descriptor is None or self._index.live == 0:
             return Match("miss", 0.0, None), []
@@ -376,6 +394,7 @@ class EmbeddingStore:
         digest of the content and model revision, so its embeddings are the same.
 
         Raises:
+            KeyGridConflictError: the key is held with another grid; nothing changed.
             EntryTooLargeError: the entry alone is larger than the byte budget.
             CacheFullError: leased entries hold too many bytes for it to fit; nothing was
                 evicted.
@@ -391,6 +410,8 @@ class EmbeddingStore:
             now = self.clock()
             self._expire(now)
             old = self._entries.get(key)
+            if old is not None and old.grid != grid:
+                raise KeyGridConflictError(old.grid)
             if old is not None:
                 old.expires_at = now + self.ttl_s if self.ttl_s > 0 else math.inf
                 self._entries.move_to_end(key)

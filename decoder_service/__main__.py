@@ -38,6 +38,8 @@ class DecoderSettings(ServerSettings):
     max_tokens_default: int = Field(256, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
     max_text_chars: int = Field(65536, ge=1)
+    max_messages: int = Field(64, ge=1, description="Messages per request.")
+    max_parts: int = Field(256, ge=1, description="Content parts over all messages.")
 
 
 def _on_cpu() -> bool:
@@ -56,6 +58,8 @@ async def main_async(settings: DecoderSettings, engine_args: object) -> None:
         max_tokens_default=settings.max_tokens_default,
         max_tokens_limit=settings.max_tokens_limit,
         max_text_chars=settings.max_text_chars,
+        max_messages=settings.max_messages,
+        max_parts=settings.max_parts,
     )
     stop = asyncio.Event()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,12 +26,10 @@ from decoder_service.validation import (
     to_chat_messages,
 )
 from vlcommon.errors import ServiceError, abort, invalid_argument
+from vlcommon.sampling import check_sampling_ranges
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.decoder")
-MAX_TEMPERATURE = 2.0
-MAX_STOP = 16
-MAX_STOP_CHARS = 256
 FINISH = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH}
 
 
@@ -87,36 +85,7 @@ def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits) -> objec
             field="sampling.max_tokens",
             limit=limits.max_tokens_limit,
         )
-    # vLLM accepts temperatures in [0, 2] (its SamplingParams check); 0 means greedy.
-    if not math.isfinite(msg.temperature) or not 0.0 <= msg.temperature <= MAX_TEMPERATURE:
-        raise invalid_argument(
-            "TEMPERATURE_OUT_OF_RANGE",
-            f"sampling.temperature is {msg.temperature}; allowed 0..{MAX_TEMPERATURE:g}",
-            field="sampling.temperature",
-            limit=MAX_TEMPERATURE,
-        )
-    top_p = msg.top_p or 1.0
-    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
-        raise invalid_argument(
-            "TOP_P_OUT_OF_RANGE",
-            f"sampling.top_p is {msg.top_p}; allowed (0, 1]",
-            field="sampling.top_p",
-        )
-    if len(msg.stop) > MAX_STOP:
-        raise invalid_argument(
-            "STOP_INVALID",
-            f"sampling.stop has {len(msg.stop)} strings; the limit is {MAX_STOP}",
-            field="sampling.stop",
-            limit=MAX_STOP,
-        )
-    for k, stop in enumerate(msg.stop):
-        if not stop or len(stop) > MAX_STOP_CHARS:
-            raise invalid_argument(
-                "STOP_INVALID",
-                f"sampling.stop[{k}] has {len(stop)} characters; allowed 1..{MAX_STOP_CHARS}",
-                field=f"sampling.stop[{k}]",
-                limit=MAX_STOP_CHARS,
-            )
+    top_p = check_sampling_ranges(msg)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -165,12 +134,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                     "ENGINE_DEAD",
                     "decoder engine has died; the service is restarting",
                 )
-            limits = Limits(
-                max_images=self.engine.max_images,
-                max_tokens_default=self.limits.max_tokens_default,
-                max_tokens_limit=self.limits.max_tokens_limit,
-                max_text_chars=self.limits.max_text_chars,
-            )
+            limits = dataclasses.replace(self.limits, max_images=self.engine.max_images)
             messages, order = to_chat_messages(request, self.engine.forbidden_tokens, limits)
             images = [
                 check_image(request.images[i], i, self.engine.spec, self.engine.max_image_tokens)

@@ -32,12 +32,16 @@ class Limits:
         max_tokens_default: max_tokens when the request leaves it unset.
         max_tokens_limit: Largest max_tokens accepted.
         max_text_chars: Characters of text over all parts.
+        max_messages: Messages per request (the gateway's default too).
+        max_parts: Content parts over all messages (the gateway's default too).
     """
 
     max_images: int
     max_tokens_default: int
     max_tokens_limit: int
     max_text_chars: int
+    max_messages: int = 64
+    max_parts: int = 256
 
 
 def to_chat_messages(
@@ -53,11 +57,32 @@ def to_chat_messages(
         raise invalid_argument(
             "NO_MESSAGES", "messages is empty; send at least one", field="messages"
         )
+    # Counted before anything is rendered: the chat template and the tokenizer run on the
+    # event loop, and 600,000 empty messages (4.8 MB) held it for 28 s.
+    if len(request.messages) > limits.max_messages:
+        raise invalid_argument(
+            "TOO_MANY_MESSAGES",
+            f"messages has {len(request.messages)} entries; the limit is {limits.max_messages}",
+            field="messages",
+            limit=limits.max_messages,
+        )
+    parts = sum(len(m.parts) for m in request.messages)
+    if parts > limits.max_parts:
+        raise invalid_argument(
+            "TOO_MANY_PARTS",
+            f"messages hold {parts} parts; the limit is {limits.max_parts}",
+            field="messages",
+            limit=limits.max_parts,
+        )
     messages: list[dict[str, Any]] = []
     order: list[int] = []
     chars = 0
     for i, message in enumerate(request.messages):
         check_role(message.role, f"messages[{i}].role")
+        if not message.parts:
+            raise invalid_argument(
+                "PARTS_EMPTY", f"messages[{i}].parts is empty", field=f"messages[{i}].parts"
+            )
         content: list[dict[str, Any]] = []
         for j, part in enumerate(message.parts):
             field = f"messages[{i}].parts[{j}]"
@@ -145,7 +170,7 @@ def check_image(
             "EMBEDDINGS_MISSING", f"{field}.embeddings is missing", field=f"{field}.embeddings"
         )
     emb = msg.embeddings
-    tensors.validate(emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES)
+    tensors.validate(emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES, ndim=2)
     expected = [math.prod(grid) // (m * m), spec.embedding_width]
     if list(emb.shape) != expected:
         raise invalid_argument(

@@ -361,9 +361,7 @@ class UrlFetcher:
                     self._check_status(response.status, url, field)
                     return await self._read(response, url, field)
             except aiohttp.ClientConnectorCertificateError as exc:
-                raise self._unavailable(
-                    field, url, "failed TLS certificate verification"
-                ) from exc
+                raise self._unavailable(field, url, "failed TLS certificate verification") from exc
             except aiohttp.ClientSSLError as exc:
                 raise self._unavailable(field, url, "failed the TLS handshake") from exc
             except aiohttp.ClientConnectorError as exc:

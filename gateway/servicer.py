@@ -59,6 +59,7 @@ from vlcommon.imaging import (
     similarity_descriptor,
 )
 from vlcommon.model_info import VisionSpec
+from vlcommon.sampling import check_sampling_ranges
 from vlcommon.verification import verification_image
 
 log = logging.getLogger(__name__)
@@ -324,9 +325,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         """Stop preparing images for a request that was cancelled or ran out of time."""
         if stop.is_set():
             metrics.PREPROCESS_STOPPED.labels(reason="cancelled").inc()
-            raise ServiceError(
-                grpc.StatusCode.CANCELLED, "CANCELLED", "the request was cancelled"
-            )
+            raise ServiceError(grpc.StatusCode.CANCELLED, "CANCELLED", "the request was cancelled")
         if deadline is not None and time.monotonic() >= deadline:
             metrics.PREPROCESS_STOPPED.labels(reason="deadline").inc()
             raise ServiceError(
@@ -612,6 +611,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     field="sampling.max_tokens",
                     limit=self.settings.max_tokens_limit,
                 )
+            check_sampling_ranges(sampling)  # before any image is decoded or encoded
             if request.cache_policy not in generation_pb2.CachePolicy.values():
                 raise invalid_argument(
                     "CACHE_POLICY_INVALID",

@@ -238,6 +238,102 @@ async def test_put_refused_while_leases_hold_the_budget(served) -> None:
     store.check_invariants()
 
 
+class GatedStore(EmbeddingStore):
+    """A store whose lookups wait at a gate (a slow verification, in effect)."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.returned = threading.Event()
+
+    def lookup(self, *args: object, **kw: object):  # type: ignore[no-untyped-def]
+        self.entered.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        match = super().lookup(*args, **kw)  # type: ignore[arg-type]
+        self.returned.set()
+        return match
+
+
+async def test_slow_lookup_leaves_the_service_answering_and_a_cancelled_one_keeps_no_lease() -> (
+    None
+):
+    """Matching runs off the event loop: while one Lookup is held inside the store (as a
+    long verification would be: 60 queries of 2048x2048 images held the loop for 62 s), a
+    GetStats is answered. That Lookup's caller then cancels it; the lease the store takes
+    afterwards, with nobody left to read the answer, is released, not leaked."""
+    args: dict[str, object] = {"descriptor_dim": DIM, "capacity_bytes": 10**6}
+    store = GatedStore(**args)
+    servicer = CacheServicer(
+        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=16
+    )
+    store_put(store, 1)
+    async with in_process_server(
+        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
+    ) as channel:
+        stub = pb_grpc.CacheServiceStub(channel)
+        exact = lookup_request([1], seed=0)
+        exact.queries[0].key = "k1"  # an exact hit: leased for the response
+        call = stub.Lookup(exact)
+        assert await asyncio.to_thread(store.entered.wait, 10)
+        stats = await stub.GetStats(pb.GetStatsRequest(), timeout=5)
+        assert stats.entries == 1
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0.2)  # the server sees the cancellation
+        store.gate.set()
+        assert await asyncio.to_thread(store.returned.wait, 10)
+        for _ in range(50):  # the worker thread hands the lease back just after
+            if store.leased == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert store.leased == 0
+        store.check_invariants()
+        # The service goes on answering, with a lease released after the response.
+        resp = await stub.Lookup(exact)
+        assert check_results(resp) == ["k1"]
+        assert store.leased == 0
+
+
+async def test_a_key_answers_and_stores_only_with_its_own_grid(served) -> None:
+    """One exact key has one grid (the key digests the resize plan). A Lookup of the key
+    with another grid is a miss, not the stored [4, w] embeddings for an [8, 8] grid; a Put
+    of the key with another grid is INVALID_ARGUMENT naming the grid (it used to answer
+    ``stored: 1`` and drop it); a grid whose h or w is not a multiple of the merge size
+    (its rows would be truncated) is refused."""
+    stub, store = served
+    await stub.Put(pb.PutRequest(entries=[put_entry(1)]))
+    query = lookup_request([1], seed=0)
+    query.queries[0].key = "k1"
+    assert check_results(await stub.Lookup(query)) == ["k1"]
+    query.queries[0].grid.CopyFrom(tensor_pb2.GridTHW(t=1, h=8, w=8))
+    query.queries[0].ClearField("descriptor")
+    resp = await stub.Lookup(query)
+    assert resp.results[0].tier == generation_pb2.CACHE_TIER_MISS
+    assert not resp.results[0].HasField("embedding")
+
+    other = put_entry(1)
+    other.embedding.grid.CopyFrom(tensor_pb2.GridTHW(t=1, h=2, w=8))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Put(pb.PutRequest(entries=[put_entry(2), other]))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details().startswith("entries[1].embedding.grid is [1, 2, 8] but ")
+    assert "already stored with grid [1, 4, 4]" in exc.value.details()
+    assert "k2" in store and store.lookup("k1", None, GRID, similar=False).tier == "exact"
+
+    odd = put_entry(3)
+    odd.embedding.grid.CopyFrom(tensor_pb2.GridTHW(t=1, h=3, w=4))  # 12 / 4 = 3 rows
+    odd.embedding.embeddings.CopyFrom(tensors.from_numpy(payload(3)[:3]))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Put(pb.PutRequest(entries=[odd]))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "entries[0].embedding.grid is [1, 3, 4]" in exc.value.details()
+    assert "multiples of spatial_merge_size 2" in exc.value.details()
+    assert "k3" not in store
+    store.check_invariants()
+
+
 async def test_entry_larger_than_the_budget_is_resource_exhausted() -> None:
     store = new_store(capacity_bytes=64)
     servicer = CacheServicer(

@@ -166,15 +166,14 @@ async def test_image_bytes_edge(tiny_model, tiny_png) -> None:
             limit,
             f"images[0] is {limit + 1} bytes; the limit is {limit}",
         )
+
         # A data URL is held to the same limit on its decoded bytes.
         def data_url(n: int) -> gpb.ContentPart:
             b64 = base64.b64encode(padded_png(tiny_png, n)).decode()
             return gpb.ContentPart(image=gpb.ImageInput(data_url=f"data:image/png;base64,{b64}"))
 
         await accepted(stub, request(data_url(limit)))
-        await refused(
-            stub, request(data_url(limit + 1)), grpc.StatusCode.RESOURCE_EXHAUSTED, limit
-        )
+        await refused(stub, request(data_url(limit + 1)), grpc.StatusCode.RESOURCE_EXHAUSTED, limit)
 
 
 async def test_decoded_pixels_edge(tiny_model) -> None:
@@ -252,6 +251,53 @@ async def test_messages_and_parts_edges(tiny_model) -> None:
         await refused(
             stub, many, grpc.StatusCode.INVALID_ARGUMENT, n, f"{n + 1} entries; the limit is {n}"
         )
+
+
+async def test_sampling_ranges_are_refused_before_any_image_work(tiny_model, tiny_png) -> None:
+    """temperature, top_p and stop are checked by the gateway itself. Only the decoder
+    used to check them, so a request with temperature NaN had its image encoded and cached
+    before it was refused; here every dependency is down, and a request that got past
+    intake would be UNAVAILABLE."""
+    bad: list[tuple[str, object, str]] = [
+        ("temperature", float("nan"), "sampling.temperature is nan; allowed 0..2"),
+        ("temperature", -0.5, "sampling.temperature is -0.5; allowed 0..2"),
+        ("top_p", 1.5, "sampling.top_p is 1.5; allowed (0, 1]"),
+        ("stop", [""], "sampling.stop[0] has 0 characters; allowed 1..256"),
+        ("stop", ["x"] * 17, "sampling.stop has 17 strings; the limit is 16"),
+    ]
+    async with gateway(tiny_model) as stub:
+        for name, value, phrase in bad:
+            r = request(image(tiny_png), text("hi"))
+            if name == "stop":
+                r.sampling.stop.extend(value)  # type: ignore[arg-type]
+            else:
+                setattr(r.sampling, name, value)
+            err = await status(stub, r)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, err.details())
+            assert phrase in err.details(), (phrase, err.details())
+            info = error_info(err)
+            assert info is not None and info.metadata["field"].startswith(f"sampling.{name}")
+        ok = request(image(tiny_png), text("hi"))
+        ok.sampling.temperature, ok.sampling.top_p = 2.0, 0.5
+        ok.sampling.stop.extend(["x" * 256] * 16)
+        await accepted(stub, ok)
+
+
+async def test_an_error_quoting_a_long_input_stays_invalid_argument(tiny_model) -> None:
+    """A 9,000-character role used to come back as RESOURCE_EXHAUSTED "received metadata
+    size exceeds hard limit" (the message quoting it travels twice in the trailers), without
+    the field. It is INVALID_ARGUMENT ROLE_INVALID, its message shortened in the middle."""
+    async with gateway(tiny_model) as stub:
+        r = request()
+        r.messages[0].role = "u" * 9000
+        err = await status(stub, r)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert err.details().startswith("messages[0].role is 'uuu")
+        assert err.details().endswith("expected one of system, user, assistant")
+        assert "characters left out" in err.details()
+        info = error_info(err)
+        assert info is not None and info.reason == "ROLE_INVALID"
+        assert info.metadata["field"] == "messages[0].role"
 
 
 async def test_pixel_budget_bounds(tiny_model, tiny_png) -> None:

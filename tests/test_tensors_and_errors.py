@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import numpy as np
 import pytest
@@ -38,6 +40,49 @@ def test_validate_names_field_and_sizes() -> None:
     assert "needs 24" in exc.value.message
     with pytest.raises(ServiceError, match="expected one of UINT8"):
         tensors.validate(msg, field="x", dtypes=(tensor_pb2.DATA_TYPE_UINT8,))
+
+
+def test_a_shape_of_too_many_dimensions_is_refused_before_its_size_is_computed() -> None:
+    """The dimension count is bounded first: for 130,000 dimensions of 2**62 the byte count
+    (Python big integers) held the decoder's event loop for 42 s before the size mismatch
+    was found. The answer names the shape and the bound, not the size."""
+    msg = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=[2**62] * 2000 + [0])
+    with pytest.raises(ServiceError) as exc:
+        tensors.validate(msg, field="images[0].embeddings")
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.reason == "TENSOR_SHAPE_INVALID"
+    assert exc.value.message == (
+        f"images[0].embeddings.shape has 2001 dimensions; at most {tensors.MAX_NDIM} are allowed"
+    )
+    assert exc.value.metadata == {"field": "images[0].embeddings.shape", "limit": "8"}
+    ok = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_UINT8, shape=[1] * 8, data=b"\0")
+    tensors.validate(ok, field="x")
+
+
+def test_a_message_quoting_a_long_input_is_shortened_in_the_middle() -> None:
+    """gRPC refuses trailing metadata over 16 KiB and the message travels twice, so an
+    error quoting a 9,000-character input reached the client as RESOURCE_EXHAUSTED without
+    the field. Messages keep their start (the field) and end (the limit)."""
+    from vlcommon.errors import MAX_MESSAGE_CHARS, MAX_METADATA_CHARS
+
+    role = "u" * 9000
+    full = f"messages[0].role is {role!r}; expected one of system, user, assistant"
+    err = invalid_argument("ROLE_INVALID", full, field="messages[0].role", actual=role)
+    assert len(err.message) <= MAX_MESSAGE_CHARS
+    assert err.message.startswith("messages[0].role is 'uuu")
+    assert err.message.endswith("; expected one of system, user, assistant")
+    # What is kept plus what the note counts is the whole message.
+    note = re.search(r" \.\.\. \[(\d+) characters left out\] \.\.\. ", err.message)
+    assert note is not None
+    head, tail = err.message[: note.start()], err.message[note.end() :]
+    assert full.startswith(head) and full.endswith(tail)
+    assert len(head) + int(note[1]) + len(tail) == len(full)
+    assert err.metadata["field"] == "messages[0].role"
+    assert len(err.metadata["actual"]) <= MAX_METADATA_CHARS
+    short = invalid_argument("X", "images[0] is bad", field="images[0]")
+    assert short.message == "images[0] is bad"
+    status = to_status(err)
+    assert sum(len(k) + len(v) for k, v in status.trailing_metadata) < 4096
 
 
 def test_status_carries_error_info() -> None:

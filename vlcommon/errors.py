@@ -20,14 +20,35 @@ _D = TypeVar("_D", error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo)
 ERROR_DOMAIN = "splitvl.qwenvl"
 
 
+# gRPC refuses trailing metadata over 16 KiB (its hard limit, on the client side too), and
+# the message travels twice (grpc-message, and inside grpc-status-details-bin): a message
+# that quotes a long input (a 9,000-character role, a 100,000-dimension shape) turned the
+# answer into RESOURCE_EXHAUSTED "received metadata size exceeds hard limit", without the
+# field. Messages and metadata values are therefore shortened in the middle, keeping the
+# start (the field) and the end (the limit).
+MAX_MESSAGE_CHARS = 1024
+MAX_METADATA_CHARS = 256
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text``, or its start and end around a note of how many characters were left out."""
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    head = limit - tail - 40
+    return f"{text[:head]} ... [{len(text) - head - tail} characters left out] ... {text[-tail:]}"
+
+
 class ServiceError(Exception):
     """A failure with the gRPC status it must produce.
 
     Args:
         code: The gRPC status code.
         reason: UPPER_SNAKE reason for ErrorInfo, e.g. ``IMAGE_DECODE_FAILED``.
-        message: Human-readable message naming the field and, where one applies, the limit.
-        metadata: ErrorInfo metadata, e.g. ``{"field": "images[1]", "limit": "200"}``.
+        message: Human-readable message naming the field and, where one applies, the limit;
+            over ``MAX_MESSAGE_CHARS`` it is shortened in the middle.
+        metadata: ErrorInfo metadata, e.g. ``{"field": "images[1]", "limit": "200"}``;
+            values over ``MAX_METADATA_CHARS`` are shortened in the middle.
         retry_after_ms: A retry hint (over-capacity answers): sent as a
             ``google.rpc.RetryInfo`` detail and ``retry-after-ms`` trailing metadata.
     """
@@ -40,11 +61,14 @@ class ServiceError(Exception):
         metadata: dict[str, str] | None = None,
         retry_after_ms: int | None = None,
     ) -> None:
+        message = shorten(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.message = message
-        self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+        self.metadata = {
+            k: shorten(str(v), MAX_METADATA_CHARS) for k, v in (metadata or {}).items()
+        }
         self.retry_after_ms = retry_after_ms
 
     def __str__(self) -> str:
