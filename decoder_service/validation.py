@@ -17,7 +17,12 @@ from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 
 from decoder_service.engine import ImageInput
 from vlcommon import tensors
-from vlcommon.errors import check_no_control_tokens, check_role, invalid_argument
+from vlcommon.errors import (
+    check_message_counts,
+    check_no_control_tokens,
+    check_role,
+    invalid_argument,
+)
 from vlcommon.model_info import VisionSpec
 
 EMBEDDING_DTYPES = (tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_BF16, tensor_pb2.DATA_TYPE_FP16)
@@ -53,27 +58,11 @@ def to_chat_messages(
         (messages, image_order): ``image_order[k]`` is the index into ``request.images``
         of the k-th image placeholder in the prompt.
     """
-    if not request.messages:
-        raise invalid_argument(
-            "NO_MESSAGES", "messages is empty; send at least one", field="messages"
-        )
     # Counted before anything is rendered: the chat template and the tokenizer run on the
     # event loop, and 600,000 empty messages (4.8 MB) held it for 28 s.
-    if len(request.messages) > limits.max_messages:
-        raise invalid_argument(
-            "TOO_MANY_MESSAGES",
-            f"messages has {len(request.messages)} entries; the limit is {limits.max_messages}",
-            field="messages",
-            limit=limits.max_messages,
-        )
-    parts = sum(len(m.parts) for m in request.messages)
-    if parts > limits.max_parts:
-        raise invalid_argument(
-            "TOO_MANY_PARTS",
-            f"messages hold {parts} parts; the limit is {limits.max_parts}",
-            field="messages",
-            limit=limits.max_parts,
-        )
+    check_message_counts(
+        request.messages, max_messages=limits.max_messages, max_parts=limits.max_parts
+    )
     messages: list[dict[str, Any]] = []
     order: list[int] = []
     chars = 0

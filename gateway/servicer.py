@@ -43,7 +43,7 @@ from vlcommon import tensors
 from vlcommon.errors import (
     ServiceError,
     abort,
-    check_count,
+    check_message_counts,
     check_no_control_tokens,
     check_role,
     from_rpc_error,
@@ -184,15 +184,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         scanned, so an oversized request is refused without work proportional to its size.
         """
         s = self.settings
-        check_count(len(request.messages), field="messages", limit=s.max_messages)
-        parts = sum(len(m.parts) for m in request.messages)
-        if parts > s.max_parts:
-            raise invalid_argument(
-                "TOO_MANY_PARTS",
-                f"messages hold {parts} parts; the limit is {s.max_parts}",
-                field="messages",
-                limit=s.max_parts,
-            )
+        check_message_counts(request.messages, max_messages=s.max_messages, max_parts=s.max_parts)
         n_images = sum(1 for m in request.messages for q in m.parts if q.HasField("image"))
         if n_images > s.max_images:
             raise invalid_argument(

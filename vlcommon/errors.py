@@ -8,7 +8,8 @@ limit), packed with grpcio-status as in grpc's ``examples/python/errors/``.
 
 from __future__ import annotations
 
-from typing import NoReturn, TypeVar
+from collections.abc import Sequence
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
@@ -123,6 +124,24 @@ def check_count(n: int, *, field: str, limit: int, noun: str = "entries") -> Non
             f"{field} has {n} {noun}; the limit is {limit}",
             field=field,
             limit=limit,
+        )
+
+
+def check_message_counts(messages: Sequence[Any], *, max_messages: int, max_parts: int) -> None:
+    """Refuse no messages, too many messages, or too many content parts over all of them,
+    before any content is read (the gateway and the decoder alike).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming ``messages`` (and the limit when over it).
+    """
+    check_count(len(messages), field="messages", limit=max_messages)
+    parts = sum(len(m.parts) for m in messages)
+    if parts > max_parts:
+        raise invalid_argument(
+            "TOO_MANY_PARTS",
+            f"messages hold {parts} parts; the limit is {max_parts}",
+            field="messages",
+            limit=max_parts,
         )
 
 
