@@ -155,6 +155,15 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             )
             n_prompt = self.engine.prompt_length(ids, images)
             budget = self.engine.max_model_len - params.max_tokens  # type: ignore[attr-defined]
+            if n_prompt >= self.engine.max_model_len:  # no max_tokens would make it fit
+                raise invalid_argument(
+                    "PROMPT_TOO_LONG",
+                    f"the prompt is {n_prompt} tokens (images included); max_model_len is "
+                    f"{self.engine.max_model_len}, and at least one token must be generated: "
+                    "shorten the messages",
+                    field="messages",
+                    limit=self.engine.max_model_len,
+                )
             if n_prompt > budget:
                 raise invalid_argument(
                     "PROMPT_TOO_LONG",

@@ -509,6 +509,31 @@ def test_request_limits_and_enums_name_the_field(cluster) -> None:
     assert "9 images; the limit is 8" in err.details()
 
 
+def test_a_prompt_too_long_names_what_to_shorten(cluster) -> None:
+    """PROMPT_TOO_LONG names ``messages`` when the prompt alone fills max_model_len (32768
+    in this cluster; no max_tokens could fit), and ``sampling.max_tokens`` when a smaller
+    one would: it named max_tokens in both cases."""
+    from vlcommon.errors import error_info
+
+    # 20,000 CJK characters are 60,000 tokens for the tiny checkpoint's byte-level BPE.
+    long = build_request([photo("coffee.png")], "漢" * 20000, max_tokens=4)
+    err = ask_error(cluster, long)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_model_len is 32768, and at least one token must be generated" in err.details()
+    info = error_info(err)
+    assert info is not None and info.reason == "PROMPT_TOO_LONG"
+    assert (info.metadata["field"], info.metadata["limit"]) == ("messages", "32768")
+    # 3,000 text tokens and the image: a prompt that fits, but not with 30,000 max_tokens.
+    fits = build_request([photo("coffee.png")], "word " * 1500, max_tokens=LONG_STREAM_TOKENS)
+    err = ask_error(cluster, fits)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"and max_tokens {LONG_STREAM_TOKENS}; together they exceed max_model_len 32768" in (
+        err.details()
+    )
+    info = error_info(err)
+    assert info is not None and info.metadata["field"] == "sampling.max_tokens"
+
+
 def test_a_large_upload_is_resized_before_it_travels(cluster) -> None:
     # 6000 x 6000 decodes to 108 MB of RGB; the gateway sends only the resized pixels.
     big = Image.new("RGB", (6000, 6000), (200, 30, 30))

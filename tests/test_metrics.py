@@ -90,6 +90,72 @@ async def test_interceptor_counts_methods_and_status_codes() -> None:
     assert _sample("splitvl_test_in_flight_requests", {"method": "Ok"}) == 0
 
 
+async def test_interceptor_counts_cancels_and_passed_deadlines_as_the_client_saw_them() -> None:
+    """A stream cancelled while its handler waits at a ``yield`` (its write blocked: the
+    client stopped reading) ends the handler with GeneratorExit: counted CANCELLED, not
+    UNKNOWN. A call whose deadline passes is counted DEADLINE_EXCEEDED, not CANCELLED."""
+    import asyncio
+
+    from tests.conftest import in_process_server
+
+    big = b"x" * (1 << 20)
+
+    async def endless(request: bytes, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        while True:
+            yield big
+
+    async def slow(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await asyncio.sleep(30)
+        return request
+
+    async def slow_stream(request: bytes, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        yield request
+        await asyncio.sleep(30)
+        yield request
+
+    def handler(kind, fn):  # type: ignore[no-untyped-def]
+        return kind(fn, request_deserializer=bytes, response_serializer=bytes)
+
+    handlers = {
+        "Endless": handler(grpc.unary_stream_rpc_method_handler, endless),
+        "Slow": handler(grpc.unary_unary_rpc_method_handler, slow),
+        "SlowStream": handler(grpc.unary_stream_rpc_method_handler, slow_stream),
+    }
+
+    def add(_servicer, server) -> None:  # type: ignore[no-untyped-def]
+        server.add_registered_method_handlers("t.v1.EndService", handlers)
+
+    name = "splitvl_test_requests_total"
+    cases = [("Endless", "CANCELLED"), ("Slow", "DEADLINE_EXCEEDED")]
+    cases += [("SlowStream", "DEADLINE_EXCEEDED")]
+    wrong = [(m, c) for m, _ in cases for c in ("UNKNOWN", "CANCELLED", "DEADLINE_EXCEEDED")]
+    before = {k: _sample(name, {"method": k[0], "code": k[1]}) for k in wrong}
+    async with in_process_server(add, None, "t.v1.EndService") as channel:
+        call = channel.unary_stream("/t.v1.EndService/Endless")(b"")
+        assert await call.read() == big
+        await asyncio.sleep(0.5)  # the server fills the flow-control window and blocks
+        call.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await channel.unary_unary("/t.v1.EndService/Slow")(b"x", timeout=0.2)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        stream = channel.unary_stream("/t.v1.EndService/SlowStream")(b"y", timeout=0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            async for _ in stream:
+                pass
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def counted() -> dict[tuple[str, str], float]:
+            return {k: _sample(name, {"method": k[0], "code": k[1]}) - before[k] for k in wrong}
+
+        for _ in range(50):  # the server finishes the handlers just after the client is told
+            if sum(counted().values()) == len(cases):
+                break
+            await asyncio.sleep(0.05)
+    got = counted()
+    assert {k for k, n in got.items() if n} == set(cases), got
+    assert all(got[k] == 1 for k in cases), got
+
+
 # -- the cluster -----------------------------------------------------------------------------
 def scrape(cluster, service: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """All samples of one service's /metrics, keyed by (name, sorted labels)."""

@@ -83,8 +83,13 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
     EXIF orientation is applied (``ImageOps.exif_transpose``) before anything else sees
     the pixels; animated images (GIF, APNG, WebP, multi-page TIFF) use their first frame
     (``seek(0)``); every mode becomes RGB by the rules of :func:`_to_rgb` (transparency
-    composited on white, high bit depths scaled to 8 bits). Truncated files are rejected:
-    Pillow's ``LOAD_TRUNCATED_IMAGES`` is never switched on.
+    composited on white, high bit depths scaled to 8 bits). A file that ends before its
+    image data does is rejected: Pillow's ``LOAD_TRUNCATED_IMAGES`` is never switched on.
+    A file whose container is complete but whose compressed data stops short (a PNG whose
+    zlib stream ends after a few rows; a JPEG cut and closed with an EOI marker) decodes
+    with what the codec fills in (zero rows; grey blocks), as Pillow, browsers and vLLM's
+    own image loader take it: its pixels are what the cache keys and the ViT see, so the
+    answer is about the picture as decoded, never about another one.
 
     Args:
         data: The encoded file (PNG, JPEG, WebP, GIF, BMP, TIFF, ...).

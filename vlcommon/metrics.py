@@ -84,8 +84,19 @@ def rpc_metrics(service: str) -> RpcMetrics:
 
 
 def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
-    """The status the client sees: what the handler set or aborted with, else OK/UNKNOWN."""
-    if isinstance(error, asyncio.CancelledError):
+    """The status the client sees: what the handler set or aborted with, else OK/UNKNOWN.
+
+    grpc ends a handler that outlives its call by cancelling it: CancelledError where the
+    handler awaits, GeneratorExit where a streaming handler waits at a ``yield`` (its
+    consumer was cancelled mid-write). Either way the client saw DEADLINE_EXCEEDED if its
+    deadline has passed, else CANCELLED (a GeneratorExit used to be counted as UNKNOWN, which
+    the gateway-errors alert reads as a bug, and a passed deadline as CANCELLED, which it
+    leaves out).
+    """
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return grpc.StatusCode.DEADLINE_EXCEEDED.name
         return grpc.StatusCode.CANCELLED.name
     code = context.code()
     if isinstance(code, grpc.StatusCode):
