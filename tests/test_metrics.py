@@ -29,6 +29,29 @@ def _sample(name: str, labels: dict[str, str]) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+def bytes_service(service: str, unary: dict, streams: dict):  # type: ignore[no-untyped-def,type-arg]
+    """An ``in_process_server`` registration of raw-bytes handlers under ``service``."""
+    handlers = {
+        **{
+            name: grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=bytes, response_serializer=bytes
+            )
+            for name, fn in unary.items()
+        },
+        **{
+            name: grpc.unary_stream_rpc_method_handler(
+                fn, request_deserializer=bytes, response_serializer=bytes
+            )
+            for name, fn in streams.items()
+        },
+    }
+
+    def add(_servicer, server) -> None:  # type: ignore[no-untyped-def]
+        server.add_registered_method_handlers(service, handlers)
+
+    return add
+
+
 async def test_interceptor_counts_methods_and_status_codes() -> None:
     """Each RPC is counted once under its short method name and the status the client saw."""
     from tests.conftest import in_process_server
@@ -47,18 +70,9 @@ async def test_interceptor_counts_methods_and_status_codes() -> None:
         for _ in range(3):
             yield request
 
-    def handler(kind, fn):  # type: ignore[no-untyped-def]
-        return kind(fn, request_deserializer=bytes, response_serializer=bytes)
-
-    handlers = {
-        "Ok": handler(grpc.unary_unary_rpc_method_handler, ok),
-        "Refuse": handler(grpc.unary_unary_rpc_method_handler, refuse),
-        "Crash": handler(grpc.unary_unary_rpc_method_handler, crash),
-        "Stream": handler(grpc.unary_stream_rpc_method_handler, stream),
-    }
-
-    def add(_servicer, server) -> None:  # type: ignore[no-untyped-def]
-        server.add_registered_method_handlers("t.v1.TestService", handlers)
+    add = bytes_service(
+        "t.v1.TestService", {"Ok": ok, "Refuse": refuse, "Crash": crash}, {"Stream": stream}
+    )
 
     name = "splitvl_test_requests_total"
     before = {
@@ -113,17 +127,9 @@ async def test_interceptor_counts_cancels_and_passed_deadlines_as_the_client_saw
         await asyncio.sleep(30)
         yield request
 
-    def handler(kind, fn):  # type: ignore[no-untyped-def]
-        return kind(fn, request_deserializer=bytes, response_serializer=bytes)
-
-    handlers = {
-        "Endless": handler(grpc.unary_stream_rpc_method_handler, endless),
-        "Slow": handler(grpc.unary_unary_rpc_method_handler, slow),
-        "SlowStream": handler(grpc.unary_stream_rpc_method_handler, slow_stream),
-    }
-
-    def add(_servicer, server) -> None:  # type: ignore[no-untyped-def]
-        server.add_registered_method_handlers("t.v1.EndService", handlers)
+    add = bytes_service(
+        "t.v1.EndService", {"Slow": slow}, {"Endless": endless, "SlowStream": slow_stream}
+    )
 
     name = "splitvl_test_requests_total"
     cases = [("Endless", "CANCELLED"), ("Slow", "DEADLINE_EXCEEDED")]
