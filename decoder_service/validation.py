@@ -37,16 +37,16 @@ class Limits:
         max_tokens_default: max_tokens when the request leaves it unset.
         max_tokens_limit: Largest max_tokens accepted.
         max_text_chars: Characters of text over all parts.
-        max_messages: Messages per request (the gateway's default too).
-        max_parts: Content parts over all messages (the gateway's default too).
+        max_messages: Messages per request.
+        max_parts: Content parts over all messages.
     """
 
     max_images: int
     max_tokens_default: int
     max_tokens_limit: int
     max_text_chars: int
-    max_messages: int = 64
-    max_parts: int = 256
+    max_messages: int
+    max_parts: int
 
 
 def to_chat_messages(
