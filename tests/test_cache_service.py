@@ -239,20 +239,33 @@ async def test_put_refused_while_leases_hold_the_budget(served) -> None:
 
 
 class GatedStore(EmbeddingStore):
-    """A store whose lookups wait at a gate (a slow verification, in effect)."""
+    """A store whose lookups (or, with ``gate_puts``, puts) wait at a gate: a slow
+    verification or a slow index add, in effect."""
 
-    def __init__(self, **kw: object) -> None:
+    def __init__(self, gate_puts: bool = False, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
+        self.gate_puts = gate_puts
         self.entered = threading.Event()
         self.gate = threading.Event()
         self.returned = threading.Event()
 
     def lookup(self, *args: object, **kw: object):  # type: ignore[no-untyped-def]
+        if self.gate_puts:
+            return super().lookup(*args, **kw)  # type: ignore[arg-type]
         self.entered.set()
         assert self.gate.wait(30), "the test never opened the gate"
         match = super().lookup(*args, **kw)  # type: ignore[arg-type]
         self.returned.set()
         return match
+
+    def put(self, *args: object, **kw: object) -> int:
+        if not self.gate_puts:
+            return super().put(*args, **kw)  # type: ignore[arg-type]
+        self.entered.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        evicted = super().put(*args, **kw)  # type: ignore[arg-type]
+        self.returned.set()
+        return evicted
 
 
 async def test_slow_lookup_leaves_the_service_answering_and_a_cancelled_one_keeps_no_lease() -> (
@@ -294,6 +307,32 @@ async def test_slow_lookup_leaves_the_service_answering_and_a_cancelled_one_keep
         resp = await stub.Lookup(exact)
         assert check_results(resp) == ["k1"]
         assert store.leased == 0
+
+
+async def test_a_slow_put_leaves_the_service_answering() -> None:
+    """Put runs off the event loop too: while one Put is held inside the store (a large
+    entry's finiteness check, or an index add at a million entries), a Lookup and a
+    GetStats are answered, and the Put then completes with its entry stored."""
+    store = GatedStore(gate_puts=True, descriptor_dim=DIM, capacity_bytes=10**6)
+    servicer = CacheServicer(
+        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=16
+    )
+    async with in_process_server(
+        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
+    ) as channel:
+        stub = pb_grpc.CacheServiceStub(channel)
+        put = asyncio.ensure_future(stub.Put(pb.PutRequest(entries=[put_entry(2)]), timeout=30))
+        assert await asyncio.to_thread(store.entered.wait, 10)
+        stats = await stub.GetStats(pb.GetStatsRequest(), timeout=5)
+        assert stats.entries == 0  # the held Put has not stored yet
+        query = lookup_request([2], seed=0)
+        query.queries[0].key = "k2"
+        miss = await stub.Lookup(query, timeout=5)
+        assert miss.results[0].tier == generation_pb2.CACHE_TIER_MISS
+        store.gate.set()
+        resp = await put
+        assert (resp.stored, resp.evicted) == (1, 0)
+        assert check_results(await stub.Lookup(query, timeout=5)) == ["k2"]
 
 
 async def test_a_key_answers_and_stores_only_with_its_own_grid(served) -> None:
