@@ -76,6 +76,16 @@ async def in_process_server(
         await task
 
 
+@pytest.fixture(autouse=True)
+def _unfreeze_gc() -> Iterator[None]:
+    """serve() freezes the heap once its service is up (``gc_freeze``); in-process tests
+    run it in this process, so every test hands the frozen objects back to the collector."""
+    yield
+    import gc
+
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny checkpoint, built once per session with the fixed seed."""
@@ -118,9 +128,7 @@ class OtlpReceiver:
                                             (link.trace_id.hex(), link.span_id.hex())
                                             for link in span.links
                                         ],
-                                        "events": [
-                                            (e.name, e.time_unix_nano) for e in span.events
-                                        ],
+                                        "events": [(e.name, e.time_unix_nano) for e in span.events],
                                     }
                                 )
                 return trace_service_pb2.ExportTraceServiceResponse()

@@ -168,6 +168,8 @@ async def serve(
                 stop_task.cancel()
                 startup_task.result()  # re-raise a failed startup
         if not stop.is_set():
+            if settings.gc_freeze:
+                freeze_startup_heap(service_name)
             for name in ("", *service_full_names):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("%s SERVING", service_name)
@@ -180,6 +182,32 @@ async def serve(
         finally:
             telemetry.shutdown_tracing()
             log.info("%s stopped", service_name)
+
+
+def freeze_startup_heap(service_name: str) -> int:
+    """Collect, then freeze every object alive now (``gc.freeze``); returns how many.
+
+    A service's startup heap (torch, transformers, vLLM's front-end, the checkpoint's
+    processor: ~450,000 tracked objects in the gateway) lives as long as the process, yet
+    every full (generation-2) collection walks it, holding the event loop and so every
+    stream: 210 ms per collection in the gateway and 330-420 ms in the decoder's front-end
+    on this CPU, against 1 ms after the freeze. vLLM's API server and engine core do the
+    same (``vllm.utils.gc_utils.freeze_gc_heap``). Frozen objects are never collected, so
+    this runs once, after the engine has loaded.
+    """
+    import gc
+
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info(
+        "%s: %d startup objects frozen out of garbage collection (%.0f ms)",
+        service_name,
+        frozen,
+        (time.perf_counter() - t0) * 1000,
+    )
+    return frozen
 
 
 WATCH_NOTICE_S = 0.5

@@ -28,6 +28,12 @@ class ServerSettings(BaseSettings):
     keepalive_time_s: float = Field(30.0, gt=0, description="Keepalive ping interval, seconds.")
     keepalive_timeout_s: float = Field(10.0, gt=0, description="Keepalive ack timeout, seconds.")
     grace_s: float = Field(10.0, ge=0, description="Graceful shutdown grace period, seconds.")
+    gc_freeze: bool = Field(
+        True,
+        description="Once started, move the startup heap (models, libraries) into the garbage "
+        "collector's permanent generation, as vLLM's API server does, so a full collection "
+        "(which stalls every stream) walks only what serving allocated.",
+    )
     # Bounded connection age: clients on a headless Service re-resolve DNS when a connection
     # ends, so new replicas start taking calls within this time after a scale-up. Streams in
     # flight when the age is reached keep running for max_connection_age_grace_s.
