@@ -448,6 +448,7 @@ def bench_vllm(
 
     from encoder_service.engine import VisionEngine
     from vlcommon.imaging import decode_image, exact_key, plan_resize
+    from vlcommon.server import freeze_startup_heap
 
     results: dict[str, dict[str, list[Run]]] = {"vllm": {}, "vllm_embeds": {}}
     engine = VllmAlone(model, plan.max_tokens, plan.images_per_request, plan.block_size)
@@ -466,6 +467,9 @@ def bench_vllm(
 
     async def main() -> None:
         await closed_loop(workloads["repeat0"][0]["requests"][:2], 2, engine.raw)  # warm-up
+        # As vLLM's API server does once up (and splitvl's services): the startup heap out
+        # of garbage collection, so a full collection does not stall this front-end.
+        freeze_startup_heap("bench (vLLM alone)")
         for scenario in SCENARIOS:
             for rep, work in enumerate(workloads[scenario]):
                 conc = concurrency_of(scenario, plan)
@@ -517,6 +521,7 @@ def bench_split(
 
     from splitvl.launcher import Cluster, Ports
     from vlcommon.security import aio_channel
+    from vlcommon.server import freeze_startup_heap
     from vlcommon.settings import channel_options
 
     results: dict[str, dict[str, list[Run]]] = {"split_nocache": {}, "split_cache": {}}
@@ -554,6 +559,7 @@ def bench_split(
                 2,
                 lambda r: split_call(stub, r, plan.max_tokens, generation_pb2.CACHE_POLICY_OFF),
             )
+            freeze_startup_heap("bench (splitvl client)")  # as for vLLM alone
             pids = {n: p.pid for n, p in cluster.procs.items()}
             # Systems alternate within each repetition, so drift over the run (warm-up,
             # cache growth) cannot favour either.
