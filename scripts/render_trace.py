@@ -190,9 +190,7 @@ class Receiver:
                                             [ln.trace_id.hex(), ln.span_id.hex()]
                                             for ln in span.links
                                         ],
-                                        "events": [
-                                            [e.name, e.time_unix_nano] for e in span.events
-                                        ],
+                                        "events": [[e.name, e.time_unix_nano] for e in span.events],
                                     }
                                 )
                 return trace_service_pb2.ExportTraceServiceResponse()

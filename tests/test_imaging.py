@@ -370,9 +370,7 @@ def test_cmyk_tiff_and_plain_containers_keep_exact_pixels() -> None:
 
 @pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])
 def test_animated_images_use_their_first_frame(fmt) -> None:
-    frames = [
-        Image.new("RGBA", (16, 16), c) for c in ((255, 0, 0, 128), (0, 0, 255, 255))
-    ]
+    frames = [Image.new("RGBA", (16, 16), c) for c in ((255, 0, 0, 128), (0, 0, 255, 255))]
     if fmt == "GIF":  # GIF has no partial alpha: an opaque first frame
         frames = [f.convert("RGB") for f in frames]
     kw = {"lossless": True} if fmt == "WEBP" else {}

@@ -365,8 +365,9 @@ def _tls_files(tmp: Path) -> tuple[Path, Path, Path]:
             )
         return builder.sign(signer, hashes.SHA256())
 
-    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
-        ec.SECP256R1()
+    ca_key, leaf_key = (
+        ec.generate_private_key(ec.SECP256R1()),
+        ec.generate_private_key(ec.SECP256R1()),
     )
     ca = cert("splitvl test CA", ca_key, "splitvl test CA", ca_key, True)
     leaf = cert("localhost", leaf_key, "splitvl test CA", ca_key, False)
@@ -375,9 +376,7 @@ def _tls_files(tmp: Path) -> tuple[Path, Path, Path]:
     paths[0].write_bytes(ca.public_bytes(pem))
     paths[1].write_bytes(leaf.public_bytes(pem))
     paths[2].write_bytes(
-        leaf_key.private_bytes(
-            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
+        leaf_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return paths
 
