@@ -39,6 +39,7 @@ test: $(STAMP) $(NODE_DEPS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy vlcommon encoder_service cache_service decoder_service gateway splitvl
 	cd protos && ../$(BIN)/buf lint
 

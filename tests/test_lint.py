@@ -1,4 +1,4 @@
-"""ruff and mypy stay clean on the project's own code."""
+"""ruff (lint and format) and mypy stay clean on the project's own code."""
 
 from __future__ import annotations
 
@@ -13,6 +13,16 @@ PACKAGES = ["vlcommon", "encoder_service", "cache_service", "decoder_service", "
 def test_ruff_clean() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_ruff_format_clean() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stdout + run.stderr
 
