@@ -63,6 +63,7 @@ def build_servicer(settings: CacheSettings) -> CacheServicer:
         default_policy=POLICIES[settings.default_policy],
         max_queries=settings.max_queries,
         spatial_merge_size=settings.spatial_merge_size,
+        max_response_bytes=settings.max_message_bytes,
     )
 
 

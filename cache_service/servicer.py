@@ -89,10 +89,33 @@ class _Leases:
             self._store.release(entry)
 
 
+# A result's bytes besides its embeddings (key, grid, shape, tier, score), an upper bound.
+RESULT_OVERHEAD_BYTES = 1024
+
+# A key is a content digest (64 hex characters from the gateway); the store holds it beside
+# the entry outside the byte budget, so its length is bounded here (4 MiB keys were accepted).
+MAX_KEY_CHARS = 256
+
+
+def _key(key: str, field: str) -> str:
+    if not key:
+        raise invalid_argument("KEY_MISSING", f"{field}.key is empty", field=f"{field}.key")
+    if len(key) > MAX_KEY_CHARS:
+        raise invalid_argument(
+            "KEY_TOO_LONG",
+            f"{field}.key has {len(key)} characters; at most {MAX_KEY_CHARS} are allowed",
+            field=f"{field}.key",
+            limit=MAX_KEY_CHARS,
+        )
+    return key
+
+
+# Unset (None) when both shape and data are empty; shape is tested first, since reading
+# ``data`` copies it.
 def _descriptor(msg: tensor_pb2.Tensor, dim: int, field: str) -> np.ndarray | None:
-    if not msg.data and not msg.shape:
+    if not msg.shape and not msg.data:
         return None
-    tensors.validate(msg, field=field, dtypes=(tensor_pb2.DATA_TYPE_FP32,), ndim=1)
+    data = tensors.validate(msg, field=field, dtypes=(tensor_pb2.DATA_TYPE_FP32,), ndim=1)
     if msg.shape[0] != dim:
         raise invalid_argument(
             "DESCRIPTOR_SHAPE_INVALID",
@@ -100,15 +123,15 @@ def _descriptor(msg: tensor_pb2.Tensor, dim: int, field: str) -> np.ndarray | No
             field=f"{field}.shape",
             expected=dim,
         )
-    return tensors.to_numpy(msg)
+    return tensors.to_numpy(msg, data)
 
 
 def _verification(msg: tensor_pb2.Tensor, field: str) -> np.ndarray | None:
     """uint8 [h, w], or None when the field is unset (then no similarity hit)."""
-    if not msg.data and not msg.shape:
+    if not msg.shape and not msg.data:
         return None
-    tensors.validate(msg, field=field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=2)
-    if min(msg.shape) <= 0 or len(msg.data) > MAX_VERIFICATION_BYTES:
+    data = tensors.validate(msg, field=field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=2)
+    if min(msg.shape) <= 0 or len(data) > MAX_VERIFICATION_BYTES:
         raise invalid_argument(
             "VERIFICATION_SHAPE_INVALID",
             f"{field}.shape is {list(msg.shape)}; both sides must be > 0 and the image at "
@@ -116,7 +139,7 @@ def _verification(msg: tensor_pb2.Tensor, field: str) -> np.ndarray | None:
             field=f"{field}.shape",
             limit=MAX_VERIFICATION_BYTES,
         )
-    return tensors.to_numpy(msg)
+    return tensors.to_numpy(msg, data)
 
 
 def _embedding_proto(entry: Entry) -> tensor_pb2.ImageEmbedding:
@@ -138,9 +161,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         default_policy: int,
         max_queries: int,
         spatial_merge_size: int = 2,
+        max_response_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         self.store = store
         self.merge = spatial_merge_size
+        self.max_response_bytes = max_response_bytes
         self.default_policy = default_policy
         self.max_queries = max_queries
         self.hits = {"exact": 0, "similar": 0, "miss": 0}
@@ -186,13 +211,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             queries = []
             for i, query in enumerate(request.queries):
                 field = f"queries[{i}]"
-                if not query.key:
-                    raise invalid_argument(
-                        "KEY_MISSING", f"{field}.key is empty", field=f"{field}.key"
-                    )
                 queries.append(
                     _Query(
-                        query.key,
+                        _key(query.key, field),
                         _grid(query.grid, f"{field}.grid", self.merge),
                         _descriptor(query.descriptor, self.store.dim, f"{field}.descriptor"),
                         _verification(query.verification, f"{field}.verification"),
@@ -203,6 +224,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             matches = await asyncio.to_thread(
                 self._match_all, queries, policy, request.include_embeddings, leases
             )
+            if request.include_embeddings:
+                self._check_response_size(matches)
             response = pb.LookupResponse()
             for match in matches:
                 self._count(match)
@@ -223,6 +246,26 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             await abort(context, err)
         finally:
             metrics.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
+
+    def _check_response_size(self, matches: list[Match]) -> None:
+        """Refuse a response that would exceed the message limit before building it.
+
+        Two queries answered by one 200 MiB entry used to build a 400 MiB response that
+        gRPC then refused to send ("Sent message larger than max", no field named, an
+        ERROR traceback in the log). The leases taken are released when the call ends.
+        """
+        hits = [m.entry for m in matches if m.entry is not None]
+        total = sum(len(e.data) for e in hits) + RESULT_OVERHEAD_BYTES * len(matches)
+        if total > self.max_response_bytes:
+            raise resource_exhausted(
+                "LOOKUP_RESPONSE_TOO_LARGE",
+                f"the {len(hits)} hits of queries hold about {total} bytes of embeddings; "
+                f"a response is limited to {self.max_response_bytes} bytes "
+                "(max_message_bytes): look them up in smaller batches, or with "
+                "include_embeddings false",
+                field="queries",
+                limit=self.max_response_bytes,
+            )
 
     def _match_all(
         self, queries: list[_Query], policy: int, lease: bool, leases: _Leases
@@ -291,13 +334,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         checked = []
         for i, entry in enumerate(request.entries):
             field = f"entries[{i}]"
-            if not entry.key:
-                raise invalid_argument("KEY_MISSING", f"{field}.key is empty", field=f"{field}.key")
+            _key(entry.key, field)
             grid = _grid(entry.embedding.grid, f"{field}.embedding.grid", self.merge)
             descriptor = _descriptor(entry.descriptor, self.store.dim, f"{field}.descriptor")
             verification = _verification(entry.verification, f"{field}.verification")
             emb = entry.embedding.embeddings
-            tensors.validate(
+            data = tensors.validate(
                 emb,
                 field=f"{field}.embedding.embeddings",
                 ndim=2,
@@ -315,26 +357,26 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     f"{list(grid)} needs {rows} rows (t*h*w/{self.merge}**2)",
                     field=f"{field}.embedding.embeddings",
                 )
-            if not np.isfinite(tensors.to_numpy(emb)).all():
+            if not np.isfinite(tensors.to_numpy(emb, data)).all():
                 raise invalid_argument(
                     "EMBEDDING_NOT_FINITE",
                     f"{field}.embedding.embeddings holds NaN or inf",
                     field=f"{field}.embedding.embeddings",
                 )
-            size = len(emb.data) + (0 if verification is None else verification.nbytes)
+            size = len(data) + (0 if verification is None else verification.nbytes)
             if size > self.store.capacity_bytes:
                 metrics.PUTS_REFUSED.labels(reason="too_large").inc()
                 raise resource_exhausted(
                     "ENTRY_TOO_LARGE",
-                    f"{field}.embedding.embeddings holds {len(emb.data)} bytes; the "
+                    f"{field}.embedding.embeddings holds {len(data)} bytes; the "
                     f"cache's byte budget (capacity_bytes) is {self.store.capacity_bytes}; "
                     f"with its verification image the entry needs {size} bytes",
                     field=f"{field}.embedding.embeddings",
                     limit=self.store.capacity_bytes,
                 )
-            checked.append((entry.key, descriptor, grid, emb, verification, entry.revision))
+            checked.append((entry.key, descriptor, grid, emb, data, verification, entry.revision))
         stored = evicted = 0
-        for i, (key, descriptor, grid, emb, verification, revision) in enumerate(checked):
+        for i, (key, descriptor, grid, emb, data, verification, revision) in enumerate(checked):
             try:
                 evicted += self.store.put(
                     key,
@@ -342,7 +384,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     grid,
                     emb.dtype,
                     tuple(emb.shape),
-                    emb.data,
+                    data,
                     verification=verification,
                     revision=revision,
                 )
@@ -373,12 +415,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatsResponse:
+        # On a worker thread: the store's lock may be held by a Put or a rebuild's swap.
+        entries, nbytes, evictions = await asyncio.to_thread(self.store.stats)
         return pb.GetStatsResponse(
-            entries=len(self.store),
-            bytes=self.store.bytes,
+            entries=entries,
+            bytes=nbytes,
             capacity_bytes=self.store.capacity_bytes,
             exact_hits=self.hits["exact"],
             similar_hits=self.hits["similar"],
             misses=self.hits["miss"],
-            evictions=sum(self.store.evictions.values()),
+            evictions=evictions,
         )

@@ -230,6 +230,16 @@ class EmbeddingStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def stats(self) -> tuple[int, int, int]:
+        """(entries, bytes, evictions) read together under the lock.
+
+        Read one by one, they could be torn: an eviction releases the GIL in the index
+        removal between dropping the entry and lowering ``bytes`` (about 1% of GetStats
+        calls during evicting Puts answered 9 entries with the bytes of 10).
+        """
+        with self._lock:
+            return len(self._entries), self.bytes, sum(self.evictions.values())
+
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 

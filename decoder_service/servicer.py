@@ -25,6 +25,7 @@ from decoder_service.validation import (
     check_image,
     to_chat_messages,
 )
+from vlcommon import tensors
 from vlcommon.errors import ServiceError, abort, invalid_argument
 from vlcommon.sampling import check_sampling_ranges
 
@@ -140,7 +141,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 check_image(request.images[i], i, self.engine.spec, self.engine.max_image_tokens)
                 for i in order
             ]
-            received = sum(len(request.images[i].embeddings.data) for i in order)
+            received = sum(tensors.payload_nbytes(request.images[i].embeddings) for i in order)
             metrics.EMBEDDING_RECEIVED_BYTES.inc(received)
             params = sampling_params(request.sampling, limits)
             # Render and tokenise once; the blank render is the template's own tokens.

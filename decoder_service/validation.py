@@ -159,7 +159,7 @@ def check_image(
             "EMBEDDINGS_MISSING", f"{field}.embeddings is missing", field=f"{field}.embeddings"
         )
     emb = msg.embeddings
-    tensors.validate(emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES, ndim=2)
+    data = tensors.validate(emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES, ndim=2)
     expected = [math.prod(grid) // (m * m), spec.embedding_width]
     if list(emb.shape) != expected:
         raise invalid_argument(
@@ -179,7 +179,7 @@ def check_image(
             field=field,
             limit=max_tokens,
         )
-    tensor = tensors.to_torch(emb)
+    tensor = tensors.to_torch(emb, data)
     if not bool(torch.isfinite(tensor).all()):
         raise invalid_argument(
             "EMBEDDING_NOT_FINITE",

@@ -185,7 +185,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                     grid=tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w),
                     key=request_image.key,
                 )
-            sent = sum(len(e.embeddings.data) for e in response.embeddings)
+            sent = sum(tensors.payload_nbytes(e.embeddings) for e in response.embeddings)
             metrics.EMBEDDING_SENT_BYTES.inc(sent)
             trace.get_current_span().set_attribute("splitvl.embedding.bytes", sent)
             log.debug(

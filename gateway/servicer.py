@@ -453,10 +453,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         if grid != im.plan.grid or shape != [im.plan.tokens, self.spec.embedding_width]:
             return False
         try:
-            tensors.validate(emb.embeddings, field="cache", dtypes=EMBEDDING_DTYPES)
+            data = tensors.validate(emb.embeddings, field="cache", dtypes=EMBEDDING_DTYPES)
         except ServiceError:
             return False
-        return bool(np.isfinite(tensors.to_numpy(emb.embeddings)).all())
+        return bool(np.isfinite(tensors.to_numpy(emb.embeddings, data)).all())
 
     # -- stages -------------------------------------------------------------------------
     async def _lookup(
@@ -508,7 +508,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             for index, im in enumerate(images):
                 metrics.CACHE_LOOKUPS.labels(tier=_tier(im.tier)).inc()
                 if im.embedding is not None:
-                    received += len(im.embedding.embeddings.data)
+                    received += tensors.payload_nbytes(im.embedding.embeddings)
                 span.add_event(
                     "image",
                     {
@@ -543,7 +543,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 )
             except grpc.aio.AioRpcError as err:
                 raise from_rpc_error(err, dependency="encoder") from err
-            received = sum(len(e.embeddings.data) for e in response.embeddings)
+            received = sum(tensors.payload_nbytes(e.embeddings) for e in response.embeddings)
             metrics.EMBEDDING_RECEIVED_BYTES.labels(source="encoder").inc(received)
             span.set_attribute("splitvl.embedding.bytes", received)
         for im, emb in zip(misses, response.embeddings, strict=True):
@@ -570,7 +570,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         t0 = time.perf_counter()
         with tracer.start_as_current_span("gateway.cache_put") as span:
             span.set_attribute("splitvl.transfer_bytes", request.ByteSize())
-            sent = sum(len(im.embedding.embeddings.data) for im in fresh if im.embedding)
+            sent = sum(
+                tensors.payload_nbytes(im.embedding.embeddings) for im in fresh if im.embedding
+            )
             span.set_attribute("splitvl.embedding.bytes", sent)
             metrics.EMBEDDING_SENT_BYTES.labels(destination="cache").inc(sent)
             try:
@@ -646,7 +648,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             with tracer.start_as_current_span("embedding.transfer") as span:
                 for im in images:
                     decode_request.images.append(im.embedding)
-                sent = sum(len(im.embedding.embeddings.data) for im in images if im.embedding)
+                sent = sum(
+                    tensors.payload_nbytes(im.embedding.embeddings) for im in images if im.embedding
+                )
                 span.set_attribute("splitvl.embedding.bytes", sent)
                 span.set_attribute("splitvl.embedding.destination", "decoder")
                 span.set_attribute("splitvl.request.images", len(images))

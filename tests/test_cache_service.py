@@ -335,6 +335,116 @@ async def test_a_slow_put_leaves_the_service_answering() -> None:
         assert check_results(await stub.Lookup(query, timeout=5)) == ["k2"]
 
 
+async def test_stats_are_never_torn_by_an_eviction_in_progress() -> None:
+    """GetStats reads entries, bytes and evictions together under the store's lock. Caught
+    inside an eviction (the entry dropped, its bytes not yet subtracted: the index removal
+    releases the GIL there), it used to answer 0 entries holding a full entry's bytes; it
+    now waits for the Put, on a worker thread, so the service still answers meanwhile."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    store = new_store(capacity_bytes=ENTRY_BYTES)  # room for one entry
+    servicer = CacheServicer(
+        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=16
+    )
+    store_put(store, 1)
+    entered, gate = threading.Event(), threading.Event()
+    remove = store._index.remove
+
+    def gated_remove(index_id: int) -> None:
+        entered.set()
+        assert gate.wait(30), "the test never opened the gate"
+        remove(index_id)
+
+    store._index.remove = gated_remove  # type: ignore[method-assign]
+    async with in_process_server(
+        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
+    ) as channel:
+        stub = pb_grpc.CacheServiceStub(channel)
+        put = asyncio.ensure_future(stub.Put(pb.PutRequest(entries=[put_entry(2)]), timeout=30))
+        assert await asyncio.to_thread(entered.wait, 10)  # k1 is being evicted
+        stats = asyncio.ensure_future(stub.GetStats(pb.GetStatsRequest(), timeout=30))
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # the loop answers
+        assert not stats.done()  # waiting for the lock, not answering half an eviction
+        gate.set()
+        assert (await put).evicted == 1
+        answered = await stats
+    assert (answered.entries, answered.bytes, answered.evictions) == (1, ENTRY_BYTES, 1)
+
+
+async def test_a_lookup_whose_embeddings_exceed_the_message_limit_is_refused_up_front() -> None:
+    """Hits whose embeddings would not fit one response are refused before the response is
+    built (it used to be built and then dropped by gRPC with "Sent message larger than
+    max", no field named), RESOURCE_EXHAUSTED naming queries and the limit; the leases go
+    back; the same queries without embeddings, or fewer of them, are answered."""
+    from cache_service.servicer import RESULT_OVERHEAD_BYTES
+
+    store = new_store()
+    payload_bytes = payload(0).nbytes
+    limit = 2 * (payload_bytes + RESULT_OVERHEAD_BYTES)  # two hits fit, three do not
+    servicer = CacheServicer(
+        store,
+        default_policy=generation_pb2.CACHE_POLICY_SIMILAR,
+        max_queries=16,
+        max_response_bytes=limit,
+    )
+    for i in (1, 2, 3):
+        store_put(store, i)
+    async with in_process_server(
+        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
+    ) as channel:
+        stub = pb_grpc.CacheServiceStub(channel)
+        query = lookup_request([1, 2, 3], seed=0)
+        for q, key in zip(query.queries, ("k1", "k2", "k3"), strict=True):
+            q.key = key
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Lookup(query)
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert exc.value.details().startswith("the 3 hits of queries hold about ")
+        assert f"a response is limited to {limit} bytes (max_message_bytes)" in (
+            exc.value.details()
+        )
+        for _ in range(50):  # the leases are released when the call is done
+            if store.leased == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert store.leased == 0
+        query.include_embeddings = False
+        resp = await stub.Lookup(query)
+        assert [r.matched_key for r in resp.results] == ["k1", "k2", "k3"]
+        del query.queries[2]
+        query.include_embeddings = True
+        assert check_results(await stub.Lookup(query)) == ["k1", "k2"]
+
+
+async def test_keys_longer_than_the_limit_are_refused(served) -> None:
+    """Keys sit beside the entries outside the byte budget; 4 MiB keys used to be stored.
+    A key over MAX_KEY_CHARS is INVALID_ARGUMENT naming the field and the limit, in a Put
+    and in a Lookup; one at the limit is accepted."""
+    from cache_service.servicer import MAX_KEY_CHARS
+
+    stub, store = served
+    entry = put_entry(1)
+    entry.key = "k" * (MAX_KEY_CHARS + 1)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Put(pb.PutRequest(entries=[put_entry(2), entry]))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details() == (
+        f"entries[1].key has {MAX_KEY_CHARS + 1} characters; at most {MAX_KEY_CHARS} are allowed"
+    )
+    assert len(store) == 0  # nothing stored when an entry is refused
+    query = lookup_request([1], seed=0)
+    query.queries[0].key = "q" * (MAX_KEY_CHARS + 1)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Lookup(query)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details().startswith("queries[0].key has ")
+    entry.key = "k" * MAX_KEY_CHARS
+    assert (await stub.Put(pb.PutRequest(entries=[entry]))).stored == 1
+
+
 async def test_a_key_answers_and_stores_only_with_its_own_grid(served) -> None:
     """One exact key has one grid (the key digests the resize plan). A Lookup of the key
     with another grid is a miss, not the stored [4, w] embeddings for an [8, 8] grid; a Put

@@ -58,8 +58,12 @@ def validate(
     field: str,
     dtypes: tuple[int, ...] | None = None,
     ndim: int | None = None,
-) -> None:
-    """Check that a Tensor is self-consistent.
+) -> bytes:
+    """Check that a Tensor is self-consistent; return its payload.
+
+    Reading a bytes field of a protobuf message copies it every time (upb): 125 ms for
+    200 MiB here, holding the GIL. ``data`` is read once, and the returned bytes are for
+    the caller to decode (``to_numpy(msg, data)``, ``to_torch(msg, data)``) or keep.
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming ``field`` when the dtype is not allowed, the
@@ -94,15 +98,28 @@ def validate(
             field=f"{field}.shape",
         )
     expected = numel(msg.shape) * ITEMSIZE[msg.dtype]
-    if len(msg.data) != expected:
+    data = msg.data
+    if len(data) != expected:
         raise invalid_argument(
             "TENSOR_SIZE_MISMATCH",
-            f"{field}.data has {len(msg.data)} bytes; shape {list(msg.shape)} of "
+            f"{field}.data has {len(data)} bytes; shape {list(msg.shape)} of "
             f"{dtype_name(msg.dtype)} needs {expected}",
             field=f"{field}.data",
             expected=expected,
-            actual=len(msg.data),
+            actual=len(data),
         )
+    return data
+
+
+def payload_nbytes(msg: tensor_pb2.Tensor) -> int:
+    """Bytes of a tensor's payload from its dtype and shape, without copying ``data``.
+
+    Equal to ``len(msg.data)`` for a tensor that passed :func:`validate` or was built by
+    this module; for counting (metrics, span attributes), not for checking.
+    """
+    if len(msg.shape) > MAX_NDIM or msg.dtype not in ITEMSIZE:
+        return 0
+    return numel(msg.shape) * ITEMSIZE[msg.dtype]
 
 
 def from_numpy(array: np.ndarray) -> tensor_pb2.Tensor:
@@ -116,12 +133,18 @@ def from_numpy(array: np.ndarray) -> tensor_pb2.Tensor:
     raise TypeError(f"unsupported numpy dtype {arr.dtype}")
 
 
-def to_numpy(msg: tensor_pb2.Tensor) -> np.ndarray:
-    """Decode to numpy (BF16 is widened to float32). The result is read-only."""
+def to_numpy(msg: tensor_pb2.Tensor, data: bytes | None = None) -> np.ndarray:
+    """Decode to numpy (BF16 is widened to float32). The result is read-only.
+
+    ``data``: the payload already read (what :func:`validate` returns), so it is not
+    copied out of the message again.
+    """
+    if data is None:
+        data = msg.data
     if msg.dtype == tensor_pb2.DATA_TYPE_BF16:
-        upper = np.frombuffer(msg.data, dtype="<u2").astype(np.uint32) << 16
+        upper = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
         return upper.view(np.float32).reshape(tuple(msg.shape))
-    return np.frombuffer(msg.data, dtype=_NUMPY[msg.dtype]).reshape(tuple(msg.shape))
+    return np.frombuffer(data, dtype=_NUMPY[msg.dtype]).reshape(tuple(msg.shape))
 
 
 def from_torch(tensor: torch.Tensor) -> tensor_pb2.Tensor:
@@ -138,13 +161,18 @@ def from_torch(tensor: torch.Tensor) -> tensor_pb2.Tensor:
     return from_numpy(t.numpy())
 
 
-def to_torch(msg: tensor_pb2.Tensor) -> torch.Tensor:
-    """Decode to a CPU torch tensor of the message's dtype (BF16 stays bfloat16)."""
+def to_torch(msg: tensor_pb2.Tensor, data: bytes | None = None) -> torch.Tensor:
+    """Decode to a CPU torch tensor of the message's dtype (BF16 stays bfloat16).
+
+    ``data`` as for :func:`to_numpy`. The tensor owns a writable copy.
+    """
     import torch
 
+    if data is None:
+        data = msg.data
     if msg.dtype == tensor_pb2.DATA_TYPE_BF16:
-        if not msg.data:
+        if not data:
             return torch.empty(tuple(msg.shape), dtype=torch.bfloat16)
-        raw = torch.frombuffer(bytearray(msg.data), dtype=torch.int16)
+        raw = torch.frombuffer(bytearray(data), dtype=torch.int16)
         return raw.view(torch.bfloat16).reshape(tuple(msg.shape))
-    return torch.from_numpy(to_numpy(msg).copy())
+    return torch.from_numpy(to_numpy(msg, data).copy())
