@@ -6,7 +6,9 @@ Real FAISS, real in-process ``grpc.aio`` servers on loopback; no fakes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -124,16 +126,39 @@ def test_c13_threads_putting_and_searching_match_a_serial_run() -> None:
         assert answer(store, i, 1) == expected
 
 
-@pytest.fixture
-async def served():
-    store = new_store(capacity_bytes=60 * ENTRY_BYTES)  # room for 60 entries
+@contextlib.asynccontextmanager
+async def serving(
+    store: EmbeddingStore, max_queries: int = 16, **kw: object
+) -> AsyncIterator[tuple[pb_grpc.CacheServiceStub, grpc.aio.Channel]]:
+    """``store`` behind a CacheServicer (similar policy by default) on the real bootstrap."""
     servicer = CacheServicer(
-        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=16
+        store,
+        default_policy=generation_pb2.CACHE_POLICY_SIMILAR,
+        max_queries=max_queries,
+        **kw,  # type: ignore[arg-type]
     )
     async with in_process_server(
         pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
     ) as channel:
-        yield pb_grpc.CacheServiceStub(channel), store
+        yield pb_grpc.CacheServiceStub(channel), channel
+
+
+async def leases_released(store: EmbeddingStore, timeout_s: float = 2.5) -> bool:
+    """Whether the store holds no lease within ``timeout_s`` (a Lookup's leases go back
+    in its done callback, which runs just after the client has the response)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while store.leased:
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+async def served():
+    store = new_store(capacity_bytes=60 * ENTRY_BYTES)  # room for 60 entries
+    async with serving(store) as (stub, _):
+        yield stub, store
 
 
 def put_entry(i: int) -> pb.PutEntry:
@@ -199,7 +224,7 @@ async def test_c13_concurrent_rpcs_with_eviction_release_every_lease(served) -> 
 
     hits = await asyncio.gather(*(client(t) for t in range(24)))
     assert sum(hits) > 0
-    assert store.leased == 0
+    assert await leases_released(store)
     assert len(store) == 60 and store.bytes <= store.capacity_bytes
     store.check_invariants()
     # Serial check afterwards: what is held is found, what was evicted is not.
@@ -277,14 +302,8 @@ async def test_slow_lookup_leaves_the_service_answering_and_a_cancelled_one_keep
     afterwards, with nobody left to read the answer, is released, not leaked."""
     args: dict[str, object] = {"descriptor_dim": DIM, "capacity_bytes": 10**6}
     store = GatedStore(**args)
-    servicer = CacheServicer(
-        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=16
-    )
     store_put(store, 1)
-    async with in_process_server(
-        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
-    ) as channel:
-        stub = pb_grpc.CacheServiceStub(channel)
+    async with serving(store) as (stub, channel):
         exact = lookup_request([1], seed=0)
         exact.queries[0].key = "k1"  # an exact hit: leased for the response
         call = stub.Lookup(exact)
@@ -297,16 +316,14 @@ async def test_slow_lookup_leaves_the_service_answering_and_a_cancelled_one_keep
         await asyncio.sleep(0.2)  # the server sees the cancellation
         store.gate.set()
         assert await asyncio.to_thread(store.returned.wait, 10)
-        for _ in range(50):  # the worker thread hands the lease back just after
-            if store.leased == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert store.leased == 0
+        # The worker thread hands the lease back just after.
+        assert await leases_released(store)
         store.check_invariants()
-        # The service goes on answering, with a lease released after the response.
+        # The service goes on answering, with a lease released once the call is done (just
+        # after the client has the response: asserting at once raced with it).
         resp = await stub.Lookup(exact)
         assert check_results(resp) == ["k1"]
-        assert store.leased == 0
+        assert await leases_released(store)
 
 
 async def test_a_slow_put_leaves_the_service_answering() -> None:
@@ -314,13 +331,7 @@ async def test_a_slow_put_leaves_the_service_answering() -> None:
     entry's finiteness check, or an index add at a million entries), a Lookup and a
     GetStats are answered, and the Put then completes with its entry stored."""
     store = GatedStore(gate_puts=True, descriptor_dim=DIM, capacity_bytes=10**6)
-    servicer = CacheServicer(
-        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=16
-    )
-    async with in_process_server(
-        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
-    ) as channel:
-        stub = pb_grpc.CacheServiceStub(channel)
+    async with serving(store) as (stub, channel):
         put = asyncio.ensure_future(stub.Put(pb.PutRequest(entries=[put_entry(2)]), timeout=30))
         assert await asyncio.to_thread(store.entered.wait, 10)
         stats = await stub.GetStats(pb.GetStatsRequest(), timeout=5)
@@ -343,9 +354,6 @@ async def test_stats_are_never_torn_by_an_eviction_in_progress() -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     store = new_store(capacity_bytes=ENTRY_BYTES)  # room for one entry
-    servicer = CacheServicer(
-        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=16
-    )
     store_put(store, 1)
     entered, gate = threading.Event(), threading.Event()
     remove = store._index.remove
@@ -356,10 +364,7 @@ async def test_stats_are_never_torn_by_an_eviction_in_progress() -> None:
         remove(index_id)
 
     store._index.remove = gated_remove  # type: ignore[method-assign]
-    async with in_process_server(
-        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
-    ) as channel:
-        stub = pb_grpc.CacheServiceStub(channel)
+    async with serving(store) as (stub, channel):
         put = asyncio.ensure_future(stub.Put(pb.PutRequest(entries=[put_entry(2)]), timeout=30))
         assert await asyncio.to_thread(entered.wait, 10)  # k1 is being evicted
         stats = asyncio.ensure_future(stub.GetStats(pb.GetStatsRequest(), timeout=30))
@@ -384,18 +389,9 @@ async def test_a_lookup_whose_embeddings_exceed_the_message_limit_is_refused_up_
     store = new_store()
     payload_bytes = payload(0).nbytes
     limit = 2 * (payload_bytes + RESULT_OVERHEAD_BYTES)  # two hits fit, three do not
-    servicer = CacheServicer(
-        store,
-        default_policy=generation_pb2.CACHE_POLICY_SIMILAR,
-        max_queries=16,
-        max_response_bytes=limit,
-    )
     for i in (1, 2, 3):
         store_put(store, i)
-    async with in_process_server(
-        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
-    ) as channel:
-        stub = pb_grpc.CacheServiceStub(channel)
+    async with serving(store, max_response_bytes=limit) as (stub, channel):
         query = lookup_request([1, 2, 3], seed=0)
         for q, key in zip(query.queries, ("k1", "k2", "k3"), strict=True):
             q.key = key
@@ -406,11 +402,7 @@ async def test_a_lookup_whose_embeddings_exceed_the_message_limit_is_refused_up_
         assert f"a response is limited to {limit} bytes (max_message_bytes)" in (
             exc.value.details()
         )
-        for _ in range(50):  # the leases are released when the call is done
-            if store.leased == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert store.leased == 0
+        assert await leases_released(store)  # when the call is done
         query.include_embeddings = False
         resp = await stub.Lookup(query)
         assert [r.matched_key for r in resp.results] == ["k1", "k2", "k3"]
@@ -485,13 +477,7 @@ async def test_a_key_answers_and_stores_only_with_its_own_grid(served) -> None:
 
 async def test_entry_larger_than_the_budget_is_resource_exhausted() -> None:
     store = new_store(capacity_bytes=64)
-    servicer = CacheServicer(
-        store, default_policy=generation_pb2.CACHE_POLICY_SIMILAR, max_queries=4
-    )
-    async with in_process_server(
-        pb_grpc.add_CacheServiceServicer_to_server, servicer, "qwenvl.cache.v1.CacheService"
-    ) as channel:
-        stub = pb_grpc.CacheServiceStub(channel)
+    async with serving(store, max_queries=4) as (stub, channel):
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await stub.Put(pb.PutRequest(entries=[put_entry(1)]))
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
