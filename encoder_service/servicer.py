@@ -96,7 +96,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         prepared = []
         for i, image in enumerate(request.images):
             field = f"images[{i}]"
-            tensors.validate(
+            pixels = tensors.validate(
                 image.pixels, field=f"{field}.pixels", dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=3
             )
             if image.pixels.shape[2] != 3 or min(image.pixels.shape[:2]) < 1:
@@ -120,7 +120,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             dedup_key = (
                 f"{image.key}|{plan.resized_height}x{plan.resized_width}" if image.key else ""
             )
-            prepared.append((dedup_key, tensors.to_numpy(image.pixels), plan))
+            prepared.append((dedup_key, tensors.to_numpy(image.pixels, pixels), plan))
         return prepared
 
     @staticmethod
