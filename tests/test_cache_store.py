@@ -502,9 +502,20 @@ def test_background_rebuild_catches_up_outside_the_lock(monkeypatch) -> None:
     assert store.wait_for_rebuild(timeout=120)
     store.check_invariants()
     assert store.rebuilds >= 2 and len(store) == 600 and store.index_kind == "hnsw"
+    # check_invariants above: every held entry's vector is indexed, no evicted one is. A
+    # search is approximate (HNSW over 8-dim projections, built in the threads' interleaved
+    # order), so a held vector may rarely be missed (1 of 600 in one CI run); an evicted
+    # one must never answer, and nothing may answer for another key.
+    missed = 0
     for i in range(2000):
         m = store.lookup(f"q{i}", vecs[i], (1, 4, 4), similar=True, verification=V)
-        assert (m.entry.key if m.entry else None) == (f"k{i}" if f"k{i}" in store else None), i
+        found = m.entry.key if m.entry else None
+        if f"k{i}" in store:
+            assert found in (f"k{i}", None), i
+            missed += found is None
+        else:
+            assert found is None, i
+    assert missed <= 6, missed  # recall >= 0.99 over the 600 held
 
 
 @pytest.mark.parametrize("kind", ["flat", "hnsw"])
