@@ -335,7 +335,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         checked = []
         for i, entry in enumerate(request.entries):
             field = f"entries[{i}]"
-            _key(entry.key, field)
+            key = _key(entry.key, field)
             grid = _grid(entry.embedding.grid, f"{field}.embedding.grid", self.merge)
             descriptor = _descriptor(entry.descriptor, self.store.dim, f"{field}.descriptor")
             verification = _verification(entry.verification, f"{field}.verification")
@@ -375,7 +375,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     field=f"{field}.embedding.embeddings",
                     limit=self.store.capacity_bytes,
                 )
-            checked.append((entry.key, descriptor, grid, emb, data, verification, entry.revision))
+            checked.append((key, descriptor, grid, emb, data, verification, entry.revision))
         stored = evicted = 0
         for i, (key, descriptor, grid, emb, data, verification, revision) in enumerate(checked):
             try:

@@ -60,6 +60,10 @@ def test_validate_hands_back_the_payload_it_read_for_decoding() -> None:
     assert tensors.payload_nbytes(msg) == len(msg.data) == 48
     assert tensors.payload_nbytes(bf16) == len(bf16.data) == 24
     assert tensors.payload_nbytes(tensor_pb2.Tensor(shape=[2] * 9, dtype=1)) == 0  # > MAX_NDIM
+    # A negative dimension (a malformed response counted before it is checked) counts 0,
+    # never a negative number of bytes.
+    negative = tensor_pb2.Tensor(shape=[-3, 4], dtype=tensor_pb2.DATA_TYPE_FP32)
+    assert tensors.payload_nbytes(negative) == 0
 
 
 def test_a_shape_of_too_many_dimensions_is_refused_before_its_size_is_computed() -> None:

@@ -115,9 +115,12 @@ def payload_nbytes(msg: tensor_pb2.Tensor) -> int:
     """Bytes of a tensor's payload from its dtype and shape, without copying ``data``.
 
     Equal to ``len(msg.data)`` for a tensor that passed :func:`validate` or was built by
-    this module; for counting (metrics, span attributes), not for checking.
+    this module; for counting (metrics, span attributes), not for checking. A shape that
+    could not pass (too many or negative dimensions, an unknown dtype) counts 0, so a
+    malformed downstream response never feeds a Prometheus counter a negative (which
+    raises).
     """
-    if len(msg.shape) > MAX_NDIM or msg.dtype not in ITEMSIZE:
+    if len(msg.shape) > MAX_NDIM or msg.dtype not in ITEMSIZE or any(s < 0 for s in msg.shape):
         return 0
     return numel(msg.shape) * ITEMSIZE[msg.dtype]
 
