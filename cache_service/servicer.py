@@ -58,6 +58,7 @@ class _Query:
     descriptor: np.ndarray | None
     verification: np.ndarray | None
     revision: str
+    alias_key: str
 
 
 class _Leases:
@@ -97,14 +98,15 @@ RESULT_OVERHEAD_BYTES = 1024
 MAX_KEY_CHARS = 256
 
 
-def _key(key: str, field: str) -> str:
-    if not key:
-        raise invalid_argument("KEY_MISSING", f"{field}.key is empty", field=f"{field}.key")
+def _key(key: str, field: str, *, name: str = "key", optional: bool = False) -> str:
+    """A key (or, with ``name="alias_key"`` and ``optional``, an alias key; empty allowed)."""
+    if not key and not optional:
+        raise invalid_argument("KEY_MISSING", f"{field}.{name} is empty", field=f"{field}.{name}")
     if len(key) > MAX_KEY_CHARS:
         raise invalid_argument(
             "KEY_TOO_LONG",
-            f"{field}.key has {len(key)} characters; at most {MAX_KEY_CHARS} are allowed",
-            field=f"{field}.key",
+            f"{field}.{name} has {len(key)} characters; at most {MAX_KEY_CHARS} are allowed",
+            field=f"{field}.{name}",
             limit=MAX_KEY_CHARS,
         )
     return key
@@ -184,6 +186,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     ) -> pb.LookupResponse:
         """Answer each query from the exact tier, then (policy permitting) the similar one.
 
+        With ``bytes_keys`` the queries' keys are digests of encoded files: they are
+        answered from the exact tier only (an entry's alias keys included), and a miss is
+        not counted (the caller looks the image up again by its pixel key), so the counters
+        and the hit ratio count each image once. A query's ``alias_key`` becomes an alias of
+        the entry that its own key hit exactly.
+
         Entries returned with their embeddings are leased until the RPC is done (the
         response sent, or the call failed or was cancelled), so eviction cannot pick them.
         The queries are checked on the event loop and matched on a worker thread: a
@@ -191,8 +199,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         queries with 8 candidates each must not stall health checks and other calls. A
         cancelled call stops matching at the next query.
 
-        Raises (as status): INVALID_ARGUMENT for a bad key, grid, descriptor, verification
-        image (not UINT8 [h, w], or over 4 MiB), policy or too many queries.
+        Raises (as status): INVALID_ARGUMENT for a bad key or alias key, grid, descriptor,
+        verification image (not UINT8 [h, w], or over 4 MiB), policy or too many queries.
         """
         t0 = time.perf_counter()
         rpc_span = trace.get_current_span()
@@ -208,6 +216,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     field="policy",
                 )
             policy = request.policy or self.default_policy
+            if request.bytes_keys and policy == generation_pb2.CACHE_POLICY_SIMILAR:
+                policy = generation_pb2.CACHE_POLICY_EXACT_ONLY  # a file digest has no descriptor
             queries = []
             for i, query in enumerate(request.queries):
                 field = f"queries[{i}]"
@@ -218,17 +228,23 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         _descriptor(query.descriptor, self.store.dim, f"{field}.descriptor"),
                         _verification(query.verification, f"{field}.verification"),
                         query.revision,
+                        _key(query.alias_key, field, name="alias_key", optional=True),
                     )
                 )
             # to_thread copies the context: the per-query spans stay under this RPC's span.
             matches = await asyncio.to_thread(
-                self._match_all, queries, policy, request.include_embeddings, leases
+                self._match_all,
+                queries,
+                policy,
+                request.include_embeddings,
+                leases,
+                request.bytes_keys,
             )
             if request.include_embeddings:
                 self._check_response_size(matches)
             response = pb.LookupResponse()
             for match in matches:
-                self._count(match)
+                self._count(match, counted_miss=not request.bytes_keys)
                 result = response.results.add(tier=TIERS[match.tier], similarity=match.similarity)
                 if match.entry is not None:
                     result.matched_key = match.entry.key
@@ -268,14 +284,20 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             )
 
     def _match_all(
-        self, queries: list[_Query], policy: int, lease: bool, leases: _Leases
+        self,
+        queries: list[_Query],
+        policy: int,
+        lease: bool,
+        leases: _Leases,
+        bytes_keys: bool = False,
     ) -> list[Match]:
         """Match every query against the store (on a worker thread)."""
         matches = []
+        span_name = "cache.lookup_bytes" if bytes_keys else "cache.lookup"
         for query in queries:
             if leases.done.is_set():  # the call is over: nobody reads the rest
                 break
-            with tracer.start_as_current_span("cache.lookup") as span:
+            with tracer.start_as_current_span(span_name) as span:
                 if policy == generation_pb2.CACHE_POLICY_OFF:
                     match = Match("miss", 0.0, None)
                 else:
@@ -287,6 +309,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         lease=lease,
                         revision=query.revision,
                         verification=query.verification,
+                        alias=query.alias_key,
                     )
                 if match.entry is not None and lease:
                     leases.add(match.entry)
@@ -296,7 +319,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             matches.append(match)
         return matches
 
-    def _count(self, match: Match) -> None:
+    def _count(self, match: Match, *, counted_miss: bool = True) -> None:
+        """Count one query's outcome; a miss only with ``counted_miss`` (see Lookup)."""
+        if match.tier == "miss" and not counted_miss:
+            return
         self.hits[match.tier] += 1
         metrics.LOOKUPS.labels(tier=match.tier).inc()
         if match.tier == "exact":
@@ -313,10 +339,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def Put(
         self, request: pb.PutRequest, context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
-        """Validate every entry, then store them in order.
+        """Validate every entry, then store them in order (with its alias key, if any).
 
-        Raises (as status): INVALID_ARGUMENT for a bad key, grid, descriptor or tensor (then
-        nothing is stored); RESOURCE_EXHAUSTED for an entry larger than the byte budget
+        Raises (as status): INVALID_ARGUMENT for a bad key or alias key, grid, descriptor or
+        tensor (then nothing is stored); RESOURCE_EXHAUSTED for an entry larger than the byte budget
         (nothing stored) or one that cannot fit because leased entries hold the budget (the
         entries before it were stored; the message says how many).
         """
@@ -336,6 +362,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         for i, entry in enumerate(request.entries):
             field = f"entries[{i}]"
             key = _key(entry.key, field)
+            alias_key = _key(entry.alias_key, field, name="alias_key", optional=True)
             grid = _grid(entry.embedding.grid, f"{field}.embedding.grid", self.merge)
             descriptor = _descriptor(entry.descriptor, self.store.dim, f"{field}.descriptor")
             verification = _verification(entry.verification, f"{field}.verification")
@@ -375,9 +402,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     field=f"{field}.embedding.embeddings",
                     limit=self.store.capacity_bytes,
                 )
-            checked.append((key, descriptor, grid, emb, data, verification, entry.revision))
+            checked.append(
+                (key, descriptor, grid, emb, data, verification, entry.revision, alias_key)
+            )
         stored = evicted = 0
-        for i, (key, descriptor, grid, emb, data, verification, revision) in enumerate(checked):
+        for i, checked_entry in enumerate(checked):
+            key, descriptor, grid, emb, data, verification, revision, alias_key = checked_entry
             try:
                 evicted += self.store.put(
                     key,
@@ -388,6 +418,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     data,
                     verification=verification,
                     revision=revision,
+                    alias=alias_key,
                 )
             except KeyGridConflictError as err:
                 raise invalid_argument(

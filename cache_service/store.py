@@ -1,6 +1,9 @@
 """The embedding store: exact tier + similarity tier, byte budget, LRU + TTL, leases.
 
-* Exact tier: a dict from the full content digest to the entry.
+* Exact tier: a dict from the full content digest to the entry, and a dict of alias keys
+  (other digests of the same image, e.g. the gateway's digest of the encoded file) to the
+  key of the entry they find. An entry's own key always wins over an alias; an alias
+  goes with its entry, and an entry keeps its newest :data:`MAX_ALIASES_PER_ENTRY`.
 * Similarity tier: a FAISS index over L2-normalised descriptors (inner product = cosine
   similarity); exact (``IndexFlatIP``) below ``index_threshold`` entries, approximate HNSW
   with exact re-scoring above it, exact on a GPU when FAISS sees one (``cache_service.index``).
@@ -64,6 +67,11 @@ log = logging.getLogger(__name__)
 SCORE_TOLERANCE = 1e-5
 # A rebuild swaps its new index in once at most this many adds remain to replay under the lock.
 CATCH_UP_UNDER_LOCK = 64
+# Alias keys per entry, newest kept. Aliases sit outside the byte budget (like keys, at most
+# 256 characters each: cache_service.servicer.MAX_KEY_CHARS), so they are bounded per entry;
+# one is the usual case (the one file the pixels came from), a few cover the same pixels
+# sent as a few files (a JPEG and its lossless PNG copy).
+MAX_ALIASES_PER_ENTRY = 4
 
 
 class EntryTooLargeError(ValueError):
@@ -119,6 +127,7 @@ class Entry:
         revision: Model revision of the embeddings ("" when the writer sent none).
         expires_at: Clock time (seconds) after which it is never served; inf without TTL.
         leases: Lookups in flight that hold it (never evicted while > 0).
+        aliases: Other keys that find it, oldest first (at most MAX_ALIASES_PER_ENTRY).
     """
 
     key: str
@@ -131,6 +140,7 @@ class Entry:
     leases: int = 0
     verification: np.ndarray | None = None
     revision: str = ""
+    aliases: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -214,6 +224,7 @@ class EmbeddingStore:
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order, oldest first
         self._by_put: OrderedDict[str, None] = OrderedDict()  # last-Put order = expiry order
         self._by_id: dict[int, Entry] = {}
+        self._aliases: dict[str, str] = {}  # alias key -> key of the entry it finds
         self._ids = itertools.count()
         self._index = VectorIndex(
             choose_kind(0, index_threshold, self.gpu), descriptor_dim, self.index_params
@@ -282,9 +293,12 @@ class EmbeddingStore:
         lease: bool = False,
         revision: str = "",
         verification: np.ndarray | None = None,
+        alias: str = "",
     ) -> Match:
-        """Find ``key`` exactly (stored with an equal ``grid``: a key held with another grid
-        is a miss), else (when ``similar``) the most similar entry with an equal
+        """Find ``key`` exactly (an entry's own key or one of its aliases, stored with an
+        equal ``grid``: a key held with another grid is a miss; on an exact hit by the
+        entry's own key, a non-empty ``alias`` becomes one of its aliases), else (when
+        ``similar``) the most similar entry with an equal
         grid, an equal ``revision`` and a passing verification against ``verification``
         (uint8 [h, w], :func:`vlcommon.verification.verification_image`; without one no
         similarity hit is possible). Scores are clamped to [-1, 1]; ``similarity`` reports
@@ -292,6 +306,8 @@ class EmbeddingStore:
         returned entry stays leased (not evictable) until :meth:`release`."""
         with self._lock:
             match, candidates = self._lookup(key, descriptor, grid, similar, self.clock(), revision)
+            if match.entry is not None and alias and match.entry.key == key:
+                self._add_alias(match.entry, alias)
             if match.entry is not None or not candidates:
                 return self._answer(match, lease)
         # The verification (up to ~20 ms per candidate for a 2048x2048 plan) runs outside the
@@ -333,6 +349,8 @@ class EmbeddingStore:
         >= threshold, equal grid, equal revision, best first (``rejected`` counts those
         refused for another revision)."""
         entry = self._entries.get(key)
+        if entry is None and key in self._aliases:
+            entry = self._entries[self._aliases[key]]
         if entry is not None and self._expired(entry, now):
             entry = None
         if entry is not None:
@@ -395,13 +413,17 @@ class EmbeddingStore:
         *,
         verification: np.ndarray | None = None,
         revision: str = "",
+        alias: str = "",
     ) -> int:
         """Store an entry, evicting unleased LRU entries to fit. Returns evictions.
 
         ``verification`` (uint8 [h, w]) and ``revision`` are what a later similarity lookup
         is checked against; the verification image's bytes count in the budget. A key
         already held is refreshed (LRU position and TTL) and not replaced: the key is a
-        digest of the content and model revision, so its embeddings are the same.
+        digest of the content and model revision, so its embeddings are the same. A
+        non-empty ``alias`` (another key for the same content) then finds the entry too,
+        whether it was new or refreshed; an alias that pointed at another entry moves to
+        this one (the newest Put wins), and one that is an entry's own key is ignored.
 
         Raises:
             KeyGridConflictError: the key is held with another grid; nothing changed.
@@ -426,6 +448,8 @@ class EmbeddingStore:
                 old.expires_at = now + self.ttl_s if self.ttl_s > 0 else math.inf
                 self._entries.move_to_end(key)
                 self._by_put.move_to_end(key)
+                if alias:
+                    self._add_alias(old, alias)
                 return 0
             victims: list[Entry] = []
             free = self.capacity_bytes - self.bytes
@@ -462,12 +486,32 @@ class EmbeddingStore:
             )
             self._entries[key] = entry
             self._by_put[key] = None
+            if key in self._aliases:  # the key itself now finds its own entry
+                self._drop_alias(key)
+            if alias:
+                self._add_alias(entry, alias)
             if index_id >= 0:
                 self._by_id[index_id] = entry
             self.bytes += size
             self._maybe_rebuild()
             self._publish()
             return len(victims)
+
+    def _add_alias(self, entry: Entry, alias: str) -> None:
+        """Make ``alias`` find ``entry`` (called under the lock)."""
+        if alias in self._entries or self._aliases.get(alias) == entry.key:
+            return  # an entry's own key wins; already this entry's alias
+        if alias in self._aliases:
+            self._drop_alias(alias)  # it moves here: the newest Put or exact hit wins
+        self._aliases[alias] = entry.key
+        entry.aliases.append(alias)
+        if len(entry.aliases) > MAX_ALIASES_PER_ENTRY:
+            self._drop_alias(entry.aliases[0])
+
+    def _drop_alias(self, alias: str) -> None:
+        """Forget ``alias`` (called under the lock)."""
+        target = self._aliases.pop(alias)
+        self._entries[target].aliases.remove(alias)
 
     def expire(self) -> int:
         """Reclaim every expired, unleased entry now. Returns how many were removed."""
@@ -497,6 +541,9 @@ class EmbeddingStore:
             raise RuntimeError(f"entry {entry.key[:16]} is leased and cannot be removed")
         del self._entries[entry.key]
         del self._by_put[entry.key]
+        for alias in entry.aliases:
+            del self._aliases[alias]
+        entry.aliases = []
         if entry.index_id >= 0:
             del self._by_id[entry.index_id]
             self._index.remove(entry.index_id)
@@ -602,7 +649,9 @@ class EmbeddingStore:
         """Raise AssertionError when the store's bookkeeping is inconsistent.
 
         Checks: bytes equal the sum of entry sizes and stay within the budget; the LRU and
-        expiry orders hold the same keys; every indexed entry's vector is in the index and
+        expiry orders hold the same keys; every alias finds a held entry that lists it, no
+        alias is an entry's own key, and no entry lists more than MAX_ALIASES_PER_ENTRY;
+        every indexed entry's vector is in the index and
         every live index id belongs to an entry (no orphans either way); tombstones are
         index ids no entry holds; lease counts are not negative.
         """
@@ -622,6 +671,13 @@ class EmbeddingStore:
                     problems.append(f"entry {key[:16]} has {entry.leases} leases")
                 if entry.index_id >= 0 and self._by_id.get(entry.index_id) is not entry:
                     problems.append(f"entry {key[:16]} id {entry.index_id} not mapped back")
+            listed = {a: e.key for e in self._entries.values() for a in e.aliases}
+            if listed != self._aliases:
+                problems.append("alias map and the entries' alias lists disagree")
+            if set(self._aliases) & set(self._entries):
+                problems.append("an alias is also an entry's own key")
+            if any(len(e.aliases) > MAX_ALIASES_PER_ENTRY for e in self._entries.values()):
+                problems.append(f"an entry holds more than {MAX_ALIASES_PER_ENTRY} aliases")
             leased = sum(1 for e in self._entries.values() if e.leases)
             if leased != self._leased:
                 problems.append(f"{self._leased} leased entries counted, {leased} held")
