@@ -1,10 +1,15 @@
 """``qwenvl.gateway.v1.GatewayService``: the orchestration of one request.
 
-1. Validate messages and parts; decode each image once (EXIF-upright RGB), plan its
-   resize (``image_grid_thw``), compute its exact key and similarity descriptor.
-2. ``CacheService/Lookup`` for all images in one call (skipped when the policy is off;
-   when the cache is down or slow, every image is a miss and the failure is counted).
-3. ``EncoderService/Encode`` for the misses; ``CacheService/Put`` of the new embeddings.
+1. Validate messages and parts; read each image's header (size, EXIF orientation), plan
+   its resize from it and digest the encoded file (the bytes key, ``vlcommon.imaging``).
+   ``CacheService/Lookup`` by bytes key (all images in one call): a file seen before is
+   an exact hit and is never decoded. Decode the others once (EXIF-upright RGB), plan
+   their resize (``image_grid_thw``), compute their pixel key and similarity descriptor.
+2. ``CacheService/Lookup`` by pixel key for the decoded images, in one call (both lookups
+   are skipped when the policy is off; when the cache is down or slow, every image is a
+   miss and the failure is counted once).
+3. ``EncoderService/Encode`` for the misses; ``CacheService/Put`` of the new embeddings,
+   under the pixel key with the bytes key as its alias.
 4. ``DecoderService/Generate`` with the messages and one embedding per image; its tokens
    stream back. Nothing is streamed before the decoder's first token, so every bad input
    fails with a status before the stream starts. A cancelled client cancels the decoder
@@ -15,14 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import io
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -51,10 +58,13 @@ from vlcommon.errors import (
     resource_exhausted,
 )
 from vlcommon.imaging import (
+    ImageHeader,
     ResizePlan,
+    bytes_key,
     decode_image,
     exact_key,
     plan_resize,
+    read_header,
     resize_to_plan,
     similarity_descriptor,
 )
@@ -78,17 +88,46 @@ POLICY_NAMES = {
 }
 
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EncodedFile:
+    """One encoded image as its header describes it, before any pixel is decoded.
+
+    Attributes:
+        header: Size, mode and EXIF orientation (:func:`vlcommon.imaging.read_header`).
+        plan: The resize plan of the header's upright size.
+        bytes_key: The file's digest with the plan (:func:`vlcommon.imaging.bytes_key`);
+            empty when no cache lookup will use it (then it is not computed).
+    """
+
+    header: ImageHeader
+    plan: ResizePlan
+    bytes_key: str
+
+
 @dataclass
 class PreparedImage:
-    """One decoded image with everything computed before any ViT work."""
+    """One image with everything computed before any ViT work.
 
-    pixels: np.ndarray  # uint8 [resized_height, resized_width, 3], upright RGB
+    A decoded image has ``pixels``, ``descriptor`` and (with a cache) ``verification``;
+    one whose file digest answered from the exact tier has none of them (``decoded`` is
+    False) and already has its ``embedding``.
+    """
+
+    index: int  # position among the request's images
     plan: ResizePlan
-    key: str
-    descriptor: np.ndarray  # float32 [DESCRIPTOR_DIM]
+    key: str  # the pixel key (exact_key); after a file-digest hit, the entry's pixel key
+    decoded: bool
+    pixels: np.ndarray | None = None  # uint8 [resized_height, resized_width, 3], upright RGB
+    descriptor: np.ndarray | None = None  # float32 [DESCRIPTOR_DIM]
     # uint8 [resized_height/2, resized_width/2]: the cache verifies similarity candidates
     # on it (vlcommon.verification); built from ``pixels`` when there is a cache.
     verification: np.ndarray | None = None
+    # The encoded file's digest when its header's plan is the decoded image's plan: stored
+    # as an alias of ``key`` so that the same file is found again without decoding.
+    bytes_key: str = ""
     tier: int = generation_pb2.CACHE_TIER_MISS
     similarity: float = 0.0
     embedding: tensor_pb2.ImageEmbedding | None = None
@@ -101,6 +140,33 @@ class Downstream:
     encoder: encoder_service_pb2_grpc.EncoderServiceStub
     decoder: decoder_service_pb2_grpc.DecoderServiceStub
     cache: cache_service_pb2_grpc.CacheServiceStub | None
+
+
+def _descriptor(im: PreparedImage) -> tensor_pb2.Tensor:
+    """The image's similarity descriptor as an FP32 tensor; empty for an image never
+    decoded (only decoded images are looked up by pixel key or stored)."""
+    if im.descriptor is None:
+        return tensor_pb2.Tensor()
+    return tensors.from_numpy(im.descriptor)
+
+
+def _warm_up_files() -> list[bytes]:
+    """Two files for :meth:`GatewayServicer.warm_up`: a 1600x1200 JPEG stored sideways
+    (EXIF orientation 6, quality 90) and an 800x600 RGBA PNG, both gradients with noise so
+    the codecs do a photo's work, both larger than the tiny and the real model's pixel
+    budgets, so the resize runs (downscaling, antialiased)."""
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:1200, 0:1600]
+    rgb = np.stack([x * 255 // 1600, y * 255 // 1200, (x + y) * 255 // 2800], axis=-1)
+    noisy = np.clip(rgb + rng.normal(0, 8, rgb.shape), 0, 255).astype(np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    jpeg = io.BytesIO()
+    Image.fromarray(noisy).save(jpeg, format="JPEG", quality=90, exif=exif)
+    rgba = np.concatenate([noisy[:600, :800], (y[:600, :800] * 255 // 600)[..., None]], axis=-1)
+    png = io.BytesIO()
+    Image.fromarray(rgba.astype(np.uint8), "RGBA").save(png, format="PNG")
+    return [jpeg.getvalue(), png.getvalue()]
 
 
 def _verification(im: PreparedImage) -> tensor_pb2.Tensor:
@@ -287,7 +353,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             )
         return lo, hi
 
-    def _check_request_pixels(self, datas: list[bytes]) -> None:
+    def _check_request_pixels(self, headers: list[ImageHeader | None]) -> None:
         """Refuse a request whose images sum to over ``max_request_pixels`` (headers only).
 
         Raises:
@@ -295,18 +361,11 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 GATEWAY_MAX_REQUEST_PIXELS. An unreadable header is left to decode_image.
         """
         limit = self.settings.max_request_pixels
-        total = 0
-        for data in datas:
-            try:
-                with Image.open(io.BytesIO(data)) as im:  # reads the header, not the pixels
-                    width, height = im.size
-            except Exception:  # noqa: BLE001 - decode_image names the image and the fault
-                continue
-            total += width * height
+        total = sum(h.stored_width * h.stored_height for h in headers if h is not None)
         if total > limit:
             raise resource_exhausted(
                 "REQUEST_PIXELS_TOO_LARGE",
-                f"the request's {len(datas)} images hold {total} decoded pixels (width*height "
+                f"the request's {len(headers)} images hold {total} decoded pixels (width*height "
                 f"summed); the limit is {limit} per request (GATEWAY_MAX_REQUEST_PIXELS)",
                 field="images",
                 limit=limit,
@@ -326,33 +385,97 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 "the request's deadline expired while its images were prepared",
             )
 
-    def _prepare_images(
+    def _read_files(
         self,
         datas: list[bytes],
         lo: int,
         hi: int,
+        with_keys: bool,
         stop: threading.Event | None = None,
         deadline: float | None = None,
+    ) -> list[EncodedFile | None]:
+        """Read each file's header, plan its resize and (``with_keys``) digest it.
+
+        No pixel is decoded: a 12 MP JPEG's header and the SHA-256 of its bytes take about
+        2 ms together (0.6 ms per MB hashed). An image whose header cannot be read, is over
+        ``max_decoded_pixels`` or cannot be planned gets None: decoding it reports the
+        fault with the status it always had (decode_image, plan_resize).
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED ``REQUEST_PIXELS_TOO_LARGE``; CANCELLED /
+                DEADLINE_EXCEEDED when stopped.
+        """
+        stop = stop or threading.Event()
+        self._check_live(stop, deadline)
+        headers = [read_header(data) for data in datas]
+        self._check_request_pixels(headers)
+        files: list[EncodedFile | None] = []
+        for index, (data, header) in enumerate(zip(datas, headers, strict=True)):
+            self._check_live(stop, deadline)
+            with tracer.start_as_current_span("image.header") as span:
+                span.set_attribute("splitvl.image.index", index)
+                span.set_attribute("splitvl.image.encoded_bytes", len(data))
+                if header is None:
+                    files.append(None)
+                    continue
+                span.set_attribute("splitvl.image.format", header.format)
+                span.set_attribute("splitvl.image.exif_orientation", header.orientation)
+                span.set_attribute("splitvl.image.width", header.width)
+                span.set_attribute("splitvl.image.height", header.height)
+                if header.stored_width * header.stored_height > self.settings.max_decoded_pixels:
+                    files.append(None)  # decode_image refuses it, naming the limit
+                    continue
+                try:
+                    plan = plan_resize(
+                        header.height,
+                        header.width,
+                        self.spec,
+                        index=index,
+                        min_pixels=lo,
+                        max_pixels=hi,
+                    )
+                except ServiceError:
+                    files.append(None)  # the same plan after decoding raises it in order
+                    continue
+                key = bytes_key(data, plan, self.revision) if with_keys else ""
+                files.append(EncodedFile(header, plan, key))
+        return files
+
+    def _decode_images(
+        self,
+        datas: list[bytes],
+        indices: list[int],
+        files: list[EncodedFile | None],
+        lo: int,
+        hi: int,
+        stop: threading.Event | None = None,
+        deadline: float | None = None,
+        *,
+        warm_up: bool = False,
     ) -> list[PreparedImage]:
         """Decode, plan, key, describe and resize each image, one at a time.
 
         The pixels kept (and sent to the encoder) are the resized ones, produced by the one
         shared resize function: a 6000x6000 upload shrinks to the pixel budget here instead
-        of travelling as 108 MB, and only one full-size decode is alive per thread.
+        of travelling as 108 MB, and only one full-size decode is alive per thread. The
+        plan is the decoded image's: where the header's plan differs (an orientation only
+        found after the pixel data), the file's digest is not kept, so it never answers
+        for this image.
 
         Args:
+            datas: The encoded files to decode; ``indices`` their positions in the request
+                (for error messages and spans); ``files`` their headers (None: unread).
             stop: Set (from the event loop) when the request is cancelled; checked, with
                 ``deadline`` (``time.monotonic()`` seconds), before each image and stage.
+            warm_up: The start-up run (:meth:`warm_up`): not counted as decoded images.
 
         Raises:
-            ServiceError: as decode_image and plan_resize; RESOURCE_EXHAUSTED
-                ``REQUEST_PIXELS_TOO_LARGE``; CANCELLED / DEADLINE_EXCEEDED when stopped.
+            ServiceError: as decode_image and plan_resize; CANCELLED / DEADLINE_EXCEEDED
+                when stopped.
         """
         stop = stop or threading.Event()
-        self._check_live(stop, deadline)
-        self._check_request_pixels(datas)
         prepared = []
-        for index, data in enumerate(datas):
+        for index, data, file in zip(indices, datas, files, strict=True):
             self._check_live(stop, deadline)
             with tracer.start_as_current_span("image.decode") as span:
                 span.set_attribute("splitvl.image.index", index)
@@ -360,7 +483,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 image = decode_image(
                     data, index=index, max_decoded_pixels=self.settings.max_decoded_pixels
                 )
-                metrics.IMAGES_DECODED.inc()
+                if not warm_up:
+                    metrics.IMAGES_DECODED.inc()
                 span.set_attribute("splitvl.image.width", image.width)
                 span.set_attribute("splitvl.image.height", image.height)
             self._check_live(stop, deadline)
@@ -387,26 +511,46 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             verification = verification_image(resized) if self.down.cache is not None else None
             prepared.append(
                 PreparedImage(
-                    pixels=resized,
+                    index=index,
                     plan=plan,
                     key=key,
+                    decoded=True,
+                    pixels=resized,
                     descriptor=descriptor,
                     verification=verification,
+                    # Where the two plans disagree the pixel key alone stands for the image.
+                    bytes_key=file.bytes_key if file is not None and file.plan == plan else "",
                 )
             )
         return prepared
 
-    async def _run_preprocess(
-        self, datas: list[bytes], lo: int, hi: int, context: grpc.aio.ServicerContext
+    def _prepare_images(
+        self,
+        datas: list[bytes],
+        lo: int,
+        hi: int,
+        stop: threading.Event | None = None,
+        deadline: float | None = None,
     ) -> list[PreparedImage]:
-        """Run :meth:`_prepare_images` on a preprocess thread, bounded and cancellable.
+        """Headers (the request's pixel total) and then every image decoded: the path
+        without a cache lookup, so no file digest is computed.
+
+        Raises:
+            ServiceError: as :meth:`_read_files` and :meth:`_decode_images`.
+        """
+        files = self._read_files(datas, lo, hi, False, stop, deadline)
+        return self._decode_images(datas, list(range(len(datas))), files, lo, hi, stop, deadline)
+
+    async def _run_preprocess(
+        self, work: Callable[..., T], *args: object, context: grpc.aio.ServicerContext
+    ) -> T:
+        """Run ``work(*args, stop, deadline)`` on a preprocess thread, bounded and cancellable.
 
         Raises:
             ServiceError: RESOURCE_EXHAUSTED ``PREPROCESS_BUSY`` (with a retry hint) when
-                ``preprocess_threads + preprocess_queue`` requests are already there.
+                ``preprocess_threads + preprocess_queue`` requests are already there; what
+                ``work`` raises.
         """
-        if not datas:
-            return []
         s = self.settings
         capacity = s.preprocess_threads + s.preprocess_queue
         with self._preprocess_lock:
@@ -430,9 +574,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         deadline = None if left is None else time.monotonic() + left
         stop = threading.Event()
         # In the thread, under the current span: image.decode/image.resize are its children.
-        future = self._preprocess.submit(
-            contextvars.copy_context().run, self._prepare_images, datas, lo, hi, stop, deadline
-        )
+        call = functools.partial(work, *args, stop, deadline)
+        future = self._preprocess.submit(contextvars.copy_context().run, call)
         future.add_done_callback(finished)
         try:
             return await asyncio.wrap_future(future)
@@ -441,6 +584,90 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             # instead of decoding the rest of the request's images for nobody.
             stop.set()
             raise
+
+    async def _prepare(
+        self,
+        datas: list[bytes],
+        lo: int,
+        hi: int,
+        policy: int,
+        context: grpc.aio.ServicerContext,
+    ) -> tuple[list[PreparedImage], float, bool]:
+        """Every image of the request, prepared; decoded only where its file's digest missed.
+
+        With a cache and a policy that uses it: headers and file digests first (no
+        decode), one ``Lookup`` by bytes key, then the decode of the images it did not
+        answer. Without: every image decoded, no digest computed.
+
+        Returns:
+            The images in request order, the milliseconds spent in the bytes-key lookup
+            (part of ``lookup_ms``, not of ``preprocess_ms``), and whether the cache is to
+            be asked by pixel key (False without a cache, with policy off, or when the
+            bytes-key lookup failed: the cache is then down or slow, asked no more).
+
+        Raises:
+            ServiceError: as :meth:`_read_files`, :meth:`_decode_images` and
+                :meth:`_run_preprocess`.
+        """
+        if not datas:
+            return [], 0.0, False
+        if self.down.cache is None or policy == generation_pb2.CACHE_POLICY_OFF:
+            images = await self._run_preprocess(
+                self._prepare_images, datas, lo, hi, context=context
+            )
+            return images, 0.0, False
+        files = await self._run_preprocess(self._read_files, datas, lo, hi, True, context=context)
+        t = time.perf_counter()
+        hits = await self._lookup_files(files, context)
+        lookup_ms = (time.perf_counter() - t) * 1000
+        todo = [i for i in range(len(datas)) if hits is None or i not in hits]
+        decoded: list[PreparedImage] = []
+        if todo:
+            decoded = await self._run_preprocess(
+                self._decode_images,
+                [datas[i] for i in todo],
+                todo,
+                [files[i] for i in todo],
+                lo,
+                hi,
+                context=context,
+            )
+        by_index = {im.index: im for im in decoded}
+        by_index.update(hits or {})
+        return [by_index[i] for i in range(len(datas))], lookup_ms, hits is not None
+
+    async def warm_up(self) -> None:
+        """Run the whole preprocess path once on every preprocess thread, before SERVING.
+
+        A fresh gateway's first large image paid for lazy work that later images do not:
+        starting the preprocess threads, importing torchvision's resize and creating
+        torch's thread pool on first use, libjpeg/zlib's first decode, Pillow's transpose
+        and RGBA compositing, the first SHA-256 over megabytes. Each thread here reads the
+        header of, digests and decodes an EXIF-rotated JPEG (orientation 6) and an RGBA
+        PNG, then plans, keys, describes and resizes them down (antialiased bicubic) with
+        the model's own pixel budget, as a request would. Nothing is counted in
+        ``splitvl_gateway_images_decoded_total``. Takes well under a second.
+        """
+        started = time.perf_counter()
+        files = _warm_up_files()
+        threads = self.settings.preprocess_threads
+        # Every task waits for the others, so each runs on its own thread: the pool starts
+        # a new thread only when no idle one is there.
+        barrier = threading.Barrier(threads)
+
+        def run() -> None:
+            barrier.wait(timeout=30)
+            lo, hi = self.spec.min_pixels, self.spec.max_pixels
+            headers = self._read_files(files, lo, hi, True)
+            self._decode_images(files, list(range(len(files))), headers, lo, hi, warm_up=True)
+
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._preprocess, run) for _ in range(threads)))
+        log.info(
+            "preprocess warmed up on %d threads in %.0f ms",
+            threads,
+            (time.perf_counter() - started) * 1000,
+        )
 
     def _usable_hit(self, emb: tensor_pb2.ImageEmbedding, im: PreparedImage) -> bool:
         """Trust a cache hit only if its tensor fits this image and this model.
@@ -459,19 +686,94 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         return bool(np.isfinite(tensors.to_numpy(emb.embeddings, data)).all())
 
     # -- stages -------------------------------------------------------------------------
+    async def _lookup_files(
+        self, files: list[EncodedFile | None], context: grpc.aio.ServicerContext
+    ) -> dict[int, PreparedImage] | None:
+        """``CacheService/Lookup`` by bytes key, exact tier only, before any decode.
+
+        Returns:
+            The images the cache answered, by request index (exact hits, never decoded);
+            None when the cache failed or answered malformed (counted in
+            ``splitvl_gateway_cache_failures_total{op="lookup"}``; the request then asks
+            the cache no more and encodes).
+        """
+        cache = self.down.cache
+        asked = [(i, f) for i, f in enumerate(files) if f is not None and f.bytes_key]
+        if cache is None or not asked:
+            return {}
+        request = cache_service_pb2.LookupRequest(
+            policy=generation_pb2.CACHE_POLICY_EXACT_ONLY, include_embeddings=True, bytes_keys=True
+        )
+        for _, f in asked:
+            request.queries.add(key=f.bytes_key, grid=_grid(f.plan), revision=self.revision)
+        hits: dict[int, PreparedImage] = {}
+        with tracer.start_as_current_span("cache.lookup_bytes") as span:
+            try:
+                response = await cache.Lookup(
+                    request, timeout=_remaining(context, self.settings.cache_timeout_s)
+                )
+            except grpc.aio.AioRpcError as err:
+                CACHE_FAILURES.labels(op="lookup").inc()
+                span.set_attribute("splitvl.cache.error", err.code().name)
+                log.warning("cache lookup failed (%s); encoding instead", err.code().name)
+                return None
+            if len(response.results) != len(asked):
+                CACHE_FAILURES.labels(op="lookup").inc()
+                log.warning(
+                    "cache answered %d results for %d queries; encoding instead",
+                    len(response.results),
+                    len(asked),
+                )
+                return None
+            received = 0
+            for (index, f), result in zip(asked, response.results, strict=True):
+                if result.tier != generation_pb2.CACHE_TIER_EXACT:
+                    continue
+                im = PreparedImage(
+                    index=index,
+                    plan=f.plan,
+                    key=result.matched_key or result.embedding.key,
+                    decoded=False,
+                    bytes_key=f.bytes_key,
+                    tier=result.tier,
+                    similarity=result.similarity,
+                    embedding=result.embedding,
+                )
+                if not self._usable_hit(result.embedding, im):
+                    CACHE_FAILURES.labels(op="bad_entry").inc()
+                    log.warning("cache returned an unusable entry for %s", f.bytes_key[:16])
+                    continue  # decoded and looked up by pixel key instead
+                hits[index] = im
+                metrics.CACHE_LOOKUPS.labels(tier="exact").inc()
+                received += tensors.payload_nbytes(result.embedding.embeddings)
+                span.add_event("image", {"splitvl.image.index": index})
+            metrics.EMBEDDING_RECEIVED_BYTES.labels(source="cache").inc(received)
+            span.set_attribute(
+                "splitvl.cache.tiers", ["exact" if i in hits else "miss" for i, _ in asked]
+            )
+            span.set_attribute("splitvl.embedding.bytes", received)
+        return hits
+
     async def _lookup(
         self, images: list[PreparedImage], policy: int, context: grpc.aio.ServicerContext
     ) -> None:
+        """``CacheService/Lookup`` by pixel key (exact, then similarity) for decoded images.
+
+        An image whose file digest was computed sends it as the query's ``alias_key``: on
+        an exact hit the cache makes it an alias of the entry, so that file is found again
+        without decoding (the same pixels sent as another file, say a PNG copy of a JPEG).
+        """
         if self.down.cache is None or policy == generation_pb2.CACHE_POLICY_OFF or not images:
             return
         request = cache_service_pb2.LookupRequest(policy=policy, include_embeddings=True)
         for im in images:
             request.queries.add(
                 key=im.key,
-                descriptor=tensors.from_numpy(im.descriptor),
+                descriptor=_descriptor(im),
                 grid=_grid(im.plan),
                 verification=_verification(im),
                 revision=self.revision,
+                alias_key=im.bytes_key,
             )
         with tracer.start_as_current_span("cache.lookup") as span:
             try:
@@ -505,14 +807,14 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     im.tier = result.tier
                     im.embedding = result.embedding
             received = 0
-            for index, im in enumerate(images):
+            for im in images:
                 metrics.CACHE_LOOKUPS.labels(tier=_tier(im.tier)).inc()
                 if im.embedding is not None:
                     received += tensors.payload_nbytes(im.embedding.embeddings)
                 span.add_event(
                     "image",
                     {
-                        "splitvl.image.index": index,
+                        "splitvl.image.index": im.index,
                         "splitvl.cache.tier": _tier(im.tier),
                         "splitvl.cache.similarity": im.similarity,
                     },
@@ -525,6 +827,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
     async def _encode(self, misses: list[PreparedImage], context: grpc.aio.ServicerContext) -> None:
         request = encoder_service_pb2.EncodeRequest()
         for im in misses:
+            if im.pixels is None:  # a file-digest hit has its embedding: never a miss
+                raise ServiceError(
+                    grpc.StatusCode.INTERNAL, "INTERNAL", f"images[{im.index}] has no pixels"
+                )
             request.images.add(
                 key=im.key,
                 pixels=tensors.from_numpy(im.pixels),
@@ -562,10 +868,11 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         for im in fresh:
             request.entries.add(
                 key=im.key,
-                descriptor=tensors.from_numpy(im.descriptor),
+                descriptor=_descriptor(im),
                 embedding=im.embedding,
                 verification=_verification(im),
                 revision=self.revision,
+                alias_key=im.bytes_key,
             )
         t0 = time.perf_counter()
         with tracer.start_as_current_span("gateway.cache_put") as span:
@@ -617,17 +924,22 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 messages, sources = self._parse(request)
                 lo, hi = self._budget(request)
                 datas = await self._fetch_urls(sources, context)
-                images = await self._run_preprocess(datas, lo, hi, context)
+                images, bytes_lookup_ms, ask_cache = await self._prepare(
+                    datas, lo, hi, policy, context
+                )
                 span.set_attribute("splitvl.images", len(images))
                 span.set_attribute("splitvl.grids", [str(im.plan.grid) for im in images])
-            timings.preprocess_ms = (time.perf_counter() - t_start) * 1000
+                span.set_attribute("splitvl.decoded", [im.decoded for im in images])
+            # The bytes-key lookup ran inside this span; its time is the lookup stage's.
+            timings.preprocess_ms = (time.perf_counter() - t_start) * 1000 - bytes_lookup_ms
             metrics.IMAGES.inc(len(images))
             request_span.set_attribute("splitvl.request.model", self.settings.model)
             request_span.set_attribute("splitvl.request.images", len(images))
 
             t = time.perf_counter()
-            await self._lookup(images, policy, context)
-            timings.lookup_ms = (time.perf_counter() - t) * 1000
+            if ask_cache:
+                await self._lookup([im for im in images if im.decoded], policy, context)
+            timings.lookup_ms = (time.perf_counter() - t) * 1000 + bytes_lookup_ms
 
             misses = [im for im in images if im.embedding is None]
             if misses:
@@ -663,6 +975,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     grid=_grid(im.plan),
                     tokens=im.plan.tokens,
                     key=im.key,
+                    decoded=im.decoded,
                 )
                 for i, im in enumerate(images)
             ]

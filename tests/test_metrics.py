@@ -257,9 +257,11 @@ def test_one_generate_moves_every_service_metric(cluster, tiny_model) -> None:
     assert enc.value("splitvl_encoder_queued_images") == 0
     assert enc("splitvl_encoder_embedding_sent_bytes_total") == emb_bytes
 
-    # cache: one lookup (a miss), one put
-    assert cache("splitvl_cache_requests_total", method="Lookup", code="OK") == 1
+    # cache: two Lookup calls (by the file's digest, then by pixel key after the decode),
+    # one image counted once (a miss by file digest is not counted), one put
+    assert cache("splitvl_cache_requests_total", method="Lookup", code="OK") == 2
     assert cache("splitvl_cache_lookups_total", tier="miss") == 1
+    assert cache("splitvl_cache_lookups_total", tier="exact") == 0
     assert cache("splitvl_cache_puts_total") == 1
     # Stored: the embeddings plus the verification image (uint8 luma at half the resized
     # size, vlcommon.verification); 2 GiB budget, nothing evicted.

@@ -87,7 +87,13 @@ def test_span_tree_of_one_request(cluster, otlp_receiver, tiny_model, tmp_path) 
         time.sleep(0.2)
     assert len(roots) == 1
     root = roots[0]
-    wanted = {"vit.batch", "decoder.generation", "gateway.cache_put", "cache.lookup"}
+    wanted = {
+        "vit.batch",
+        "decoder.generation",
+        "gateway.cache_put",
+        "cache.lookup",
+        "cache.lookup_bytes",
+    }
     spans = collect_trace(
         otlp_receiver, root["trace_id"], lambda ss: wanted <= {s["name"] for s in ss}
     )
@@ -117,6 +123,18 @@ def test_span_tree_of_one_request(cluster, otlp_receiver, tiny_model, tmp_path) 
     assert r["splitvl.image.tokens"] == image["tokens"]
     assert r["splitvl.image.resized_height"] == image["grid"][1] * 16
     assert decode["end_ns"] <= resize["start_ns"]
+    # before the decode: the header read and the lookup by the file's digest (a miss)
+    header = one(spans, "image.header", "gateway")
+    assert header["parent"] == pre["span_id"]
+    h = attrs(header)
+    assert (h["splitvl.image.width"], h["splitvl.image.height"]) == (400, 300)
+    assert h["splitvl.image.format"] == "PNG" and h["splitvl.image.exif_orientation"] == 1
+    by_bytes = one(spans, "cache.lookup_bytes", "gateway")
+    assert by_bytes["parent"] == pre["span_id"]
+    assert attrs(by_bytes)["splitvl.cache.tiers"] == ["miss"]
+    assert header["end_ns"] <= by_bytes["start_ns"] and by_bytes["end_ns"] <= decode["start_ns"]
+    assert attrs(one(spans, "cache.lookup_bytes", "cache"))["splitvl.cache.tier"] == "miss"
+    assert attrs(pre)["splitvl.decoded"] == [True]
 
     # cache lookup: the gateway's span says tier and score; the cache's span agrees
     lookup = one(spans, "cache.lookup", "gateway")

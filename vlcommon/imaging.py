@@ -1,7 +1,10 @@
 """The one image pipeline: decode, validate, plan the resize, key, describe, resize.
 
-The gateway decodes each image once (:func:`decode_image`), plans its resize with
-:func:`plan_resize` (Qwen's ``smart_resize``, so ``image_grid_thw``
+The gateway first reads each file's header (:func:`read_header`: size and EXIF
+orientation, no pixel decode), plans the resize from the upright size, and digests the
+encoded bytes with that plan (:func:`bytes_key`): a file seen before is answered by the
+exact tier without decoding. Otherwise it decodes the image once (:func:`decode_image`),
+plans its resize with :func:`plan_resize` (Qwen's ``smart_resize``, so ``image_grid_thw``
 and the placeholder count are known before any ViT work), and computes the exact key
 (:func:`exact_key`) and the similarity descriptor (:func:`similarity_descriptor`). The
 encoder applies the same plan to the pixels with :func:`resize_to_plan`, the exact
@@ -18,7 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image, ImageOps
+import PIL
+from PIL import ExifTags, Image, ImageOps, features
 
 from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 from vlcommon.model_info import VisionSpec
@@ -53,6 +57,37 @@ DOCUMENT_BACKGROUND_FRACTION = 0.75
 DOCUMENT_INK_FRACTION = 0.36
 DOCUMENT_BACKGROUND_TOLERANCE = 16  # max |luma - background luma|, 8-bit levels
 DOCUMENT_INK_CONTRAST = 96  # min |luma - background luma| of an ink pixel, 8-bit levels
+# Bump whenever decode_image / _to_rgb change the pixels a file decodes to (another
+# background, another rule for a mode): the bytes key names the decode pipeline, so files
+# seen by an older pipeline are decoded again instead of answered by their digest.
+DECODE_PIPELINE_VERSION = 1
+# EXIF orientations whose upright image is the stored one transposed (width and height
+# swapped): 5 transpose, 6 rotate 90 CW, 7 transverse, 8 rotate 90 CCW (EXIF 2.3, tag 0x0112;
+# the transposes of Pillow's ImageOps.exif_transpose).
+SWAPPING_ORIENTATIONS = frozenset((5, 6, 7, 8))
+
+
+def _decoder_version() -> str:
+    """Pillow's version and the versions of the codec libraries it decodes with, plus
+    :data:`DECODE_PIPELINE_VERSION`: what determines the pixels a file decodes to.
+
+    A Pillow wheel bundles its codecs, but a distribution's Pillow links the system's
+    libjpeg/zlib/libtiff/libwebp/libavif, so each library's version is named (``None``
+    when absent; :func:`PIL.features.version`).
+    """
+    libraries = ("jpg", "libjpeg_turbo", "jpg_2000", "zlib", "zlib_ng", "libtiff", "webp", "avif")
+    parts = [f"pillow={PIL.__version__}"]
+    for name in libraries:
+        try:
+            parts.append(f"{name}={features.version(name)}")
+        except ValueError:  # a name this Pillow does not know
+            parts.append(f"{name}=None")
+    parts.append(f"pipeline={DECODE_PIPELINE_VERSION}")
+    return ";".join(parts)
+
+
+# Computed once: what the bytes key says about the decoder.
+DECODER_VERSION = _decoder_version()
 
 
 @dataclass(frozen=True)
@@ -276,6 +311,105 @@ def _fit_max_pixels(rh: int, rw: int, factor: int, max_pixels: int) -> tuple[int
     else:
         rw = max(factor, max_pixels // (rh * factor) * factor)
     return rh, rw
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What a file's header says, read without decoding its pixels (:func:`read_header`).
+
+    Attributes:
+        format: Pillow's format name (``JPEG``, ``PNG``, ``WEBP``, ...).
+        mode: Pillow mode of the stored pixels (before the conversion to RGB).
+        stored_width, stored_height: Size of the stored pixels (the first frame's canvas
+            for an animated file), before the EXIF orientation is applied.
+        orientation: EXIF orientation 1..8 (1 when absent or not a valid value, as
+            ``ImageOps.exif_transpose`` treats it).
+    """
+
+    format: str
+    mode: str
+    stored_width: int
+    stored_height: int
+    orientation: int
+
+    @property
+    def width(self) -> int:
+        """Upright width, pixels: what :func:`decode_image` returns."""
+        swap = self.orientation in SWAPPING_ORIENTATIONS
+        return self.stored_height if swap else self.stored_width
+
+    @property
+    def height(self) -> int:
+        """Upright height, pixels."""
+        swap = self.orientation in SWAPPING_ORIENTATIONS
+        return self.stored_width if swap else self.stored_height
+
+
+def read_header(data: bytes) -> ImageHeader | None:
+    """Read a file's size, mode and EXIF orientation from its header, decoding no pixels.
+
+    ``Image.open`` parses the container up to the image data (a JPEG's markers up to the
+    scan, EXIF in APP1; a PNG's chunks before IDAT), and the orientation is read from the
+    EXIF and XMP that parsing found (``Image.Image.getexif``, the base class's, because
+    PNG's own ``getexif`` decodes the whole image to look for EXIF after the pixel data).
+    The frame count is not read: counting a GIF's frames walks the whole file, and the
+    first frame, the one decoded, has the header's canvas size.
+
+    A file whose orientation only shows after its pixel data (a PNG with eXIf or XMP after
+    IDAT) gets the orientation 1 here and its true one from :func:`decode_image`; the
+    gateway then sees the two plans differ and does not let the file's digest answer for
+    it (it is decoded every time, never served wrongly).
+
+    Args:
+        data: The encoded file.
+
+    Returns:
+        The header, or None when it cannot be read (an empty file, an unknown format, a
+        header past Pillow's decompression-bomb guard): :func:`decode_image` then names
+        the fault with its status. The caller applies its own pixel limits.
+    """
+    if not data:
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+            value = Image.Image.getexif(im).get(ExifTags.Base.Orientation, 1)
+            orientation = value if isinstance(value, int) and 1 <= value <= 8 else 1
+            return ImageHeader(str(im.format), im.mode, width, height, orientation)
+    except Exception:  # noqa: BLE001 - decode_image reports it, by the same rules
+        return None
+
+
+def bytes_key(
+    data: bytes, plan: ResizePlan, revision: str, *, decoder: str = DECODER_VERSION
+) -> str:
+    """The exact-tier key of one encoded file: found without decoding it.
+
+    A full SHA-256 (64 hex digits) over a version tag, the decoder version (``decoder``:
+    Pillow's and its codec libraries' versions and :data:`DECODE_PIPELINE_VERSION`), the
+    resize plan (resized size and ``image_grid_thw``), the model revision, the file's
+    length and its bytes. Safe as a key because the same bytes decode to the same pixels
+    under the same decoder (Pillow's decoders are deterministic for a given version): the
+    entry it finds holds the embeddings of exactly the pixels :func:`decode_image` would
+    return. The pixel key (:func:`exact_key`) stays the key that equates different files
+    with the same pixels; the cache stores this one as an alias of it.
+
+    Args:
+        data: The encoded file, as received (about 0.6 ms per MB to hash).
+        plan: Its resize plan, from the header's upright size (:func:`read_header`).
+        revision: The model revision (:func:`vlcommon.model_info.model_revision`).
+        decoder: The decoder version; the default is this process's.
+
+    Returns:
+        64 lowercase hex characters.
+    """
+    h = hashlib.sha256()
+    h.update(b"splitvl-bytes-v1\0")
+    h.update(f"{decoder}\0".encode())
+    h.update(f"{plan.resized_height}x{plan.resized_width}\0{plan.grid}\0{revision}\0".encode())
+    h.update(f"{len(data)}\0".encode())
+    h.update(data)
+    return h.hexdigest()
 
 
 def exact_key(image: Image.Image, plan: ResizePlan, revision: str) -> str:
