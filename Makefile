@@ -16,7 +16,7 @@ PROTOS := $(shell find protos -name '*.proto')
 $(STAMP): pyproject.toml setup.py scripts/fix_cpu_torchvision.py $(PROTOS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	if nvidia-smi -L >/dev/null 2>&1; then extra=gpu; else extra=cpu; fi; \
-	  $(BIN)/python -m pip install --progress-bar off -e ".[$$extra,dev]"
+	  $(BIN)/python -m pip install --progress-bar off -e ".[$$extra,tools,dev]"
 	$(BIN)/python scripts/fix_cpu_torchvision.py
 	touch $(STAMP)
 
@@ -40,7 +40,7 @@ test: $(STAMP) $(NODE_DEPS)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy vlcommon encoder_service cache_service decoder_service gateway splitvl
+	$(BIN)/mypy vlcommon encoder_service cache_service decoder_service gateway splitvl splitvl_tools
 	cd protos && ../$(BIN)/buf lint
 
 clean:

@@ -61,6 +61,8 @@ packages = find_packages(
     include=[
         "splitvl",
         "splitvl.*",
+        "splitvl_tools",
+        "splitvl_tools.*",
         "vlcommon",
         "vlcommon.*",
         "encoder_service",

@@ -5,7 +5,6 @@ Settings come from ``CACHE_*`` environment variables; flags override them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -17,7 +16,8 @@ from cache_service.index import gpu_count
 from cache_service.servicer import POLICIES, CacheServicer
 from cache_service.settings import CacheSettings
 from cache_service.store import EmbeddingStore
-from vlcommon.server import configure_logging, run, serve
+from vlcommon.server import serve
+from vlcommon.service_main import service_main
 
 SERVICE = cache_service_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 log = logging.getLogger("cache_service")
@@ -110,19 +110,23 @@ async def main_async(settings: CacheSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cache_service", description=__doc__)
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int)
-    parser.add_argument("--metrics-port", type=int)
-    parser.add_argument("--capacity-bytes", type=int)
-    parser.add_argument("--ttl-s", type=float)
-    parser.add_argument("--threshold", type=float)
-    parser.add_argument("--index-threshold", type=int)
-    parser.add_argument("--gpu", choices=["auto", "on", "off"])
-    args = parser.parse_args(argv)
-    settings = CacheSettings(**{k: v for k, v in vars(args).items() if v is not None})
-    configure_logging("cache")
-    run(main_async(settings))
+    service_main(
+        "cache",
+        CacheSettings,
+        flags=(
+            "host",
+            "port",
+            "metrics_port",
+            "capacity_bytes",
+            "ttl_s",
+            "threshold",
+            "index_threshold",
+            "gpu",
+        ),
+        serve=lambda settings, _: main_async(settings),
+        argv=argv,
+        doc=__doc__,
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Cache service settings (environment prefix ``CACHE_``)."""
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -50,8 +52,8 @@ class CacheSettings(ServerSettings):
     rebuild_fraction: float = Field(
         0.25, gt=0, le=1, description="Tombstone share of the index that triggers a rebuild."
     )
-    gpu: str = Field(
-        "auto", pattern="^(auto|on|off)$", description="FAISS GPU index: auto = if one is seen."
+    gpu: Literal["auto", "on", "off"] = Field(
+        "auto", description="FAISS GPU index: auto = if one is seen."
     )
 
     def index_params(self) -> IndexParams:

@@ -10,6 +10,7 @@ reuses its image's KV). Service flags: ``--host``, ``--port``, ``--metrics-port`
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -23,7 +24,8 @@ from decoder_service.engine import DecoderEngine, cpu_block_size_error, default_
 from decoder_service.servicer import DecoderServicer
 from decoder_service.validation import Limits
 from vlcommon.model_info import model_error
-from vlcommon.server import configure_logging, limit_torch_threads, run, serve
+from vlcommon.server import limit_torch_threads, serve
+from vlcommon.service_main import service_main
 from vlcommon.settings import ServerSettings
 
 log = logging.getLogger("decoder_service")
@@ -92,15 +94,35 @@ async def main_async(settings: DecoderSettings, engine_args: object) -> None:
         raise SystemExit(3)
 
 
+def engine_problem(settings: DecoderSettings, args: argparse.Namespace) -> str | None:
+    """A usage problem with vLLM's engine arguments, found before the engine starts."""
+    from vllm import AsyncEngineArgs
+
+    # Before AsyncEngineArgs, which resolves the model itself and raises from huggingface_hub.
+    problem = model_error(args.model)
+    if problem:
+        return problem
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    if not engine_args.enable_mm_embeds:
+        return "--enable-mm-embeds is required: the decoder takes precomputed embeddings"
+    if _on_cpu() and engine_args.block_size is not None:
+        problem = cpu_block_size_error(engine_args.block_size)
+        if problem:
+            return problem
+    block, max_len = engine_args.block_size, engine_args.max_model_len
+    if block is not None and max_len is not None and block > max_len:
+        # vLLM would start, then fail to fit one block in the KV-cache space with a hint
+        # about gpu_memory_utilization (measured: --block-size 1048576 under splitvl up).
+        return f"--block-size {block} is larger than --max-model-len {max_len}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     from vllm import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
     parser = FlexibleArgumentParser(prog="python -m decoder_service", description=__doc__)
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int)
-    parser.add_argument("--metrics-port", type=int)
     parser = AsyncEngineArgs.add_cli_args(parser)
     parser.set_defaults(
         enable_mm_embeds=True,
@@ -108,38 +130,16 @@ def main(argv: list[str] | None = None) -> None:
         enforce_eager=_on_cpu() or None,
         block_size=default_block_size(_on_cpu()),
     )
-    args = parser.parse_args(argv)
-    settings = DecoderSettings(
-        **{
-            k: getattr(args, k)
-            for k in ("host", "port", "metrics_port")
-            if getattr(args, k) is not None
-        }
+    service_main(
+        "decoder",
+        DecoderSettings,
+        flags=("host", "port", "metrics_port"),
+        serve=lambda settings, args: main_async(settings, AsyncEngineArgs.from_cli_args(args)),
+        argv=argv,
+        parser=parser,
+        check=engine_problem,
+        prepare=lambda _: limit_torch_threads(),
     )
-
-    def usage_error(message: str) -> None:
-        # parser.error would print vLLM's usage first: ~250 lines of engine flags.
-        parser.exit(2, f"{parser.prog}: error: {message} (flags: --help)\n")
-
-    # Before AsyncEngineArgs, which resolves the model itself and raises from huggingface_hub.
-    problem = model_error(args.model)
-    if problem:
-        usage_error(problem)
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    if not engine_args.enable_mm_embeds:
-        usage_error("--enable-mm-embeds is required: the decoder takes precomputed embeddings")
-    if _on_cpu() and engine_args.block_size is not None:
-        problem = cpu_block_size_error(engine_args.block_size)
-        if problem:
-            usage_error(problem)
-    block, max_len = engine_args.block_size, engine_args.max_model_len
-    if block is not None and max_len is not None and block > max_len:
-        # vLLM would start, then fail to fit one block in the KV-cache space with a hint
-        # about gpu_memory_utilization (measured: --block-size 1048576 under splitvl up).
-        usage_error(f"--block-size {block} is larger than --max-model-len {max_len}")
-    configure_logging("decoder")
-    limit_torch_threads()
-    run(main_async(settings, engine_args))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ Settings come from ``ENCODER_*`` environment variables; flags override them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
+import os
 
 from qwenvl.encoder.v1 import encoder_service_pb2, encoder_service_pb2_grpc
 
@@ -15,8 +15,8 @@ from encoder_service.batcher import Batcher
 from encoder_service.engine import VisionEngine
 from encoder_service.servicer import EncoderServicer
 from encoder_service.settings import EncoderSettings, batch_patches_for
-from vlcommon.model_info import model_error
-from vlcommon.server import configure_logging, run, serve
+from vlcommon.server import serve
+from vlcommon.service_main import service_main
 
 log = logging.getLogger("encoder_service")
 SERVICE = encoder_service_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
@@ -71,28 +71,11 @@ async def main_async(settings: EncoderSettings) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m encoder_service", description=__doc__)
-    parser.add_argument("--model", help="checkpoint directory or hub id")
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int)
-    parser.add_argument("--metrics-port", type=int)
-    parser.add_argument("--device")
-    parser.add_argument("--dtype")
-    args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
-    settings = EncoderSettings(**overrides)
-    if not settings.model:
-        parser.error("--model (or ENCODER_MODEL) is required")
-    problem = model_error(settings.model)
-    if problem:
-        parser.error(problem)
-    configure_logging("encoder")
+def pin_cpus(settings: EncoderSettings) -> None:
+    """Pin the process to ``ENCODER_CPUS`` (off vLLM's worker core) and set torch threads."""
+    import torch
+
     if settings.cpus:
-        import os
-
-        import torch
-
         from vlcommon.cpus import parse_cpu_list
 
         cpus = parse_cpu_list(settings.cpus)
@@ -100,10 +83,19 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(settings.threads or len(cpus))
         log.info("pinned to CPUs %s with %d torch threads", cpus, torch.get_num_threads())
     elif settings.threads:
-        import torch
-
         torch.set_num_threads(settings.threads)
-    run(main_async(settings))
+
+
+def main(argv: list[str] | None = None) -> None:
+    service_main(
+        "encoder",
+        EncoderSettings,
+        flags=("model", "host", "port", "metrics_port", "device", "dtype"),
+        serve=lambda settings, _: main_async(settings),
+        argv=argv,
+        doc=__doc__,
+        prepare=pin_cpus,
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Encoder service settings (environment prefix ``ENCODER_``)."""
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -13,7 +15,9 @@ class EncoderSettings(ServerSettings):
 
     model: str = Field("", description="Checkpoint directory or hub id.")
     device: str = Field("auto", description="cpu, cuda, cuda:N or auto.")
-    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Vision tower dtype."
+    )
     cpus: str = Field(
         "", description="CPU list to pin to (e.g. '1' or '12-15'); empty = no pinning."
     )

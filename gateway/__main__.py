@@ -5,7 +5,6 @@ Settings come from ``GATEWAY_*`` environment variables; flags override them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 
@@ -18,9 +17,10 @@ from qwenvl.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from gateway.servicer import Downstream, GatewayServicer
 from gateway.settings import GatewaySettings
 from vlcommon import telemetry
-from vlcommon.model_info import load_vision_spec, model_error, model_revision, resolve_model_dir
+from vlcommon.model_info import load_vision_spec, model_revision, resolve_model_dir
 from vlcommon.security import ClientSecurity, aio_channel
-from vlcommon.server import configure_logging, limit_torch_threads, run, serve
+from vlcommon.server import limit_torch_threads, serve
+from vlcommon.service_main import service_main
 from vlcommon.settings import channel_options
 
 log = logging.getLogger("gateway")
@@ -99,24 +99,23 @@ async def main_async(settings: GatewaySettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
-    parser.add_argument("--model")
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int)
-    parser.add_argument("--metrics-port", type=int)
-    parser.add_argument("--encoder-address")
-    parser.add_argument("--cache-address")
-    parser.add_argument("--decoder-address")
-    args = parser.parse_args(argv)
-    settings = GatewaySettings(**{k: v for k, v in vars(args).items() if v is not None})
-    if not settings.model:
-        parser.error("--model (or GATEWAY_MODEL) is required")
-    problem = model_error(settings.model)
-    if problem:
-        parser.error(problem)
-    configure_logging("gateway")
-    limit_torch_threads()
-    run(main_async(settings))
+    service_main(
+        "gateway",
+        GatewaySettings,
+        flags=(
+            "model",
+            "host",
+            "port",
+            "metrics_port",
+            "encoder_address",
+            "cache_address",
+            "decoder_address",
+        ),
+        serve=lambda settings, _: main_async(settings),
+        argv=argv,
+        doc=__doc__,
+        prepare=lambda _: limit_torch_threads(),
+    )
 
 
 if __name__ == "__main__":

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
-import tempfile
 import threading
-from pathlib import Path
 
 from splitvl.argtypes import (
     base_port,
@@ -33,15 +30,14 @@ from splitvl.argtypes import (
     positive_float,
     positive_int,
 )
+from splitvl.home import cluster_from_args
 from splitvl.launcher import (
     DECODER_DEFAULT_ARGS,
     DEFAULT_BASE_PORT,
     DEFAULT_METRICS_BASE_PORT,
-    Cluster,
     LaunchConfigError,
-    Ports,
     ServiceStartError,
-    split_args,
+    Supervisor,
 )
 
 
@@ -55,25 +51,6 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def splitvl_home() -> Path:
-    return Path(os.environ.get("SPLITVL_HOME", Path.home() / ".cache" / "splitvl"))
-
-
-def default_model() -> str:
-    """The tiny checkpoint, built on first use (deterministic, about 10 s)."""
-    from splitvl.tiny_model import SEED, make_tiny_model
-
-    path = splitvl_home() / f"tiny-qwen3-vl-seed{SEED}"
-    if not (path / "SPLITVL_TINY_MODEL").exists():
-        print(f"building the tiny Qwen3-VL checkpoint in {path} ...", file=sys.stderr)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent if path.parent.exists() else None))
-        make_tiny_model(tmp)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            tmp.rename(path)
-    return str(path)
-
-
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from splitvl.tiny_model import make_tiny_model
 
@@ -81,21 +58,10 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(args: argparse.Namespace) -> Cluster:
-    model = args.model or default_model()
-    ports = Ports.from_base(args.base_port, args.metrics_base_port)
-    return Cluster(
-        model=model,
-        ports=ports,
-        log_dir=Path(args.log_dir),
-        decoder_args=[a for arg in args.decoder_arg for a in split_args(arg, "--decoder-arg")],
-    )
-
-
 def cmd_up(args: argparse.Namespace) -> int:
-    cluster = _cluster(args)
+    cluster = cluster_from_args(args)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     cluster.start()
     failed = False
@@ -106,16 +72,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"(logs in {cluster.log_dir}); Ctrl-C stops it",
             flush=True,
         )
+        supervisor = Supervisor(cluster, say=lambda line: print(line, file=sys.stderr, flush=True))
         while not stop.is_set():
-            for name, proc in cluster.procs.items():
-                if proc.poll() is not None:
-                    print(
-                        f"splitvl: {name} exited with code {proc.returncode}; "
-                        f"see its log: {cluster.log_path(name)}",
-                        file=sys.stderr,
-                    )
-                    failed = True
-                    stop.set()
+            reason = supervisor.poll()
+            if reason is not None:
+                print(f"splitvl up: {reason}", file=sys.stderr, flush=True)
+                failed = True
+                break
             stop.wait(1.0)
     finally:
         codes = cluster.stop()
@@ -204,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
             default=DEFAULT_METRICS_BASE_PORT,
             help="Prometheus port of the gateway, +1..+3 for the others; 0 = off",
         )
-        p.add_argument("--log-dir", default=str(splitvl_home() / "logs"))
+        p.add_argument(
+            "--log-dir",
+            help="the services' logs (default: $SPLITVL_HOME/logs/BASE_PORT; a folder in use "
+            "by a running instance is refused)",
+        )
         p.add_argument(
             "--decoder-arg",
             action="append",
@@ -218,13 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--max-tokens", type=positive_int, default=16)
 
-    from splitvl import bench, cache_bench, cache_eval, load, soak
-
-    bench.add_parser(sub)
-    cache_bench.add_parser(sub)
-    cache_eval.add_parser(sub)
-    load.add_parser(sub)
-    soak.add_parser(sub)
+    add_tool_parsers(sub)
 
     p = sub.add_parser(
         "generate",
@@ -260,6 +221,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_float, default=300.0, help="deadline, seconds")
     p.set_defaults(func=cmd_generate)
     return parser
+
+
+#: Entry-point group through which the tools (``splitvl_tools``: bench, cache-eval, ...)
+#: add their subcommands, so that the command never imports its tools (pyproject.toml).
+TOOL_ENTRY_POINTS = "splitvl.commands"
+
+
+def add_tool_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Let each installed tool add its subcommand (``add_parser(sub)``), in name order."""
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=TOOL_ENTRY_POINTS), key=lambda e: e.name):
+        try:
+            add_parser = ep.load()
+        except ModuleNotFoundError as err:
+            # The service images (deploy/Dockerfile) ship the product without its tools.
+            if (err.name or "").split(".")[0] == ep.module.split(".")[0]:
+                continue
+            raise
+        add_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,9 +51,9 @@ def workload() -> list[tuple[str, bytes]]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from splitvl.cli import _cluster
+    from splitvl.home import cluster_from_args
 
-    cluster = _cluster(args)
+    cluster = cluster_from_args(args)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     cluster.progress = lambda line: say(line)
     say(f"starting the four services (model {cluster.model}; logs in {cluster.log_dir}) ...")

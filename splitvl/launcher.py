@@ -1,13 +1,22 @@
-"""Start, watch and stop the four services as child processes on loopback.
+"""Start, watch, restart and stop the four services as child processes on loopback.
 
-Each service runs as ``python -m <package>`` in its own session (so a terminal's Ctrl-C
-reaches only the launcher, which then stops the services in order: gateway first, so
-no new work arrives, then decoder, encoder and cache). Each is waited on through its
+Each service runs as ``python -m <package>`` in its own process group (so a terminal's
+Ctrl-C reaches only the launcher, which then stops the services in order: gateway first,
+so no new work arrives, then decoder, encoder and cache). Each is waited on through its
 grpc.health.v1 ``Check``; logs go to one file per service.
+
+Before anything starts, every port the cluster will bind is checked (:func:`check_ports`)
+and the log folder is locked (:class:`LogDirLock`), so a second launcher never reports
+another instance's services or overwrites its logs. Each child gets
+``SPLITVL_LAUNCHER_PID``: its parent-death watchdog (:mod:`vlcommon.lifeline`) ends the
+service and its vLLM processes when the launcher dies, however it dies.
+:class:`Supervisor` restarts a service that exits unexpectedly, with backoff.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shlex
 import shutil
@@ -24,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vlcommon.cpus import available_cpus, format_cpu_list, split_cpus
+from vlcommon.lifeline import LAUNCHER_PID_ENV
 from vlcommon.security import ClientSecurity, service_env, sync_channel
 
 SERVICES = ("gateway", "encoder", "cache", "decoder")
@@ -104,6 +114,122 @@ class Ports:
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.grpc[name]}"
 
+    def bindings(self) -> list[tuple[int, str, str]]:
+        """Every port the cluster binds: ``(port, what, the flag that moves it)``."""
+        out = [(p, f"{n} gRPC", "--base-port") for n, p in self.grpc.items()]
+        out += [(p, f"{n} metrics", "--metrics-base-port") for n, p in self.metrics.items() if p]
+        return out
+
+
+class PortInUseError(LaunchConfigError):
+    """A port the cluster needs is taken; nothing was started.
+
+    Attributes:
+        port: The first busy port.
+    """
+
+    def __init__(self, port: int, message: str) -> None:
+        self.port = port
+        super().__init__(message)
+
+
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        # grpc and prometheus bind with SO_REUSEADDR: a port left in TIME_WAIT by a stopped
+        # instance is free for them, so it must count as free here too.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            if err.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def port_owner(port: int) -> str:
+    """Who listens on ``port``, as far as this user may see: ``"another splitvl (pid N:
+    python -m gateway)"``, ``"pid N (cmd)"`` or ``""`` when it cannot be told."""
+    import psutil
+
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return ""
+    for conn in conns:
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            if conn.pid is None:
+                return ""
+            try:
+                cmdline = psutil.Process(conn.pid).cmdline()
+            except psutil.Error:
+                return f"pid {conn.pid}"
+            words = [os.path.basename(w) if i == 0 else w for i, w in enumerate(cmdline)]
+            shown = shlex.join(words[:3])
+            ours = any(w in PACKAGES.values() or w.startswith("splitvl") for w in cmdline[1:4])
+            return f"{'another splitvl ' if ours else ''}(pid {conn.pid}: {shown})"
+    return ""
+
+
+def check_ports(ports: Ports) -> None:
+    """Refuse to start when any port the cluster would bind is taken.
+
+    Raises:
+        PortInUseError: one line naming the port, its role, who holds it where that can
+            be told, and the flag that moves it.
+    """
+    seen: dict[int, str] = {}
+    for port, what, flag in ports.bindings():
+        if port in seen:
+            raise PortInUseError(
+                port, f"port {port} is given to both {seen[port]} and {what}; move one with {flag}"
+            )
+        seen[port] = what
+        if not _port_free(port):
+            owner = port_owner(port)
+            held = f" by {owner}" if owner else ""
+            off = " (0 turns metrics off)" if flag == "--metrics-base-port" else ""
+            raise PortInUseError(
+                port,
+                f"port {port} ({what}) is already in use{held}; stop that or move this "
+                f"instance with {flag}{off}",
+            )
+
+
+class LogDirLock:
+    """An exclusive ``flock`` on ``<log_dir>/.lock`` for as long as a cluster runs there,
+    so a second instance never truncates a running one's logs. The lock dies with the
+    process that holds it (a SIGKILLed launcher leaves no stale lock).
+
+    Raises:
+        LaunchConfigError: (from :meth:`acquire`) another live process holds it.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.path = log_dir / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise LaunchConfigError(
+                f"log folder {self.path.parent} is in use by another splitvl (pid {holder}); "
+                "give this instance its own with --log-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
 
 @dataclass
 class Cluster:
@@ -125,6 +251,7 @@ class Cluster:
     decoder_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     progress: Callable[[str], None] | None = None
+    _lock: LogDirLock | None = field(default=None, repr=False)
 
     def _command(self, name: str) -> list[str]:
         port, metrics = str(self.ports.grpc[name]), str(self.ports.metrics[name])
@@ -165,11 +292,24 @@ class Cluster:
         return base
 
     def start(self) -> None:
-        """Start all four (decoder first: its engine takes longest to come up)."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = self._env()
-        for name in ("decoder", "encoder", "cache", "gateway"):
-            self._spawn(name, env)
+        """Start all four (decoder first: its engine takes longest to come up).
+
+        Raises:
+            PortInUseError: a port it would bind is taken (nothing started, no log touched).
+            LaunchConfigError: the log folder is another running instance's, or the
+                decoder arguments do not parse.
+        """
+        check_ports(self.ports)
+        lock = LogDirLock(self.log_dir)
+        lock.acquire()
+        self._lock = lock
+        try:
+            env = self._env()
+            for name in ("decoder", "encoder", "cache", "gateway"):
+                self._spawn(name, env)
+        except BaseException:
+            self.stop()
+            raise
 
     def _env(self) -> dict[str, str]:
         env = {**os.environ, "OTEL_SERVICE_NAME": "", **self.env}
@@ -187,6 +327,8 @@ class Cluster:
             "OTEL_SERVICE_NAME": f"splitvl-{name}",
             **placement.get(name, {}),
             **service_env(name, env),  # SPLITVL_TLS_* / SPLITVL_INTERNAL_TOKEN per service
+            # The child's watchdog ends its process group when this process is gone.
+            LAUNCHER_PID_ENV: str(os.getpid()),
         }
         # Before the log is opened: a LaunchConfigError (the decoder's, spawned first) then
         # leaves nothing started and no file behind.
@@ -277,6 +419,23 @@ class Cluster:
             pass
         return proc.wait()
 
+    def reap(self, name: str) -> None:
+        """SIGKILL what is left of an exited service's process group (vLLM's engine core
+        and worker outlive a decoder that exits on an engine death)."""
+        proc = self.procs.get(name)
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+
+    def respawn(self, name: str) -> None:
+        """Start one service again on its ports, appending to its log; does not wait."""
+        self.reap(name)
+        self._spawn(name, self._env(), append=True)
+
     def restart(self, name: str, timeout_s: float = 300.0) -> None:
         """Start one service again on the same ports and wait until it is SERVING.
 
@@ -285,10 +444,7 @@ class Cluster:
         Raises:
             RuntimeError: it exited or did not become SERVING within ``timeout_s``.
         """
-        proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None:
-            self.kill(name)
-        self._spawn(name, self._env(), append=True)
+        self.respawn(name)
         start = time.monotonic()
         while (
             status := health_status(self.ports.address(name), security=self.security())
@@ -339,6 +495,9 @@ class Cluster:
             proc.wait()
             codes[name] = proc.returncode
         self.procs.clear()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         return codes
 
     def __enter__(self) -> Cluster:
@@ -392,3 +551,81 @@ def health_status(
         except grpc.RpcError:
             return "UNREACHABLE"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+@dataclass
+class Supervisor:
+    """Restarts a service of a running :class:`Cluster` that exits unexpectedly.
+
+    A service that exits is restarted on its ports after a backoff that doubles from
+    ``backoff_s`` up to ``max_backoff_s`` (its leftover process group, such as vLLM's
+    engine core, is killed first); the others are left running. When one service has
+    exited ``max_failures`` times within ``window_s`` seconds, :meth:`poll` reports it
+    and the caller stops the cluster. Call :meth:`poll` about once a second.
+
+    Args:
+        cluster: The started cluster.
+        say: Where the one-line notices go (``splitvl up``: stderr).
+        max_failures: Exits within ``window_s`` that end supervision.
+        window_s: The window, seconds.
+        backoff_s: First restart delay, seconds.
+        max_backoff_s: Longest restart delay, seconds.
+    """
+
+    cluster: Cluster
+    say: Callable[[str], None]
+    max_failures: int = 5
+    window_s: float = 300.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    failures: dict[str, list[float]] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    _due: dict[str, float] = field(default_factory=dict)
+    _restarted_at: dict[str, float] = field(default_factory=dict)
+
+    def poll(self) -> str | None:
+        """Check every service once; returns a one-line reason to stop everything, or None."""
+        now = time.monotonic()
+        for name in SERVICES:
+            if name in self._due:
+                if now >= self._due[name]:
+                    del self._due[name]
+                    self._respawn(name)
+                continue
+            proc = self.cluster.procs.get(name)
+            if proc is None:
+                continue
+            code = proc.poll()
+            if code is None:
+                if name in self._restarted_at and self._serving(name):
+                    took = now - self._restarted_at.pop(name)
+                    self.say(f"splitvl: {name} is SERVING again ({took:.1f} s after its restart)")
+                continue
+            self._restarted_at.pop(name, None)
+            times = [t for t in self.failures.get(name, []) if now - t <= self.window_s]
+            times.append(now)
+            self.failures[name] = times
+            log = self.cluster.log_path(name)
+            if len(times) >= self.max_failures:
+                return (
+                    f"{name} exited with code {code}, {len(times)} times in "
+                    f"{self.window_s:.0f} s; stopping all services; see its log: {log}"
+                )
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (len(times) - 1))
+            self.say(
+                f"splitvl: {name} exited with code {code}; restarting it in {delay:.0f} s "
+                f"(exit {len(times)} of at most {self.max_failures - 1} in "
+                f"{self.window_s:.0f} s); see its log: {log}"
+            )
+            self.cluster.reap(name)
+            self._due[name] = now + delay
+        return None
+
+    def _respawn(self, name: str) -> None:
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.cluster.respawn(name)
+        self._restarted_at[name] = time.monotonic()
+
+    def _serving(self, name: str) -> bool:
+        address = self.cluster.ports.address(name)
+        return health_status(address, timeout_s=0.5, security=self.cluster.security()) == "SERVING"

@@ -280,7 +280,7 @@ def build_processor(
 
 
 # The "bench" checkpoint (FACTS.md): the ViT-to-LLM FLOPs ratio of Qwen3-VL-2B-Instruct at
-# 448x448 (splitvl.flops: 0.98 here vs 1.03 for 2B), 74 M parameters, runs here in minutes.
+# 448x448 (splitvl_tools.flops: 0.98 here vs 1.03 for 2B), 74 M parameters, runs here in minutes.
 BENCH_OVERRIDES: dict[str, Any] = {
     "text": {
         "vocab_size": 16384,

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from cache_service.settings import CacheSettings
-from splitvl import cache_eval
 from splitvl.cli import build_parser
+from splitvl_tools import cache_eval
 
 
 @pytest.fixture(scope="module")

@@ -156,7 +156,7 @@ def test_one_changed_pixel_changes_the_key() -> None:
 
 
 def test_documents_get_no_similarity_descriptor_photos_do() -> None:
-    from splitvl.cache_eval import render_text
+    from splitvl_tools.cache_eval import render_text
 
     for layout in ("label", "note", "page", "dense"):
         text = render_text("Total: $1,234.56", layout)
@@ -191,8 +191,8 @@ def test_keys_and_document_rule_through_the_services(cluster) -> None:
     """The gateway's own keys over gRPC: the EXIF-rotated C03 JPEG and its upright PNG are
     one entry (exact hit, same key); an RGBA image and its white composite are one entry;
     rendered text one digit apart, or re-encoded, is never a similarity hit."""
-    from splitvl.cache_eval import render_text
     from splitvl.client import build_request, generate
+    from splitvl_tools.cache_eval import render_text
 
     def ask(data: bytes) -> dict:
         request = build_request([data], "Describe this image.", max_tokens=2, ignore_eos=True)

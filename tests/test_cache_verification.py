@@ -3,7 +3,7 @@
 Every image goes through the gateway's own pipeline (encoded bytes -> ``decode_image`` ->
 ``plan_resize`` -> ``similarity_descriptor``, ``resize_to_plan`` -> ``verification_image``)
 and then through a real in-process ``grpc.aio`` CacheService with a real FAISS index. The
-adversarial pairs (``splitvl.cache_eval.adversarial_pairs``: receipt photos, charts, UI
+adversarial pairs (``splitvl_tools.cache_eval.adversarial_pairs``: receipt photos, charts, UI
 screenshots one number/word/bar apart, and the 32x32-average poisoning construction)
 score a cosine of 0.98-1.00 on the descriptor, so only the verification stands between
 them and a false hit.
@@ -25,7 +25,7 @@ from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service.servicer import CacheServicer
 from cache_service.store import EmbeddingStore
-from splitvl import cache_eval
+from splitvl_tools import cache_eval
 from tests.conftest import in_process_server, photo
 from vlcommon import tensors
 from vlcommon.imaging import (

@@ -15,8 +15,9 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 
 from splitvl import cli
 from splitvl.client import build_request, image_input
+from splitvl.home import cluster_from_args
 from splitvl.launcher import DECODER_DEFAULT_ARGS, Cluster, Ports, free_port
-from splitvl.load import keep_or_remove_logs
+from splitvl_tools.cluster import keep_or_remove_logs
 
 PNG_1X1 = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
@@ -168,7 +169,7 @@ def test_decoder_args_append_to_the_tiny_defaults_env_then_flags(tmp_path, monke
             "--mm-processor-cache-gb 0",
         ]
     )
-    command = cli._cluster(args)._command("decoder")
+    command = cluster_from_args(args)._command("decoder")
     tail = command[command.index(str(tmp_path)) + 1 :]
     assert tail == [
         *DECODER_DEFAULT_ARGS,
@@ -180,6 +181,15 @@ def test_decoder_args_append_to_the_tiny_defaults_env_then_flags(tmp_path, monke
         "--mm-processor-cache-gb",
         "0",
     ]
+
+
+def test_each_base_port_has_its_own_default_log_folder(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPLITVL_HOME", str(tmp_path))
+    dirs = [
+        cluster_from_args(cli.build_parser().parse_args(["up", "--model", "m", *extra])).log_dir
+        for extra in ([], ["--base-port", "61000"], ["--log-dir", str(tmp_path / "mine")])
+    ]
+    assert dirs == [tmp_path / "logs" / "50051", tmp_path / "logs" / "61000", tmp_path / "mine"]
 
 
 def test_offline_mode_only_for_a_local_checkpoint(tmp_path, monkeypatch) -> None:
@@ -261,7 +271,7 @@ def test_cache_bench_measures_recall_and_sweeps_search_settings_on_one_graph() -
     import faiss
 
     from cache_service.index import VectorIndex
-    from splitvl.cache_bench import bench_size, default_config, table
+    from splitvl_tools.cache_bench import bench_size, default_config, table
 
     cfg = default_config()
     r = bench_size(3000, cfg, 200, sweep=[(16, 1), (256, 16)])

@@ -25,8 +25,8 @@ from qwenvl.common.v1 import generation_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
 from splitvl.client import build_request
-from splitvl.load import HUNG, CallResult, build_requests, one_call
-from splitvl.workload import ImageFactory, png
+from splitvl_tools.load import HUNG, CallResult, build_requests, one_call
+from splitvl_tools.workload import ImageFactory, png
 from vlcommon.settings import channel_options
 
 CONCURRENCY = 24

@@ -7,7 +7,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["vlcommon", "encoder_service", "cache_service", "decoder_service", "gateway", "splitvl"]
+PACKAGES = [
+    "vlcommon",
+    "encoder_service",
+    "cache_service",
+    "decoder_service",
+    "gateway",
+    "splitvl",
+    "splitvl_tools",
+]
 
 
 def test_ruff_clean() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from splitvl.load import HUNG, build_requests, print_table, run_load
+from splitvl_tools.load import HUNG, build_requests, print_table, run_load
 
 
 def test_short_load_run_reports_every_call_and_no_internal(cluster) -> None:
@@ -53,7 +53,7 @@ def test_a_call_past_its_deadline_plus_slack_counts_as_hung() -> None:
     import grpc
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
-    from splitvl.load import one_call
+    from splitvl_tools.load import one_call
 
     class Silent(pb_grpc.GatewayServiceServicer):
         async def Generate(self, request, context):  # type: ignore[no-untyped-def]
@@ -91,7 +91,7 @@ def test_resource_exhausted_retry_hint_is_read() -> None:
     from grpc_status import rpc_status
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
-    from splitvl.load import one_call
+    from splitvl_tools.load import one_call
 
     class Full(pb_grpc.GatewayServiceServicer):
         async def Generate(self, request, context):  # type: ignore[no-untyped-def]

@@ -22,7 +22,7 @@ import asyncio
 
 import pytest
 
-from splitvl.soak import MAX_GROWTH, build_requests, print_table, run_soak, soak_env
+from splitvl_tools.soak import MAX_GROWTH, build_requests, print_table, run_soak, soak_env
 
 REQUESTS = 300
 WARMUP = 100

@@ -7,9 +7,9 @@ import io
 import numpy as np
 from PIL import Image
 
-from splitvl.flops import QWEN3_VL_2B, vit_to_llm_ratio
 from splitvl.tiny_model import BENCH_OVERRIDES
-from splitvl.workload import MAX_UNIQUE_SIMILARITY, ImageFactory, make_workload
+from splitvl_tools.flops import QWEN3_VL_2B, vit_to_llm_ratio
+from splitvl_tools.workload import MAX_UNIQUE_SIMILARITY, ImageFactory, make_workload
 from vlcommon.imaging import similarity_descriptor
 
 
@@ -75,8 +75,8 @@ def test_bench_checkpoint_matches_the_2b_vit_to_llm_ratio() -> None:
 async def test_open_loop_starts_every_request_without_waiting_for_answers() -> None:
     import asyncio
 
-    from splitvl.bench import Sample, run_load
-    from splitvl.workload import Request
+    from splitvl_tools.bench import Sample, run_load
+    from splitvl_tools.workload import Request
 
     started: list[str] = []
     release = asyncio.Event()
@@ -104,7 +104,7 @@ def test_rss_sampler_counts_cpu_seconds_per_process_and_child() -> None:
     import sys
     import time
 
-    from splitvl.bench import RssSampler
+    from splitvl_tools.bench import RssSampler
 
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\n"
     # The child spins 0.5 s of CPU when told, says so, and stays alive until told again

@@ -26,11 +26,9 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -186,7 +184,7 @@ async def run_soak(
 
 def build_requests(n: int, *, side: int, max_tokens: int, seed: int) -> list[Any]:
     """``n`` requests, each with its own image (no designed repeats)."""
-    from splitvl.load import build_requests as build
+    from splitvl_tools.load import build_requests as build
 
     return build(n, side=side, repeat_fraction=0.0, max_tokens=max_tokens, seed=seed)
 
@@ -217,9 +215,7 @@ def print_table(report: dict[str, Any], out: Any = sys.stdout) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from splitvl.cli import default_model
-    from splitvl.launcher import Cluster, Ports
-    from splitvl.load import keep_or_remove_logs
+    from splitvl_tools.cluster import own_cluster
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -228,37 +224,33 @@ def main(args: argparse.Namespace) -> int:
     requests = build_requests(
         args.requests, side=args.image_side, max_tokens=args.max_tokens, seed=args.seed
     )
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitvl-soak-"))
-    cluster = Cluster(
-        model=args.model or default_model(),
-        ports=Ports.free(),
-        log_dir=log_dir,
-        env=soak_env(args.cache_mib),
-        progress=log,
-    )
-    log(f"starting the four services (logs in {log_dir}) ...")
     rc = 1
-    try:
-        with cluster:
-            report = asyncio.run(
-                run_soak(
-                    cluster.ports.address("gateway"),
-                    cluster.pids(),
-                    requests,
-                    warmup=args.warmup,
-                    concurrency=args.concurrency,
-                    sample_every=args.sample_every,
-                    progress=log,
-                    security=cluster.security(),
-                )
-            ).as_dict()
+    with own_cluster(
+        model=args.model,
+        log_dir=args.log_dir,
+        prefix="splitvl-soak-",
+        log=log,
+        env=soak_env(args.cache_mib),
+    ) as run:
+        cluster = run.cluster
+        report = asyncio.run(
+            run_soak(
+                cluster.ports.address("gateway"),
+                cluster.pids(),
+                requests,
+                warmup=args.warmup,
+                concurrency=args.concurrency,
+                sample_every=args.sample_every,
+                progress=log,
+                security=cluster.security(),
+            )
+        ).as_dict()
         if args.json:
             print(json.dumps(report))
         else:
             print_table(report)
         rc = 0 if report["passed"] else 1
-    finally:
-        keep_or_remove_logs(log_dir, own=args.log_dir is None, ok=rc == 0, log=log)
+        run.ok = rc == 0
     return rc
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from splitvl.argtypes import non_negative_int, positive_float, positive_int
-from splitvl.workload import ImageFactory, Request, make_workload
+from splitvl_tools.workload import ImageFactory, Request, make_workload
 
 SCENARIOS = ("repeat0", "repeat50", "repeat0_conc1", "repeat50_conc1", "repeat100")
 
@@ -395,7 +395,7 @@ def build_workloads(plan: Plan, seed_offset: int = 0) -> dict[str, list[dict[str
     scenario's repeat fraction is exact (repeat50: half the images, half of those exact
     copies and half JPEG re-encodes).
     """
-    from splitvl.workload import png
+    from splitvl_tools.workload import png
 
     factory = ImageFactory(side=plan.side, seed=plan.seed + seed_offset)
     out: dict[str, list[dict[str, Any]]] = {s: [] for s in SCENARIOS}
@@ -728,7 +728,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from decoder_service.engine import default_block_size
-    from splitvl.cli import splitvl_home
+    from splitvl.home import splitvl_home
     from vlcommon.cpus import available_cpus, split_cpus
 
     def log(line: str) -> None:
@@ -839,7 +839,7 @@ def machine() -> dict[str, Any]:
 
 
 def bench_model() -> Path:
-    from splitvl.cli import splitvl_home
+    from splitvl.home import splitvl_home
     from splitvl.tiny_model import SEED, make_tiny_model
 
     path = splitvl_home() / f"bench-qwen3-vl-seed{SEED}"

@@ -3,7 +3,7 @@
 A bounded grpc.aio client on loopback: ``concurrency`` workers, each sending one
 streaming ``GatewayService/Generate`` after another until ``duration`` seconds have
 passed, every call with a deadline. Images come from the workload generator
-(:mod:`splitvl.workload`): a fixed, pre-built list of requests whose images are unique
+(:mod:`splitvl_tools.workload`): a fixed, pre-built list of requests whose images are unique
 or designed repeats (exact copies and JPEG near-copies), cycled through; after the first
 cycle every image has been seen before, which is what a real mix of new and popular
 images looks like to the cache.
@@ -25,13 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -128,7 +125,7 @@ def build_requests(
         seed: Seed of the images and of the repeat decisions.
     """
     from splitvl.client import build_request
-    from splitvl.workload import ImageFactory, make_workload
+    from splitvl_tools.workload import ImageFactory, make_workload
 
     work = make_workload(
         ImageFactory(side=side, seed=seed), requests=n, repeat_fraction=repeat_fraction, seed=seed
@@ -321,25 +318,16 @@ def main(args: argparse.Namespace) -> int:
     if args.address:
         result = go(args.address)
         return report_result(args, result)
-    from splitvl.cli import default_model
-    from splitvl.launcher import Cluster, Ports
+    from splitvl_tools.cluster import own_cluster
 
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitvl-load-"))
-    cluster = Cluster(
-        model=args.model or default_model(),
-        ports=Ports.free(),
-        log_dir=log_dir,
-        progress=log,
-    )
-    log(f"starting the four services (logs in {log_dir}) ...")
     rc = 1
-    try:
-        with cluster:
-            # The cluster's own TLS/token settings (SPLITVL_TLS_*, SPLITVL_AUTH_TOKEN).
-            result = go(cluster.ports.address("gateway"), cluster.security())
+    with own_cluster(
+        model=args.model, log_dir=args.log_dir, prefix="splitvl-load-", log=log
+    ) as run:
+        # The cluster's own TLS/token settings (SPLITVL_TLS_*, SPLITVL_AUTH_TOKEN).
+        result = go(run.cluster.ports.address("gateway"), run.cluster.security())
         rc = report_result(args, result)
-    finally:
-        keep_or_remove_logs(log_dir, own=args.log_dir is None, ok=rc == 0, log=log)
+        run.ok = rc == 0
     return rc
 
 
@@ -350,21 +338,6 @@ def report_result(args: argparse.Namespace, result: dict[str, Any]) -> int:
     else:
         print_table(result)
     return 1 if result["internal_or_unknown"] or result["hung"] else 0
-
-
-def keep_or_remove_logs(log_dir: Path, *, own: bool, ok: bool, log: Any) -> None:
-    """Remove a temporary log folder after a run that passed; otherwise say where it is.
-
-    Args:
-        log_dir: The services' log folder.
-        own: It is a temporary folder this run made (not the user's ``--log-dir``).
-        ok: The run passed.
-        log: Called with one line naming the folder when it is kept.
-    """
-    if own and ok:
-        shutil.rmtree(log_dir, ignore_errors=True)
-    else:
-        log(f"service logs kept in {log_dir}")
 
 
 def add_parser(sub: Any) -> None:

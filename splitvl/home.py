@@ -1,0 +1,47 @@
+"""Where splitvl keeps its files (``$SPLITVL_HOME``), the default checkpoint, and the
+cluster that ``splitvl up``/``demo`` flags describe."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from splitvl.launcher import Cluster, Ports, split_args
+
+
+def splitvl_home() -> Path:
+    """``$SPLITVL_HOME`` (default ``~/.cache/splitvl``): checkpoints and logs."""
+    return Path(os.environ.get("SPLITVL_HOME", Path.home() / ".cache" / "splitvl"))
+
+
+def default_model() -> str:
+    """The tiny checkpoint, built on first use (deterministic, about 10 s)."""
+    from splitvl.tiny_model import SEED, make_tiny_model
+
+    path = splitvl_home() / f"tiny-qwen3-vl-seed{SEED}"
+    if not (path / "SPLITVL_TINY_MODEL").exists():
+        print(f"building the tiny Qwen3-VL checkpoint in {path} ...", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent if path.parent.exists() else None))
+        make_tiny_model(tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            tmp.rename(path)
+    return str(path)
+
+
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
+    """The cluster ``splitvl up``/``demo`` flags describe (not started)."""
+
+    model = args.model or default_model()
+    ports = Ports.from_base(args.base_port, args.metrics_base_port)
+    # One log folder per base port by default, so instances on other ports keep theirs.
+    log_dir = args.log_dir or splitvl_home() / "logs" / str(args.base_port)
+    return Cluster(
+        model=model,
+        ports=ports,
+        log_dir=Path(log_dir),
+        decoder_args=[a for arg in args.decoder_arg for a in split_args(arg, "--decoder-arg")],
+    )

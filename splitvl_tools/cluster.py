@@ -1,0 +1,82 @@
+"""The cluster a tool starts for itself: free ports, a temporary log folder kept only when
+the run failed (or was the user's ``--log-dir``)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitvl.home import default_model
+from splitvl.launcher import Cluster, Ports
+
+
+@dataclass
+class OwnCluster:
+    """What :func:`own_cluster` yields: the running cluster and a pass/fail flag.
+
+    Attributes:
+        cluster: The four services, SERVING.
+        ok: Set True once the run passed; the temporary logs are removed only then.
+    """
+
+    cluster: Cluster
+    ok: bool = False
+
+
+@contextlib.contextmanager
+def own_cluster(
+    *,
+    model: str | None,
+    log_dir: str | None,
+    prefix: str,
+    log: Callable[[str], None],
+    env: dict[str, str] | None = None,
+) -> Iterator[OwnCluster]:
+    """Start the four services on free loopback ports; stop them on exit.
+
+    Args:
+        model: Checkpoint (None: the tiny one, built on first use).
+        log_dir: The user's log folder (kept), or None for a temporary one named
+            ``<prefix>*`` that is removed after a run that set ``ok``.
+        prefix: The temporary folder's name prefix, e.g. ``splitvl-load-``.
+        log: Progress lines (the services starting, where the logs were kept).
+        env: Extra environment for the services.
+
+    Raises:
+        ServiceStartError: a service did not start (its log is kept).
+    """
+    folder = Path(log_dir or tempfile.mkdtemp(prefix=prefix))
+    run = OwnCluster(
+        Cluster(
+            model=model or default_model(),
+            ports=Ports.free(),
+            log_dir=folder,
+            env=env or {},
+            progress=log,
+        )
+    )
+    log(f"starting the four services (logs in {folder}) ...")
+    try:
+        with run.cluster:
+            yield run
+    finally:
+        keep_or_remove_logs(folder, own=log_dir is None, ok=run.ok, log=log)
+
+
+def keep_or_remove_logs(log_dir: Path, *, own: bool, ok: bool, log: Callable[[str], None]) -> None:
+    """Remove a temporary log folder after a run that passed; otherwise say where it is.
+
+    Args:
+        log_dir: The services' log folder.
+        own: It is a temporary folder this run made (not the user's ``--log-dir``).
+        ok: The run passed.
+        log: Called with one line naming the folder when it is kept.
+    """
+    if own and ok:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    else:
+        log(f"service logs kept in {log_dir}")
