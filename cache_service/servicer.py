@@ -23,7 +23,7 @@ from cache_service.store import (
     Match,
 )
 from vlcommon import tensors
-from vlcommon.errors import ServiceError, abort, invalid_argument, resource_exhausted
+from vlcommon.errors import invalid_argument, resource_exhausted
 from vlcommon.verification import MAX_VERIFICATION_BYTES
 
 tracer = trace.get_tracer("splitvl.cache")
@@ -258,8 +258,6 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 rpc_span.set_attribute("splitvl.cache.tier", tiers[0])
                 rpc_span.set_attribute("splitvl.cache.similarity", scores[0])
             return response
-        except ServiceError as err:
-            await abort(context, err)
         finally:
             metrics.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
 
@@ -346,14 +344,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         (nothing stored) or one that cannot fit because leased entries hold the budget (the
         entries before it were stored; the message says how many).
         """
-        try:
-            # On a worker thread: the payload's copy out of the request and the finiteness
-            # check (~0.25 s together at the 256 MiB message limit) and the index add (slow at
-            # a million entries) should not hold health checks and lookups. The store takes
-            # its own lock.
-            return await asyncio.to_thread(self._put, request)
-        except ServiceError as err:
-            await abort(context, err)
+        # On a worker thread: the payload's copy out of the request and the finiteness
+        # check (~0.25 s together at the 256 MiB message limit) and the index add (slow at
+        # a million entries) should not hold health checks and lookups. The store takes
+        # its own lock.
+        return await asyncio.to_thread(self._put, request)
 
     def _put(self, request: pb.PutRequest) -> pb.PutResponse:
         """Put's body (raises ServiceError)."""

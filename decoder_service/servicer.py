@@ -224,8 +224,6 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                                 generation.end()
                                 generation = None
                         yield response
-        except ServiceError as err:
-            await abort(context, err)
         except (asyncio.CancelledError, GeneratorExit):
             # A client cancel arrives as CancelledError when it lands in one of our awaits, and
             # as GeneratorExit when it lands while grpc.aio writes a response we yielded (the

@@ -17,13 +17,9 @@ from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 
 from decoder_service.engine import ImageInput
 from vlcommon import tensors
-from vlcommon.errors import (
-    check_message_counts,
-    check_no_control_tokens,
-    check_role,
-    invalid_argument,
-)
+from vlcommon.errors import invalid_argument
 from vlcommon.model_info import VisionSpec
+from vlcommon.request_rules import check_message_counts, check_no_control_tokens, check_role
 
 EMBEDDING_DTYPES = (tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_BF16, tensor_pb2.DATA_TYPE_FP16)
 

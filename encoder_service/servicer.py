@@ -20,12 +20,11 @@ from encoder_service.engine import Preprocessed, VisionEngine
 from vlcommon import tensors
 from vlcommon.errors import (
     ServiceError,
-    abort,
-    check_count,
     invalid_argument,
     resource_exhausted,
 )
 from vlcommon.imaging import MAX_ASPECT_RATIO, ResizePlan
+from vlcommon.request_rules import check_count
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.encoder")
@@ -133,64 +132,57 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.EncodeResponse:
         t0 = time.perf_counter()
-        try:
-            engine, batcher = self._ready()
-            prepared = self._prepare(request, engine)
-            metrics.IMAGES.inc(len(prepared))
-            out_dtype = request.output_dtype or tensor_pb2.DATA_TYPE_UNSPECIFIED
-            if out_dtype not in (
-                tensor_pb2.DATA_TYPE_UNSPECIFIED,
-                tensor_pb2.DATA_TYPE_FP32,
-                tensor_pb2.DATA_TYPE_BF16,
-            ):
-                raise invalid_argument(
-                    "OUTPUT_DTYPE_UNSUPPORTED",
-                    "output_dtype must be FP32 or BF16",
-                    field="output_dtype",
-                )
-            with tracer.start_as_current_span("encoder.preprocess") as span:
-                span.set_attribute("splitvl.images", len(prepared))
-                images = await asyncio.to_thread(self._preprocess_all, engine, prepared)
-            t_queue = time.perf_counter()
-            # The per-request span: the vit.batch spans that served it link here.
-            with tracer.start_as_current_span("encoder.encode") as span:
-                span.set_attribute("splitvl.request.images", len(prepared))
-                span.set_attribute(
-                    "splitvl.request.patches",
-                    sum(p.grid_t * p.grid_h * p.grid_w for _, _, p in prepared),
-                )
-                timed = await asyncio.gather(
-                    *(
-                        batcher.submit_timed(key, im)
-                        for (key, _, _), im in zip(prepared, images, strict=True)
-                    )
-                )
-                outs = [out for out, _ in timed]
-                span.set_attribute(
-                    "splitvl.encoder.queue_wait_ms", max(i.queue_wait_s for _, i in timed) * 1000
-                )
-                span.set_attribute("splitvl.batch.ids", [i.batch_id for _, i in timed])
-                span.set_attribute("splitvl.batch.sizes", [i.batch_size for _, i in timed])
-                span.set_attribute("splitvl.tokens", sum(o.shape[0] for o in outs))
-            response = pb.EncodeResponse(encode_ms=(time.perf_counter() - t_queue) * 1000)
-            for request_image, (_, _, plan), out in zip(
-                request.images, prepared, outs, strict=True
-            ):
-                if out_dtype == tensor_pb2.DATA_TYPE_BF16:
-                    out = out.to(torch.bfloat16)
-                elif out_dtype == tensor_pb2.DATA_TYPE_FP32:
-                    out = out.to(torch.float32)
-                response.embeddings.add(
-                    embeddings=tensors.from_torch(out),
-                    grid=tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w),
-                    key=request_image.key,
-                )
-            sent = sum(tensors.payload_nbytes(e.embeddings) for e in response.embeddings)
-            metrics.EMBEDDING_SENT_BYTES.inc(sent)
-            trace.get_current_span().set_attribute("splitvl.embedding.bytes", sent)
-            log.debug(
-                "encoded %d images in %.1f ms", len(prepared), (time.perf_counter() - t0) * 1000
+        engine, batcher = self._ready()
+        prepared = self._prepare(request, engine)
+        metrics.IMAGES.inc(len(prepared))
+        out_dtype = request.output_dtype or tensor_pb2.DATA_TYPE_UNSPECIFIED
+        if out_dtype not in (
+            tensor_pb2.DATA_TYPE_UNSPECIFIED,
+            tensor_pb2.DATA_TYPE_FP32,
+            tensor_pb2.DATA_TYPE_BF16,
+        ):
+            raise invalid_argument(
+                "OUTPUT_DTYPE_UNSUPPORTED",
+                "output_dtype must be FP32 or BF16",
+                field="output_dtype",
             )
-            return response
-        except ServiceError as err:
-            await abort(context, err)
+        with tracer.start_as_current_span("encoder.preprocess") as span:
+            span.set_attribute("splitvl.images", len(prepared))
+            images = await asyncio.to_thread(self._preprocess_all, engine, prepared)
+        t_queue = time.perf_counter()
+        # The per-request span: the vit.batch spans that served it link here.
+        with tracer.start_as_current_span("encoder.encode") as span:
+            span.set_attribute("splitvl.request.images", len(prepared))
+            span.set_attribute(
+                "splitvl.request.patches",
+                sum(p.grid_t * p.grid_h * p.grid_w for _, _, p in prepared),
+            )
+            timed = await asyncio.gather(
+                *(
+                    batcher.submit_timed(key, im)
+                    for (key, _, _), im in zip(prepared, images, strict=True)
+                )
+            )
+            outs = [out for out, _ in timed]
+            span.set_attribute(
+                "splitvl.encoder.queue_wait_ms", max(i.queue_wait_s for _, i in timed) * 1000
+            )
+            span.set_attribute("splitvl.batch.ids", [i.batch_id for _, i in timed])
+            span.set_attribute("splitvl.batch.sizes", [i.batch_size for _, i in timed])
+            span.set_attribute("splitvl.tokens", sum(o.shape[0] for o in outs))
+        response = pb.EncodeResponse(encode_ms=(time.perf_counter() - t_queue) * 1000)
+        for request_image, (_, _, plan), out in zip(request.images, prepared, outs, strict=True):
+            if out_dtype == tensor_pb2.DATA_TYPE_BF16:
+                out = out.to(torch.bfloat16)
+            elif out_dtype == tensor_pb2.DATA_TYPE_FP32:
+                out = out.to(torch.float32)
+            response.embeddings.add(
+                embeddings=tensors.from_torch(out),
+                grid=tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w),
+                key=request_image.key,
+            )
+        sent = sum(tensors.payload_nbytes(e.embeddings) for e in response.embeddings)
+        metrics.EMBEDDING_SENT_BYTES.inc(sent)
+        trace.get_current_span().set_attribute("splitvl.embedding.bytes", sent)
+        log.debug("encoded %d images in %.1f ms", len(prepared), (time.perf_counter() - t0) * 1000)
+        return response

@@ -18,10 +18,10 @@ from gateway.servicer import Downstream, GatewayServicer
 from gateway.settings import GatewaySettings
 from vlcommon import telemetry
 from vlcommon.model_info import load_vision_spec, model_revision, resolve_model_dir
-from vlcommon.security import ClientSecurity, aio_channel
 from vlcommon.server import limit_torch_threads, serve
 from vlcommon.service_main import service_main
 from vlcommon.settings import channel_options
+from vlcommon.tls import ClientSecurity, aio_channel
 
 log = logging.getLogger("gateway")
 SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name

@@ -49,10 +49,6 @@ from gateway.settings import GatewaySettings
 from vlcommon import tensors
 from vlcommon.errors import (
     ServiceError,
-    abort,
-    check_message_counts,
-    check_no_control_tokens,
-    check_role,
     from_rpc_error,
     invalid_argument,
     resource_exhausted,
@@ -69,6 +65,7 @@ from vlcommon.imaging import (
     similarity_descriptor,
 )
 from vlcommon.model_info import VisionSpec
+from vlcommon.request_rules import check_message_counts, check_no_control_tokens, check_role
 from vlcommon.sampling import check_sampling_ranges
 from vlcommon.verification import verification_image
 
@@ -1020,8 +1017,6 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             for name in ("preprocess", "lookup", "encode", "put", "decode"):
                 seconds = getattr(timings, f"{name}_ms") / 1000
                 metrics.STAGE_SECONDS.labels(stage=name).observe(seconds)
-        except ServiceError as err:
-            await abort(context, err)
         finally:
             if call is not None and not call.done():
                 call.cancel()  # the decoder aborts the vLLM request

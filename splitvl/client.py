@@ -12,8 +12,8 @@ from qwenvl.common.v1 import generation_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
-from vlcommon.security import ClientSecurity, sync_channel
 from vlcommon.settings import channel_options
+from vlcommon.tls import ClientSecurity, sync_channel
 
 TIER_NAMES = {
     generation_pb2.CACHE_TIER_EXACT: "exact",

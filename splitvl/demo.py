@@ -18,7 +18,7 @@ import grpc
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
 
 from splitvl.client import build_request, generate
-from vlcommon.security import sync_channel
+from vlcommon.tls import sync_channel
 
 PROMPT = "Describe this image."
 

@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vlcommon.cpus import available_cpus, format_cpu_list, split_cpus
 from vlcommon.lifeline import LAUNCHER_PID_ENV
-from vlcommon.security import ClientSecurity, service_env, sync_channel
+from vlcommon.tls import ClientSecurity, sync_channel
 
 SERVICES = ("gateway", "encoder", "cache", "decoder")
 PACKAGES = {
@@ -629,3 +629,54 @@ class Supervisor:
     def _serving(self, name: str) -> bool:
         address = self.cluster.ports.address(name)
         return health_status(address, timeout_s=0.5, security=self.cluster.security()) == "SERVING"
+
+
+SERVICE_ENV_PREFIXES = {
+    "gateway": "GATEWAY",
+    "encoder": "ENCODER",
+    "cache": "CACHE",
+    "decoder": "DECODER",
+}
+
+
+def service_env(name: str, env: dict[str, str]) -> dict[str, str]:
+    """Per-service settings derived from the cluster-wide ``SPLITVL_*`` security variables
+    (what ``splitvl up`` and the test clusters use; a service's own ``<PREFIX>_*`` variable,
+    when set, wins).
+
+    * ``SPLITVL_TLS_CERT_FILE`` / ``SPLITVL_TLS_KEY_FILE``: every service's server
+      certificate, and its client certificate on the calls it makes;
+    * ``SPLITVL_TLS_CA_FILE``: the CA the services' certificates chain to (clients verify
+      servers with it);
+    * ``SPLITVL_TLS_CLIENT_CA_FILE``: mTLS on the internal services (encoder, cache,
+      decoder): only clients with a certificate from this CA get through the handshake;
+    * ``SPLITVL_INTERNAL_TOKEN``: the shared secret every internal hop carries and the
+      internal services require.
+
+    Args:
+        name: ``gateway``, ``encoder``, ``cache`` or ``decoder``.
+        env: The launcher's environment.
+
+    Returns:
+        Variables to add to that service's environment.
+    """
+    prefix = SERVICE_ENV_PREFIXES[name]
+    mapping = {
+        "SPLITVL_TLS_CERT_FILE": ("TLS_CERT_FILE", "CLIENT_TLS_CERT_FILE"),
+        "SPLITVL_TLS_KEY_FILE": ("TLS_KEY_FILE", "CLIENT_TLS_KEY_FILE"),
+        "SPLITVL_TLS_CA_FILE": ("CLIENT_TLS_CA_FILE",),
+        "SPLITVL_TLS_SERVER_NAME": ("CLIENT_TLS_SERVER_NAME",),
+        "SPLITVL_INTERNAL_TOKEN": ("INTERNAL_TOKEN",),
+    }
+    if name != "gateway":  # the gateway's callers are users: mTLS there is opt-in
+        mapping["SPLITVL_TLS_CLIENT_CA_FILE"] = ("TLS_CLIENT_CA_FILE",)
+    out: dict[str, str] = {}
+    for source, targets in mapping.items():
+        value = env.get(source, "")
+        if not value:
+            continue
+        for target in targets:
+            key = f"{prefix}_{target}"
+            if not env.get(key):
+                out[key] = value
+    return out

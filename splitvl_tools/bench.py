@@ -520,9 +520,9 @@ def bench_split(
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
     from splitvl.launcher import Cluster, Ports
-    from vlcommon.security import aio_channel
     from vlcommon.server import freeze_startup_heap
     from vlcommon.settings import channel_options
+    from vlcommon.tls import aio_channel
 
     results: dict[str, dict[str, list[Run]]] = {"split_nocache": {}, "split_cache": {}}
     cluster = Cluster(

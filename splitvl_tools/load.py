@@ -204,7 +204,7 @@ async def run_load(
         slack_s: Past ``deadline_s + slack_s`` a call is cancelled and counted ``HUNG``.
         channels: HTTP/2 connections to spread the calls over.
         progress: Called with a status line every 15 s, if given.
-        security: A ``vlcommon.security.ClientSecurity`` (TLS roots, client certificate,
+        security: A ``vlcommon.tls.ClientSecurity`` (TLS roots, client certificate,
             bearer token); default: the ``SPLITVL_TLS_*`` / ``SPLITVL_AUTH_TOKEN`` environment.
 
     Returns:
@@ -212,8 +212,8 @@ async def run_load(
     """
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
-    from vlcommon.security import ClientSecurity, aio_channel
     from vlcommon.settings import channel_options
+    from vlcommon.tls import ClientSecurity, aio_channel
 
     security = security or ClientSecurity.from_env()
     chans = [aio_channel(address, security, options=channel_options()) for _ in range(channels)]

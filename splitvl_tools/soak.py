@@ -127,7 +127,7 @@ async def run_soak(
         sample_every: Requests between intermediate samples.
         deadline_s: Deadline of each call, seconds.
         progress: Called with a line at each sample.
-        security: A ``vlcommon.security.ClientSecurity``; default: the ``SPLITVL_TLS_*`` /
+        security: A ``vlcommon.tls.ClientSecurity``; default: the ``SPLITVL_TLS_*`` /
             ``SPLITVL_AUTH_TOKEN`` environment.
 
     Raises:
@@ -135,8 +135,8 @@ async def run_soak(
     """
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
-    from vlcommon.security import ClientSecurity, aio_channel
     from vlcommon.settings import channel_options
+    from vlcommon.tls import ClientSecurity, aio_channel
 
     if not 0 < warmup < len(requests):
         raise ValueError(f"warmup must be in 1..{len(requests) - 1}, got {warmup}")

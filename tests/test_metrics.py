@@ -77,7 +77,7 @@ async def test_interceptor_counts_methods_and_status_codes() -> None:
     name = "splitvl_test_requests_total"
     before = {
         (m, c): _sample(name, {"method": m, "code": c})
-        for m, c in [("Ok", "OK"), ("Refuse", "INVALID_ARGUMENT"), ("Crash", "UNKNOWN")]
+        for m, c in [("Ok", "OK"), ("Refuse", "INVALID_ARGUMENT"), ("Crash", "INTERNAL")]
         + [("Stream", "OK")]
     }
     async with in_process_server(add, None, "t.v1.TestService") as channel:
@@ -88,14 +88,17 @@ async def test_interceptor_counts_methods_and_status_codes() -> None:
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.aio.AioRpcError) as crashed:
             await channel.unary_unary("/t.v1.TestService/Crash")(b"x")
-        assert crashed.value.code() == grpc.StatusCode.UNKNOWN
+        # An unexpected exception is mapped (vlcommon.interceptors.ErrorInterceptor): INTERNAL
+        # naming the method, never grpc-python's bare UNKNOWN "Unexpected <class ...>".
+        assert crashed.value.code() == grpc.StatusCode.INTERNAL
+        assert crashed.value.details() == "internal error in Crash (see the service's log)"
         got = [r async for r in channel.unary_stream("/t.v1.TestService/Stream")(b"y")]
         assert got == [b"y"] * 3
         # health checks are not counted
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
-    expected = {("Ok", "OK"): 2, ("Refuse", "INVALID_ARGUMENT"): 1, ("Crash", "UNKNOWN"): 1}
+    expected = {("Ok", "OK"): 2, ("Refuse", "INVALID_ARGUMENT"): 1, ("Crash", "INTERNAL"): 1}
     expected[("Stream", "OK")] = 1
     for (m, c), n in expected.items():
         assert _sample(name, {"method": m, "code": c}) - before[(m, c)] == n, (m, c)

@@ -22,9 +22,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
 
+from vlcommon.auth import _digest as digest
+from vlcommon.auth import load_tokens, token_matches
 from vlcommon.errors import error_info
-from vlcommon.security import ClientSecurity, aio_channel, load_tokens, token_matches
-from vlcommon.security import _digest as digest
+from vlcommon.tls import ClientSecurity, aio_channel
 
 CACHE = cache_service_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 
@@ -274,8 +275,8 @@ async def test_mtls_requires_a_client_certificate_from_the_ca(pki: Pki) -> None:
 
 
 def test_tls_settings_must_be_complete(pki: Pki) -> None:
-    from vlcommon.security import server_credentials
     from vlcommon.settings import ServerSettings
+    from vlcommon.tls import server_credentials
 
     with pytest.raises(ValueError, match="tls_key_file"):
         server_credentials(ServerSettings(tls_cert_file=str(pki.server_cert)))
@@ -337,7 +338,7 @@ async def test_auth_asked_for_but_empty_refuses_to_start(
 ) -> None:
     # These used to start a gateway with no auth at all, silently (fail-open).
     from gateway.settings import GatewaySettings
-    from vlcommon.security import ConfigError
+    from vlcommon.errors import ConfigError
     from vlcommon.server import serve
 
     comments = tmp_path / "tokens"
@@ -415,7 +416,7 @@ def test_secure_cluster_end_to_end(tiny_model: Path, pki: Pki, tmp_path: Path) -
     from splitvl.client import build_request, generate
     from splitvl.launcher import Cluster, Ports, health_status
     from tests.conftest import photo
-    from vlcommon.security import sync_channel
+    from vlcommon.tls import sync_channel
 
     env = {
         "SPLITVL_TLS_CERT_FILE": str(pki.server_cert),

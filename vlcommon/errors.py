@@ -8,8 +8,7 @@ limit), packed with grpcio-status as in grpc's ``examples/python/errors/``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
@@ -106,76 +105,19 @@ def resource_exhausted(
     )
 
 
-def check_count(n: int, *, field: str, limit: int, noun: str = "entries") -> None:
-    """Refuse an empty or over-long repeated field.
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT naming ``field`` (and ``limit`` when over it).
-    """
-    if n == 0:
-        raise invalid_argument(
-            f"{field.upper().replace('.', '_')}_EMPTY",
-            f"{field} is empty; send at least one",
-            field=field,
-        )
-    if n > limit:
-        raise invalid_argument(
-            f"TOO_MANY_{field.upper().replace('.', '_')}",
-            f"{field} has {n} {noun}; the limit is {limit}",
-            field=field,
-            limit=limit,
-        )
+def unavailable(reason: str, message: str, *, service: str, **metadata: object) -> ServiceError:
+    """A ServiceError with UNAVAILABLE naming the ``service`` that cannot answer now."""
+    return ServiceError(
+        grpc.StatusCode.UNAVAILABLE,
+        reason,
+        message,
+        {"service": service, **{k: str(v) for k, v in metadata.items()}},
+    )
 
 
-def check_message_counts(messages: Sequence[Any], *, max_messages: int, max_parts: int) -> None:
-    """Refuse no messages, too many messages, or too many content parts over all of them,
-    before any content is read (the gateway and the decoder alike).
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT naming ``messages`` (and the limit when over it).
-    """
-    check_count(len(messages), field="messages", limit=max_messages)
-    parts = sum(len(m.parts) for m in messages)
-    if parts > max_parts:
-        raise invalid_argument(
-            "TOO_MANY_PARTS",
-            f"messages hold {parts} parts; the limit is {max_parts}",
-            field="messages",
-            limit=max_parts,
-        )
-
-
-ROLES = ("system", "user", "assistant")
-
-
-def check_role(role: str, field: str) -> None:
-    """Refuse a chat role other than system, user or assistant (INVALID_ARGUMENT)."""
-    if role not in ROLES:
-        raise invalid_argument(
-            "ROLE_INVALID",
-            f"{field} is {role!r}; expected one of {', '.join(ROLES)}",
-            field=field,
-        )
-
-
-def check_no_control_tokens(text: str, forbidden: tuple[str, ...], field: str) -> None:
-    """Refuse text containing a control token such as ``<|image_pad|>`` (case C05).
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT ``TEXT_CONTAINS_SPECIAL_TOKEN`` naming the field
-            and the token.
-    """
-    if "<" not in text:
-        return
-    for token in forbidden:
-        if token in text:
-            raise invalid_argument(
-                "TEXT_CONTAINS_SPECIAL_TOKEN",
-                f"{field} contains the special token {token!r}; images are given as image "
-                "parts, and control tokens may not appear in text",
-                field=field,
-                token=token,
-            )
+class ConfigError(ValueError):
+    """A service's settings cannot work (e.g. an auth token file that yields no token);
+    raised before anything listens, and turned into exit status 1 by ``server.run``."""
 
 
 def to_status(err: ServiceError) -> grpc.Status:

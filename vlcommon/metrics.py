@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-EXCLUDED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+from vlcommon.interceptors import Around, AroundInterceptor
+
 # Seconds; Generate streams run long, lookups are sub-millisecond.
 DURATION_BUCKETS = (
     0.0005,
@@ -127,8 +128,8 @@ def _observed(m: Any, method: str, context: grpc.aio.ServicerContext) -> Iterato
         m.requests.labels(method, _code(context, error)).inc()
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts and times every unary-unary and unary-stream RPC of one service.
+class MetricsInterceptor(AroundInterceptor):
+    """Counts and times every RPC of one service but health and reflection.
 
     Args:
         service: Short service name used in the metric names, e.g. ``encoder``.
@@ -137,34 +138,13 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, service: str) -> None:
         self.metrics = rpc_metrics(service)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        full = handler_call_details.method
-        if handler is None or full.startswith(EXCLUDED_PREFIXES):
-            return handler
-        method = full.rsplit("/", 1)[-1]
+    def around(self, method: str, handler_call_details: grpc.HandlerCallDetails) -> Around:
+        name = method.rsplit("/", 1)[-1]
         m = self.metrics
-        if handler.unary_unary is not None:
-            unary = handler.unary_unary
 
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with _observed(m, method, context):
-                    return await unary(request, context)
+        @contextlib.asynccontextmanager
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+            with _observed(m, name, context):
+                yield
 
-            return handler._replace(unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
-        if handler.unary_stream is not None:
-            stream = handler.unary_stream
-
-            async def unary_stream(
-                request: Any, context: grpc.aio.ServicerContext
-            ) -> AsyncIterator[Any]:
-                with _observed(m, method, context):
-                    async for item in stream(request, context):
-                        yield item
-
-            return handler._replace(unary_stream=unary_stream)  # type: ignore[attr-defined,no-any-return]
-        return handler  # no client- or bidi-streaming RPCs in this project
+        return observed

@@ -1,10 +1,12 @@
 """Server bootstrap shared by the four services.
 
 ``serve()`` builds a ``grpc.aio`` server with explicit message limits and keepalive,
-OpenTelemetry interceptors, optional TLS/mTLS and token checks and admission control
-(:mod:`vlcommon.security`), grpc.health.v1 (NOT_SERVING until the engine is ready,
-SERVING after, ``enter_graceful_shutdown()`` on SIGTERM/SIGINT), server reflection and
-an optional Prometheus endpoint, then runs until a signal:
+OpenTelemetry interceptors, optional TLS/mTLS (:mod:`vlcommon.tls`), token checks
+(:mod:`vlcommon.auth`) and admission control (:mod:`vlcommon.admission`), a readiness
+gate (UNAVAILABLE ``<service> is starting`` until the engine is ready) and the error
+mapping (:mod:`vlcommon.interceptors`: handlers raise ``ServiceError``), grpc.health.v1
+(NOT_SERVING until the engine is ready, SERVING after, ``enter_graceful_shutdown()`` on
+SIGTERM/SIGINT), server reflection and an optional Prometheus endpoint, then runs until a signal:
 signal -> stop event -> health NOT_SERVING -> ``server.stop(grace)`` (new RPCs refused)
 -> in-flight RPCs finish (at most ``grace_s``) -> leftover streams such as health
 ``Watch`` cancelled -> engine shutdown.
@@ -24,17 +26,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from vlcommon import telemetry
-from vlcommon.errors import ServiceError, abort, invalid_argument
+from vlcommon.admission import AdmissionInterceptor
+from vlcommon.auth import AuthInterceptor, auth_settings
+from vlcommon.errors import ConfigError, ServiceError, abort, invalid_argument
+from vlcommon.interceptors import ErrorInterceptor, ReadinessInterceptor
 from vlcommon.metrics import MetricsInterceptor
-from vlcommon.security import (
-    AdmissionInterceptor,
-    AuthInterceptor,
-    ConfigError,
-    auth_settings,
-    is_loopback,
-)
-from vlcommon.security import server_credentials as tls_server_credentials
 from vlcommon.settings import ServerSettings, server_options
+from vlcommon.tls import is_loopback
+from vlcommon.tls import server_credentials as tls_server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +100,14 @@ async def serve(
 
         start_http_server(settings.metrics_port, addr=settings.host)
     admission = AdmissionInterceptor(settings.max_concurrent_rpcs, settings.retry_after_ms)
+    readiness = ReadinessInterceptor(service_name)
     interceptors = [*telemetry.server_interceptors(), MetricsInterceptor(service_name)]
     if bearer_tokens or internal_token:
         # Before admission: a caller without credentials never takes a slot.
         interceptors.append(AuthInterceptor(bearer_tokens, internal_token))
-    interceptors.append(admission)
+    # A call to a service still loading its engine is refused before it takes a slot; the
+    # error mapping sits innermost, next to the handlers (they raise ServiceError).
+    interceptors += [readiness, admission, ErrorInterceptor()]
     credentials = tls_server_credentials(settings)
     if not public and not internal_token and not settings.tls_client_ca_file:
         if not is_loopback(settings.host):
@@ -168,6 +170,7 @@ async def serve(
                 stop_task.cancel()
                 startup_task.result()  # re-raise a failed startup
         if not stop.is_set():
+            readiness.set_ready()
             if settings.gc_freeze:
                 freeze_startup_heap(service_name)
             for name in ("", *service_full_names):

@@ -43,7 +43,7 @@ class ServerSettings(BaseSettings):
     max_connection_age_grace_s: float = Field(
         600.0, ge=0, description="Time a closing connection's streams may still run, seconds."
     )
-    # Admission control (vlcommon.security.AdmissionInterceptor): health and reflection are
+    # Admission control (vlcommon.admission.AdmissionInterceptor): health and reflection are
     # exempt so a busy service still passes its probes.
     max_concurrent_rpcs: int = Field(
         256,
