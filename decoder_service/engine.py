@@ -7,7 +7,8 @@ Usage::
     prompt = engine.render(messages)           # chat template, one <|image_pad|> per image
     async for delta in engine.generate(rid, prompt, images, params): ...
 
-Everything that could kill the engine is checked first by ``validate_images`` (FACTS.md:
+Everything that could kill the engine is checked first by the servicer, with
+``decoder_service.validation.check_image`` on each image (FACTS.md:
 a wrong row count or width raises EngineDeadError and fails every later request).
 vLLM gets ``{"image_embeds": [sum tokens, out_hidden*(1+n_deepstack)], "image_grid_thw":
 LongTensor [n_images, 3]}`` and one ``multi_modal_uuids`` entry per image: the exact key of
@@ -17,6 +18,7 @@ image's cached state; measured: two same-grid photos under one UUID gave identic
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -123,7 +125,10 @@ class DecoderEngine:
 
         model_dir = resolve_model_dir(self.engine_args.model)
         self.spec = load_vision_spec(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # Off the event loop, as the engine below: the service's gRPC server runs on this
+        # loop during startup, answering health NOT_SERVING and calls UNAVAILABLE "decoder is
+        # starting"; a blocked loop held them until their deadlines (a restart takes 25-50 s).
+        self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir)
         # Every added token (<|image_pad|>, <|im_start|>, ...) is a control token: user
         # text that spells one must not bind images or forge turns (case C05).
         added = self.tokenizer.get_added_vocab()
@@ -133,7 +138,11 @@ class DecoderEngine:
 
         # Our stat logger feeds splitvl_decoder_engine_* (KV-cache usage, queue depth);
         # vLLM still adds its own Prometheus logger beside it.
-        self.llm = AsyncLLM.from_engine_args(self.engine_args, stat_loggers=[engine_stat_logger()])
+        # Built on a worker thread: with no running loop there, AsyncLLM starts its output
+        # handler on the first generate() instead, on this loop.
+        self.llm = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, self.engine_args, stat_loggers=[engine_stat_logger()]
+        )
         self.max_model_len = int(self.llm.model_config.max_model_len)
         limits = self.llm.model_config.multimodal_config.limit_per_prompt
         image_limit = limits.get("image", 1)

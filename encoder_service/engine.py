@@ -3,8 +3,8 @@
 Usage::
 
     engine = VisionEngine.load("path/or/hub-id", device="cpu", dtype="float32")
-    pixel_values, grid = engine.preprocess(rgb_uint8_hwc, plan)
-    [embeddings] = engine.encode([(pixel_values, grid)])   # [tokens, out_hidden*(1+n_deepstack)]
+    image = engine.preprocess(rgb_uint8_hwc, plan)      # Preprocessed: pixel_values, grid, tokens
+    [embeddings] = engine.encode([image])                # [tokens, out_hidden*(1+n_deepstack)]
 
 Only the ``model.visual.*`` tensors are read from the checkpoint's safetensors files
 (``safe_open`` with a key filter) into a ``Qwen3VLVisionModel`` built from the vision

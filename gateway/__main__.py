@@ -93,6 +93,8 @@ async def main_async(settings: GatewaySettings) -> None:
         register=lambda server: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
             servicer, server
         ),
+        # No cold first request: the preprocess threads, codecs and resize run once first.
+        startup=servicer.warm_up,
         shutdown=shutdown,
         public=True,
     )

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from splitvl.launcher import Cluster, Ports, split_args
+from splitvl.launcher import Cluster, Ports, check_ports, split_args
 
 
 def splitvl_home() -> Path:
@@ -33,10 +33,16 @@ def default_model() -> str:
 
 
 def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    """The cluster ``splitvl up``/``demo`` flags describe (not started)."""
+    """The cluster ``splitvl up``/``demo`` flags describe (not started).
 
-    model = args.model or default_model()
+    Raises:
+        PortInUseError: a port it would bind is taken (checked before the default
+            checkpoint is built).
+    """
+
     ports = Ports.from_base(args.base_port, args.metrics_base_port)
+    check_ports(ports)  # before building a checkpoint: a second `up` refuses at once
+    model = args.model or default_model()
     # One log folder per base port by default, so instances on other ports keep theirs.
     log_dir = args.log_dir or splitvl_home() / "logs" / str(args.base_port)
     return Cluster(

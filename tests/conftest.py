@@ -76,6 +76,29 @@ async def in_process_server(
         await task
 
 
+# Fixtures that start services as subprocesses: a test using one is an e2e test, whatever
+# its module says, so `make test-fast` (-m "not e2e") never starts a service.
+SERVICE_FIXTURES = {
+    "cluster",
+    "faulty_cluster",
+    "soak_cluster",
+    "drain_cluster",
+    "slow_encoder_gateway",
+    "up",
+}
+# Modules whose tests start services without one of those fixtures.
+SERVICE_MODULES = {"test_c12_exporter"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & SERVICE_FIXTURES or item.module.__name__.rsplit(".", 1)[-1] in (  # type: ignore[attr-defined]
+            SERVICE_MODULES
+        ):
+            item.add_marker(pytest.mark.e2e)
+
+
 @pytest.fixture(autouse=True)
 def _unfreeze_gc() -> Iterator[None]:
     """serve() freezes the heap once its service is up (``gc_freeze``); in-process tests

@@ -7,7 +7,8 @@ exact tier without decoding. Otherwise it decodes the image once (:func:`decode_
 plans its resize with :func:`plan_resize` (Qwen's ``smart_resize``, so ``image_grid_thw``
 and the placeholder count are known before any ViT work), and computes the exact key
 (:func:`exact_key`) and the similarity descriptor (:func:`similarity_descriptor`). The
-encoder applies the same plan to the pixels with :func:`resize_to_plan`, the exact
+gateway then resizes the pixels to that plan with :func:`resize_to_plan` and sends the
+encoder pixels of the planned size (the decoder never resizes), the exact
 resampling the Qwen2-VL fast image processor uses (torchvision bicubic, antialiased),
 so splitvl's pixels equal what transformers and vLLM compute on the raw image.
 """

@@ -1,7 +1,8 @@
 """What the services need to know about a Qwen3-VL checkpoint, read from its JSON files.
 
-The gateway uses this to plan resizes and compute keys without importing torch; the
-encoder and decoder use it to validate shapes. ``resolve_model_dir`` accepts a local
+The gateway uses this to plan resizes and compute keys from the checkpoint's JSON alone
+(no weights are loaded; the module itself imports no torch, although the gateway's resize
+does); the encoder and decoder use it to validate shapes. ``resolve_model_dir`` accepts a local
 directory or a Hugging Face hub id (resolved through the local hub cache; with
 ``HF_HUB_OFFLINE=1`` nothing is downloaded).
 """
