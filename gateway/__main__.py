@@ -14,9 +14,12 @@ from qwenvl.decoder.v1 import decoder_service_pb2_grpc
 from qwenvl.encoder.v1 import encoder_service_pb2_grpc
 from qwenvl.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 
+from gateway.openai_front import HttpFront, create_app
 from gateway.servicer import Downstream, GatewayServicer
 from gateway.settings import GatewaySettings
 from vlcommon import telemetry
+from vlcommon.admission import AdmissionInterceptor
+from vlcommon.auth import auth_settings
 from vlcommon.model_info import load_vision_spec, model_revision, resolve_model_dir
 from vlcommon.server import limit_torch_threads, serve
 from vlcommon.service_main import service_main
@@ -82,7 +85,33 @@ async def main_async(settings: GatewaySettings) -> None:
     servicer = GatewayServicer(settings, spec, revision, forbidden_tokens(model_dir), downstream)
     log.info("model %s revision %s", model_dir, revision)
 
+    admission = AdmissionInterceptor(settings.max_concurrent_rpcs, settings.retry_after_ms)
+    http = None
+    if settings.http_port:
+        bearer_tokens, _ = auth_settings(settings, public=True)
+        app = create_app(
+            servicer,
+            served_model_name=settings.served_model_name or settings.model,
+            bearer_tokens=bearer_tokens,
+            admission=admission,
+            timeout_s=settings.http_timeout_s,
+        )
+        http = HttpFront(
+            app,
+            settings.host,
+            settings.http_port,
+            (settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file),
+        )
+
+    async def startup() -> None:
+        # No cold first request: the preprocess threads, codecs and resize run once first.
+        await servicer.warm_up()
+        if http is not None:
+            await http.start()
+
     async def shutdown() -> None:
+        if http is not None:
+            await http.stop()
         for ch in channels:
             await ch.close()
 
@@ -93,10 +122,10 @@ async def main_async(settings: GatewaySettings) -> None:
         register=lambda server: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
             servicer, server
         ),
-        # No cold first request: the preprocess threads, codecs and resize run once first.
-        startup=servicer.warm_up,
+        startup=startup,
         shutdown=shutdown,
         public=True,
+        admission=admission,
     )
 
 
@@ -112,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
             "encoder_address",
             "cache_address",
             "decoder_address",
+            "http_port",
+            "served_model_name",
         ),
         serve=lambda settings, _: main_async(settings),
         argv=argv,

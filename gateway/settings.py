@@ -79,6 +79,17 @@ class GatewaySettings(ServerSettings):
         "PREPROCESS_BUSY with a retry hint.",
     )
 
+    # The OpenAI-compatible HTTP front (gateway/openai_front.py), on the same host.
+    http_port: int = Field(
+        0, ge=0, le=65535, description="OpenAI-compatible HTTP port (/v1/...); 0 = off."
+    )
+    served_model_name: str = Field(
+        "", description="Model id of the HTTP front (/v1/models); empty = the --model argument."
+    )
+    http_timeout_s: float = Field(
+        600.0, gt=0, description="Deadline of one HTTP chat completion, seconds."
+    )
+
     @model_validator(mode="after")
     def _public_message_limit(self) -> "GatewaySettings":
         """The gateway's public server gets its own message limit (GATEWAY_MAX_MESSAGE_BYTES).

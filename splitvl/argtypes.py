@@ -84,3 +84,11 @@ def base_port(text: str) -> int:
 def base_port_or_off(text: str) -> int:
     """Like base_port, or 0 for off."""
     return 0 if text.strip() == "0" else base_port(text)
+
+
+def port_or_off(text: str) -> int:
+    """One TCP port, 1-65535, or 0 for off."""
+    value = _int(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is past 65535")
+    return value

@@ -27,6 +27,7 @@ from splitvl.argtypes import (
     base_port,
     base_port_or_off,
     non_negative_float,
+    port_or_off,
     positive_float,
     positive_int,
 )
@@ -34,6 +35,7 @@ from splitvl.home import cluster_from_args
 from splitvl.launcher import (
     DECODER_DEFAULT_ARGS,
     DEFAULT_BASE_PORT,
+    DEFAULT_HTTP_PORT,
     DEFAULT_METRICS_BASE_PORT,
     LaunchConfigError,
     ServiceStartError,
@@ -67,8 +69,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     failed = False
     try:
         cluster.wait_ready(progress=lambda line: print(line, flush=True))
+        http = cluster.ports.http
+        openai = f", OpenAI-compatible http://127.0.0.1:{http}/v1" if http else ""
         print(
-            f"splitvl is SERVING: gateway {cluster.ports.address('gateway')} "
+            f"splitvl is SERVING: gateway {cluster.ports.address('gateway')}{openai} "
             f"(logs in {cluster.log_dir}); Ctrl-C stops it",
             flush=True,
         )
@@ -166,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
             type=base_port_or_off,
             default=DEFAULT_METRICS_BASE_PORT,
             help="Prometheus port of the gateway, +1..+3 for the others; 0 = off",
+        )
+        p.add_argument(
+            "--http-port",
+            type=port_or_off,
+            default=DEFAULT_HTTP_PORT,
+            help="the gateway's OpenAI-compatible HTTP front (/v1/chat/completions); 0 = off",
         )
         p.add_argument(
             "--log-dir",

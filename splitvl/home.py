@@ -40,7 +40,7 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
             checkpoint is built).
     """
 
-    ports = Ports.from_base(args.base_port, args.metrics_base_port)
+    ports = Ports.from_base(args.base_port, args.metrics_base_port, args.http_port)
     check_ports(ports)  # before building a checkpoint: a second `up` refuses at once
     model = args.model or default_model()
     # One log folder per base port by default, so instances on other ports keep theirs.

@@ -45,6 +45,8 @@ PACKAGES = {
 }
 DEFAULT_BASE_PORT = 50051
 DEFAULT_METRICS_BASE_PORT = 9401
+#: The gateway's OpenAI-compatible HTTP front (``vllm serve``'s default port).
+DEFAULT_HTTP_PORT = 8000
 # The tiny checkpoint's engine settings; a real model overrides them with
 # ``splitvl up --decoder-arg`` or ``SPLITVL_DECODER_ARGS`` (vLLM's argparse keeps the last
 # value of a repeated flag, so appended arguments win).
@@ -91,24 +93,29 @@ def free_port() -> int:
 
 @dataclass
 class Ports:
-    """gRPC and Prometheus ports of the four services."""
+    """gRPC and Prometheus ports of the four services, and the gateway's HTTP port
+    (OpenAI-compatible front; 0 = off)."""
 
     grpc: dict[str, int]
     metrics: dict[str, int]
+    http: int = 0
 
     @classmethod
-    def from_base(cls, base: int, metrics_base: int) -> Ports:
+    def from_base(cls, base: int, metrics_base: int, http: int = 0) -> Ports:
         return cls(
             grpc={name: base + i for i, name in enumerate(SERVICES)},
             metrics={
                 name: (metrics_base + i if metrics_base else 0) for i, name in enumerate(SERVICES)
             },
+            http=http,
         )
 
     @classmethod
     def free(cls) -> Ports:
         return cls(
-            grpc={n: free_port() for n in SERVICES}, metrics={n: free_port() for n in SERVICES}
+            grpc={n: free_port() for n in SERVICES},
+            metrics={n: free_port() for n in SERVICES},
+            http=free_port(),
         )
 
     def address(self, name: str) -> str:
@@ -118,6 +125,8 @@ class Ports:
         """Every port the cluster binds: ``(port, what, the flag that moves it)``."""
         out = [(p, f"{n} gRPC", "--base-port") for n, p in self.grpc.items()]
         out += [(p, f"{n} metrics", "--metrics-base-port") for n, p in self.metrics.items() if p]
+        if self.http:
+            out.append((self.http, "gateway HTTP (OpenAI-compatible)", "--http-port"))
         return out
 
 
@@ -188,7 +197,7 @@ def check_ports(ports: Ports) -> None:
         if not _port_free(port):
             owner = port_owner(port)
             held = f" by {owner}" if owner else ""
-            off = " (0 turns metrics off)" if flag == "--metrics-base-port" else ""
+            off = " (0 turns it off)" if flag in ("--metrics-base-port", "--http-port") else ""
             raise PortInUseError(
                 port,
                 f"port {port} ({what}) is already in use{held}; stop that or move this "
@@ -277,6 +286,8 @@ class Cluster:
                 self.ports.address("cache"),
                 "--decoder-address",
                 self.ports.address("decoder"),
+                "--http-port",
+                str(self.ports.http),
             ]
         if name == "encoder":
             return [*base, "--model", self.model]

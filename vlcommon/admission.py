@@ -64,6 +64,19 @@ class AdmissionInterceptor(AroundInterceptor):
         if self.in_flight == 0:
             self._idle.set()
 
+    # The same count for callers that are not gRPC handlers (the gateway's HTTP front).
+    def try_acquire(self) -> bool:
+        """Take a slot; False (counted as refused) when the service is at its limit."""
+        return self._enter()
+
+    def release(self) -> None:
+        """Give back a slot taken with :meth:`try_acquire`."""
+        self._exit()
+
+    def refusal(self) -> ServiceError:
+        """The RESOURCE_EXHAUSTED error (with its retry hint) a refused caller gets."""
+        return self._error()
+
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no counted RPC is in flight; False when ``timeout_s`` ran out first."""
         try:

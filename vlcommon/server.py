@@ -76,6 +76,7 @@ async def serve(
     stop_event: asyncio.Event | None = None,
     on_started: Callable[[int], None] | None = None,
     public: bool = False,
+    admission: AdmissionInterceptor | None = None,
 ) -> None:
     """Run one service until SIGTERM/SIGINT (or ``stop_event``).
 
@@ -91,6 +92,8 @@ async def serve(
         public: True for the gateway: its callers are users, so ``internal_token`` is only
             sent downstream, never required of them (``auth_tokens`` guards it instead).
             False (encoder, cache, decoder): ``internal_token``, when set, is required.
+        admission: Admission control to share with another front (the gateway's HTTP
+            one); default: one built from ``max_concurrent_rpcs`` and ``retry_after_ms``.
     """
     # Before anything listens: auth that was asked for but yields no token fails here.
     bearer_tokens, internal_token = auth_settings(settings, public=public)
@@ -99,7 +102,8 @@ async def serve(
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, addr=settings.host)
-    admission = AdmissionInterceptor(settings.max_concurrent_rpcs, settings.retry_after_ms)
+    if admission is None:
+        admission = AdmissionInterceptor(settings.max_concurrent_rpcs, settings.retry_after_ms)
     readiness = ReadinessInterceptor(service_name)
     interceptors = [*telemetry.server_interceptors(), MetricsInterceptor(service_name)]
     if bearer_tokens or internal_token:

@@ -1,0 +1,629 @@
+"""The gateway's OpenAI-compatible HTTP front: ``/v1/chat/completions`` over the same pipeline.
+
+A team moving from ``vllm serve`` changes a base URL, not its code::
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    out = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
+            {"type": "text", "text": "Describe this image."},
+        ]}],
+        max_tokens=64,
+    )
+
+Served (FastAPI on uvicorn, on the gateway's event loop beside its gRPC server):
+
+* ``POST /v1/chat/completions``: ``messages`` with ``content`` as a string or as parts
+  ``text`` and ``image_url`` (``url``: an http(s) URL, fetched under the gRPC path's switch
+  and SSRF guard, or a data URL; ``detail`` accepted and ignored: the pixel budget decides);
+  ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (absent: 1.0, as OpenAI and
+  vLLM default), ``top_p``, ``seed``, ``stop``, ``n`` = 1, vLLM's ``ignore_eos``;
+  ``stream`` as server-sent events in OpenAI's chunk format with
+  ``stream_options.include_usage``. The answer carries ``usage`` and, in the extension
+  field ``splitvl`` that OpenAI clients ignore, each image's cache tier, similarity, grid
+  and tokens and the stage timings (ms).
+* ``GET /v1/models`` (the served model, named as ``vllm serve`` names it: the ``--model``
+  argument, or ``GATEWAY_SERVED_MODEL_NAME``), ``GET /health``, ``GET /metrics``
+  (the gateway's Prometheus registry).
+
+One pipeline: each request becomes a ``gateway.v1.GenerateRequest`` and runs through
+:meth:`gateway.servicer.GatewayServicer.Generate` itself, so validation, caching, encoding,
+decoding, stage timings and spans are the gRPC path's. A W3C ``traceparent`` header joins
+the caller's trace. Errors come in OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``, with the gRPC path's message, the ErrorInfo field as ``param`` and its reason
+as ``code``, and the HTTP status of the gRPC code (:data:`HTTP_STATUS`); a client that
+disconnects cancels the request down to vLLM. Bearer tokens (``GATEWAY_AUTH_TOKENS``),
+TLS/mTLS (``GATEWAY_TLS_*``) and admission control (``max_concurrent_rpcs``, shared with
+the gRPC server) are the gRPC gateway's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import propagate, trace
+from pydantic import BaseModel, ConfigDict
+from qwenvl.common.v1 import generation_pb2
+from qwenvl.gateway.v1 import gateway_service_pb2 as pb
+
+from vlcommon.admission import AdmissionInterceptor
+from vlcommon.auth import token_matches
+from vlcommon.errors import ServiceError, invalid_argument
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("splitvl.gateway.http")
+
+#: HTTP status of each gRPC status code (OpenAI's and vLLM's choices where they have one).
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+#: OpenAI's error ``type`` by HTTP status.
+ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+FINISH = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length"}
+TIERS = {
+    generation_pb2.CACHE_TIER_EXACT: "exact",
+    generation_pb2.CACHE_TIER_SIMILAR: "similar",
+    generation_pb2.CACHE_TIER_MISS: "miss",
+}
+
+
+# -- the request, as OpenAI's chat completions API defines it -----------------------------
+class ImageUrl(BaseModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    text: str | None = None
+    image_url: ImageUrl | None = None
+    video_url: dict[str, Any] | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """The fields splitvl serves; any other field is refused by name (``extra`` below),
+    except those whose value is the no-op default (``NO_OP_DEFAULTS``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+#: Fields of OpenAI's or vLLM's API that splitvl does not implement, accepted only with
+#: the value that means "off" (clients such as vLLM's benchmark send some of them).
+NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, False, True),
+    "response_format": (None, {"type": "text"}),
+    "metadata": (None, {}),
+    "store": (None, False),
+}
+
+
+def _refused(field: str, message: str) -> ServiceError:
+    return invalid_argument("PARAMETER_UNSUPPORTED", message, field=field)
+
+
+def to_generate_request(body: ChatCompletionRequest, served: Sequence[str]) -> pb.GenerateRequest:
+    """The gateway's GenerateRequest for an OpenAI chat completion request.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the OpenAI field (``messages[0].content[1]``,
+            ``n``, ``model``, ...) for what the front does not serve; NOT_FOUND for a model
+            it does not serve. Everything else (counts, sizes, ranges, images) is checked
+            by the pipeline itself, with the gRPC path's messages.
+    """
+    if body.model not in served:
+        raise ServiceError(
+            grpc.StatusCode.NOT_FOUND,
+            "MODEL_NOT_FOUND",
+            f"model {body.model!r} is not served here; this server serves {served[0]!r}",
+            {"field": "model"},
+        )
+    for name, value in (body.model_extra or {}).items():
+        allowed = NO_OP_DEFAULTS.get(name)
+        if allowed is None:
+            raise _refused(name, f"{name} is not a parameter splitvl serves")
+        if value not in allowed:
+            raise _refused(name, f"{name}={value!r} is not supported; leave it unset")
+    if body.n not in (None, 1):
+        raise _refused("n", f"n is {body.n}; only n=1 is served")
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        if body.max_tokens != body.max_completion_tokens:
+            raise _refused(
+                "max_completion_tokens", "max_tokens and max_completion_tokens differ; send one"
+            )
+    request = pb.GenerateRequest()
+    for i, message in enumerate(body.messages):
+        msg = request.messages.add(role=message.role)
+        content = message.content
+        if content is None:
+            continue
+        if isinstance(content, str):
+            msg.parts.add(text=content)
+            continue
+        for k, part in enumerate(content):
+            field = f"messages[{i}].content[{k}]"
+            if part.type == "text" and part.text is not None:
+                msg.parts.add(text=part.text)
+            elif part.type == "image_url" and part.image_url is not None:
+                url = part.image_url.url
+                image = pb.ImageInput(data_url=url) if url[:5].lower() == "data:" else None
+                msg.parts.add(image=image or pb.ImageInput(url=url))
+            elif part.type == "video_url":
+                raise ServiceError(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    "VIDEO_UNSUPPORTED",
+                    f"{field}: video_url parts are not served yet (images only)",
+                    {"field": field},
+                )
+            else:
+                raise _refused(
+                    field, f"{field} has type {part.type!r}; served: 'text', 'image_url'"
+                )
+    sampling = request.sampling
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    # OpenAI's and vLLM's default temperature is 1.0; the gRPC API's 0 means greedy.
+    sampling.temperature = 1.0 if body.temperature is None else body.temperature
+    if body.top_p is not None:
+        sampling.top_p = body.top_p
+    if body.seed is not None:
+        sampling.seed = body.seed
+    if body.stop is not None:
+        sampling.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    sampling.ignore_eos = body.ignore_eos
+    return request
+
+
+class HttpCallContext:
+    """What :meth:`GatewayServicer.Generate` asks of its context, for an HTTP call: the
+    time left of the request's deadline (``GATEWAY_HTTP_TIMEOUT_S`` after it arrived)."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+
+def error_body(err: ServiceError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """HTTP status, OpenAI-shaped body and headers (``Retry-After``, seconds) of an error."""
+    status = HTTP_STATUS.get(err.code, 500)
+    headers = {}
+    if err.retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, -(-err.retry_after_ms // 1000)))
+    body = {
+        "error": {
+            "message": err.message,
+            "type": ERROR_TYPE.get(status, "server_error"),
+            "param": err.metadata.get("field"),
+            "code": err.reason,
+        }
+    }
+    return status, body, headers
+
+
+def _error_response(err: ServiceError) -> JSONResponse:
+    status, body, headers = error_body(err)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _extension(first: pb.GenerateResponse, last: pb.GenerateResponse | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "images": [
+            {
+                "index": im.index,
+                "tier": TIERS.get(im.tier, "unspecified"),
+                "similarity": round(float(im.similarity), 6),
+                "grid": [im.grid.t, im.grid.h, im.grid.w],
+                "tokens": im.tokens,
+                "decoded": im.decoded,
+            }
+            for im in first.images
+        ]
+    }
+    if last is not None and last.HasField("timings"):
+        t = last.timings
+        out["timings"] = {
+            f"{name}_ms": round(getattr(t, f"{name}_ms"), 3)
+            for name in ("preprocess", "lookup", "encode", "put", "ttft", "decode", "total")
+        }
+    return out
+
+
+def _usage(u: generation_pb2.Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
+
+
+def create_app(
+    servicer: Any,
+    *,
+    served_model_name: str,
+    bearer_tokens: Sequence[str] = (),
+    admission: AdmissionInterceptor | None = None,
+    timeout_s: float | None = 600.0,
+) -> FastAPI:
+    """The FastAPI application of the front.
+
+    Args:
+        servicer: The gateway's :class:`~gateway.servicer.GatewayServicer` (anything with
+            its ``Generate(request, context)`` async generator).
+        served_model_name: The model id ``/v1/models`` lists and requests must name.
+        bearer_tokens: Accepted ``Authorization: Bearer`` tokens; empty = no auth.
+        admission: The gRPC server's admission control, shared, so one limit bounds both
+            fronts; None = unbounded (tests).
+        timeout_s: Deadline of one completion, seconds (None: none).
+    """
+    from hashlib import sha256
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    accepted = tuple(sha256(t.encode()).digest() for t in bearer_tokens)
+    app = FastAPI(title="splitvl", docs_url=None, redoc_url=None, openapi_url=None)
+    served = (served_model_name,)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_json(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or "body"
+        return _error_response(
+            invalid_argument(
+                "REQUEST_INVALID", f"{field}: {first.get('msg', 'invalid request')}", field=field
+            )
+        )
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        if accepted and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            reason = ""
+            if scheme.lower() != "bearer" or not token.strip():
+                reason = "AUTH_TOKEN_MISSING"
+                message = "header 'Authorization' must be 'Bearer <token>'"
+            elif not token_matches(token.strip(), accepted):
+                reason = "AUTH_TOKEN_INVALID"
+                message = "the bearer token in header 'Authorization' is not accepted"
+            if reason:
+                return _error_response(
+                    ServiceError(
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        reason,
+                        message,
+                        {"field": "authorization"},
+                    )
+                )
+        response: Response = await call_next(request)
+        return response
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "splitvl",
+                    "root": served_model_name,
+                }
+            ],
+        }
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request
+    ) -> Response | StreamingResponse:
+        span = tracer.start_span(
+            "POST /v1/chat/completions",
+            context=propagate.extract(dict(request.headers)),
+            kind=trace.SpanKind.SERVER,
+        )
+        span.set_attribute("splitvl.front", "openai")
+        if admission is not None and not admission.try_acquire():
+            span.end()
+            return _error_response(admission.refusal())
+        done = False
+
+        def finish(err: ServiceError | None = None) -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            if err is not None:
+                span.set_attribute("splitvl.error.reason", err.reason)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, err.message))
+            if admission is not None:
+                admission.release()
+            span.end()
+
+        try:
+            generate_request = to_generate_request(body, served)
+            responses = servicer.Generate(generate_request, HttpCallContext(timeout_s))
+            # Every input error arrives before the first response (the pipeline streams
+            # nothing before the first token), so it still gets its HTTP status.
+            with trace.use_span(span, end_on_exit=False):
+                first = await _next(responses)
+        except ServiceError as err:
+            finish(err)
+            return _error_response(err)
+        except BaseException:
+            finish()
+            raise
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if not body.stream:
+            return await _complete(request, responses, first, rid, created, span, finish)
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+            data: dict[str, Any] = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": served_model_name,
+                "choices": [
+                    {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+                ],
+            }
+            if include_usage:
+                data["usage"] = None
+            return f"data: {json.dumps(data)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            last = first
+            error: ServiceError | None = None
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                item: pb.GenerateResponse | None = first
+                while item is not None:
+                    last = item
+                    reason = FINISH.get(item.finish_reason) if item.finish_reason else None
+                    if item.text or reason:
+                        yield chunk({"content": item.text} if item.text else {}, reason)
+                    with trace.use_span(span, end_on_exit=False):
+                        item = await _next(responses)
+                if include_usage and last is not None:
+                    usage = {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": served_model_name,
+                        "choices": [],
+                        "usage": _usage(last.usage),
+                        "splitvl": _extension(first, last) if first is not None else {},
+                    }
+                    yield f"data: {json.dumps(usage)}\n\n"
+                yield "data: [DONE]\n\n"
+            except ServiceError as err:
+                # Mid-stream the status line is gone: OpenAI's clients read an error event.
+                error = err
+                yield f"data: {json.dumps(error_body(err)[1])}\n\n"
+            finally:
+                # A disconnected client cancels this generator (Starlette watches for the
+                # disconnect): closing the pipeline cancels the decoder call, which aborts
+                # vLLM's request.
+                with contextlib.suppress(BaseException), trace.use_span(span, end_on_exit=False):
+                    await responses.aclose()
+                finish(error)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _complete(
+        request: Request,
+        responses: Any,
+        first: pb.GenerateResponse | None,
+        rid: str,
+        created: int,
+        span: trace.Span,
+        finish: Any,
+    ) -> Response:
+        """The non-streaming answer; a client that disconnects meanwhile cancels it."""
+
+        async def collect() -> list[pb.GenerateResponse]:
+            chunks = [first] if first is not None else []
+            with trace.use_span(span, end_on_exit=False):
+                async for item in responses:
+                    chunks.append(item)
+            return chunks
+
+        task = asyncio.ensure_future(collect())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()  # cancels the decoder call: vLLM aborts the request
+                    with contextlib.suppress(BaseException):
+                        await task
+                    finish()
+                    return Response(status_code=499)
+            chunks = task.result()
+        except ServiceError as err:
+            finish(err)
+            return _error_response(err)
+        except BaseException:
+            task.cancel()
+            finish()
+            raise
+        finish()
+        last = chunks[-1] if chunks else None
+        text = "".join(c.text for c in chunks)
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": served_model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                        },
+                        "finish_reason": FINISH.get(last.finish_reason, "stop") if last else "stop",
+                        "logprobs": None,
+                    }
+                ],
+                "usage": _usage(last.usage) if last is not None else None,
+                "splitvl": _extension(first, last) if first is not None else {},
+            }
+        )
+
+    return app
+
+
+async def _next(responses: Any) -> pb.GenerateResponse | None:
+    try:
+        return await responses.__anext__()  # type: ignore[no-any-return]
+    except StopAsyncIteration:
+        return None
+
+
+def ssl_context(cert_file: str, key_file: str, client_ca_file: str) -> ssl.SSLContext | None:
+    """TLS for the front from the gateway's own ``tls_*`` settings (mTLS with a client CA)."""
+    if not cert_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        context.load_verify_locations(client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class HttpFront:
+    """uvicorn serving :func:`create_app` on the running event loop, beside grpc.aio.
+
+    Args:
+        app: The application.
+        host: Address to bind.
+        port: TCP port (0 picks one; :attr:`port` is the bound one after :meth:`start`).
+        ssl_files: ``(cert, key, client_ca)`` paths; an empty cert = plaintext.
+    """
+
+    def __init__(self, app: FastAPI, host: str, port: int, ssl_files: tuple[str, str, str]):
+        import uvicorn
+
+        cert, key, ca = ssl_files
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=cert or None,
+            ssl_keyfile=key or None,
+            ssl_ca_certs=ca or None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if (cert and ca) else ssl.CERT_NONE,
+            # The gateway's SIGTERM handling drains both fronts; uvicorn must not take it.
+            timeout_graceful_shutdown=10,
+        )
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Any:
+                yield
+
+        self.server = _Server(config)
+        self.port = port
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Bind and serve; returns once it listens (raises if binding failed)."""
+        self._task = asyncio.ensure_future(self.server.serve())
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("the HTTP front stopped before it started")
+            await asyncio.sleep(0.02)
+        sockets = [s for srv in self.server.servers for s in srv.sockets]
+        if sockets:
+            self.port = int(sockets[0].getsockname()[1])
+        log.info("OpenAI-compatible front on http://%s:%d/v1", self.server.config.host, self.port)
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

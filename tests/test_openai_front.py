@@ -1,0 +1,522 @@
+"""The OpenAI-compatible front, judged by the official ``openai`` client.
+
+The first part serves the real FastAPI app on uvicorn (127.0.0.1) over a scripted
+pipeline (a servicer stand-in, as a servicer unit test may use): request conversion,
+errors in OpenAI's shape, auth, admission, SSE format, disconnects. The e2e part runs
+against the four services (the session cluster's gateway serves HTTP too): the same
+tokens as the gRPC path, images as data URLs, and vLLM's own benchmark client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+from PIL import Image
+from qwenvl.common.v1 import generation_pb2
+from qwenvl.gateway.v1 import gateway_service_pb2 as pb
+
+from gateway.openai_front import (
+    ChatCompletionRequest,
+    HttpFront,
+    create_app,
+    error_body,
+    to_generate_request,
+)
+from tests.conftest import photo
+from vlcommon.admission import AdmissionInterceptor
+from vlcommon.errors import ServiceError, invalid_argument
+
+MODEL = "/models/tiny"
+
+
+def _request(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(**{"model": MODEL, "messages": [], **fields})
+
+
+# -- conversion ------------------------------------------------------------------------
+def test_messages_and_sampling_become_the_gateway_request() -> None:
+    body = _request(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "https://x.test/a.jpg", "detail": "low"},
+                    },
+                    {"type": "text", "text": "What is it?"},
+                ],
+            },
+        ],
+        max_completion_tokens=12,
+        temperature=0,
+        top_p=0.9,
+        seed=7,
+        stop="END",
+        ignore_eos=True,
+        top_k=-1,  # vLLM's "off": accepted
+    )
+    req = to_generate_request(body, (MODEL,))
+    assert [m.role for m in req.messages] == ["system", "user"]
+    assert req.messages[0].parts[0].text == "Be brief."
+    parts = req.messages[1].parts
+    assert parts[0].image.data_url == "data:image/png;base64,AAAA"
+    assert parts[1].image.url == "https://x.test/a.jpg"
+    assert parts[2].text == "What is it?"
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.seed, list(s.stop), s.ignore_eos) == (
+        12,
+        0.0,
+        7,
+        ["END"],
+        True,
+    )
+    assert abs(s.top_p - 0.9) < 1e-6
+
+
+def test_an_absent_temperature_is_openais_default_of_one_not_greedy() -> None:
+    req = to_generate_request(_request(messages=[{"role": "user", "content": "hi"}]), (MODEL,))
+    assert req.sampling.temperature == 1.0
+    assert not req.sampling.HasField("max_tokens")  # the decoder's default applies
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code", "message"),
+    [
+        ({"n": 2}, "n", grpc.StatusCode.INVALID_ARGUMENT, "n is 2; only n=1 is served"),
+        (
+            {"logprobs": True},
+            "logprobs",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "logprobs=True is not supported; leave it unset",
+        ),
+        (
+            {"tools": [{"type": "function"}]},
+            "tools",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tools=[{'type': 'function'}] is not supported; leave it unset",
+        ),
+        (
+            {"frobnicate": 1},
+            "frobnicate",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "frobnicate is not a parameter splitvl serves",
+        ),
+        (
+            {"model": "gpt-4o"},
+            "model",
+            grpc.StatusCode.NOT_FOUND,
+            "model 'gpt-4o' is not served here; this server serves '/models/tiny'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            "messages[0].content[0]",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "messages[0].content[0] has type 'input_audio'; served: 'text', 'image_url'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
+            "messages[0].content[0]",
+            grpc.StatusCode.UNIMPLEMENTED,
+            "messages[0].content[0]: video_url parts are not served yet (images only)",
+        ),
+        (
+            {"max_tokens": 5, "max_completion_tokens": 6},
+            "max_completion_tokens",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "max_tokens and max_completion_tokens differ; send one",
+        ),
+    ],
+)
+def test_what_the_front_does_not_serve_is_refused_by_name(
+    fields: dict[str, Any], param: str, code: grpc.StatusCode, message: str
+) -> None:
+    with pytest.raises(ServiceError) as err:
+        to_generate_request(_request(**fields), (MODEL,))
+    assert (err.value.code, err.value.metadata["field"], err.value.message) == (
+        code,
+        param,
+        message,
+    )
+
+
+def test_error_bodies_have_openais_shape_and_the_grpc_codes_http_status() -> None:
+    status, body, headers = error_body(
+        invalid_argument("IMAGE_DECODE_FAILED", "images[0] could not be decoded", field="images[0]")
+    )
+    assert status == 400 and headers == {}
+    assert body == {
+        "error": {
+            "message": "images[0] could not be decoded",
+            "type": "invalid_request_error",
+            "param": "images[0]",
+            "code": "IMAGE_DECODE_FAILED",
+        }
+    }
+    busy = ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "BUSY", "full", retry_after_ms=1500)
+    assert error_body(busy)[0] == 429 and error_body(busy)[2] == {"Retry-After": "2"}
+    for code, http in [
+        (grpc.StatusCode.UNAUTHENTICATED, 401),
+        (grpc.StatusCode.PERMISSION_DENIED, 403),
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    ]:
+        assert error_body(ServiceError(code, "R", "m"))[0] == http
+
+
+# -- the app on uvicorn, over a scripted pipeline ----------------------------------------
+class ScriptedServicer:
+    """Stands in for GatewayServicer: streams ``tokens`` one response each, or raises."""
+
+    def __init__(self) -> None:
+        self.tokens = ["Hel", "lo", "!"]
+        self.error: ServiceError | None = None
+        self.delay_s = 0.0
+        self.requests: list[pb.GenerateRequest] = []
+        self.closed = asyncio.Event()
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        self.requests.append(request)
+        try:
+            if self.error is not None:
+                raise self.error
+            for i, text in enumerate(self.tokens):
+                await asyncio.sleep(self.delay_s)
+                out = pb.GenerateResponse(token_ids=[i], text=text)
+                if i == 0:
+                    out.images.add(index=0, tier=generation_pb2.CACHE_TIER_EXACT, tokens=64)
+                if i == len(self.tokens) - 1:
+                    out.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+                    out.usage.prompt_tokens = 70
+                    out.usage.completion_tokens = len(self.tokens)
+                    out.timings.total_ms = 12.5
+                yield out
+        finally:
+            self.closed.set()
+
+
+@contextlib.contextmanager
+def serving(servicer: ScriptedServicer, **kwargs: Any) -> Iterator[str]:
+    """The app on a free loopback port, its loop on a thread; yields the base URL."""
+    loop = asyncio.new_event_loop()
+    front = HttpFront(
+        create_app(servicer, served_model_name=MODEL, **kwargs), "127.0.0.1", 0, ("", "", "")
+    )
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(front.start(), loop).result(10)
+    try:
+        yield f"http://127.0.0.1:{front.port}/v1"
+    finally:
+        asyncio.run_coroutine_threadsafe(front.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+def _client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=20)
+
+
+def test_models_completion_and_stream_in_openais_format() -> None:
+    servicer = ScriptedServicer()
+    with serving(servicer) as url:
+        client = _client(url)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert out.choices[0].message.content == "Hello!"
+        assert out.choices[0].finish_reason == "length"
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+            70,
+            3,
+            73,
+        )
+        extension = out.model_extra["splitvl"]  # type: ignore[index]
+        assert extension["images"][0]["tier"] == "exact"
+        assert extension["timings"]["total_ms"] == 12.5
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello!"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3  # type: ignore[union-attr]
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_a_pipeline_error_is_the_status_and_shape_openai_clients_raise() -> None:
+    servicer = ScriptedServicer()
+    servicer.error = invalid_argument(
+        "IMAGE_DECODE_FAILED", "images[0] could not be decoded: not an image", field="images[0]"
+    )
+    with serving(servicer) as url:
+        client = _client(url)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "x"}], stream=stream
+                )
+            assert err.value.status_code == 400
+            assert err.value.body == {
+                "message": "images[0] could not be decoded: not an image",
+                "type": "invalid_request_error",
+                "param": "images[0]",
+                "code": "IMAGE_DECODE_FAILED",
+            }
+        # A body the schema refuses names the field too.
+        response = httpx.post(f"{url}/chat/completions", json={"model": MODEL})
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "messages"
+
+
+def test_bearer_tokens_are_required_on_v1_but_not_on_health() -> None:
+    with serving(ScriptedServicer(), bearer_tokens=("s3cret",)) as url:
+        with pytest.raises(openai.AuthenticationError) as err:
+            _client(url, "wrong").models.list()
+        assert err.value.body["code"] == "AUTH_TOKEN_INVALID"  # type: ignore[index]
+        response = httpx.get(f"{url}/models")
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "AUTH_TOKEN_MISSING"
+        assert [m.id for m in _client(url, "s3cret").models.list().data] == [MODEL]
+        assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200
+
+
+def test_over_the_admission_limit_is_429_with_retry_after() -> None:
+    admission = AdmissionInterceptor(max_in_flight=1, retry_after_ms=2500)
+    servicer = ScriptedServicer()
+    servicer.delay_s = 1.0
+    with serving(servicer, admission=admission) as url:
+        with httpx.stream(
+            "POST",
+            f"{url}/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
+        ) as first:
+            assert first.status_code == 200
+            second = httpx.post(
+                f"{url}/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "y"}]},
+            )
+            assert second.status_code == 429
+            assert second.headers["retry-after"] == "3"
+            assert second.json()["error"]["code"] == "TOO_MANY_REQUESTS"
+            first.read()
+    assert admission.in_flight == 0
+
+
+def test_a_client_that_disconnects_mid_stream_closes_the_pipeline() -> None:
+    servicer = ScriptedServicer()
+    servicer.tokens = [f"t{i}" for i in range(200)]
+    servicer.delay_s = 0.05
+    with serving(servicer) as url:
+        with httpx.stream(
+            "POST",
+            f"{url}/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
+        ) as response:
+            lines = response.iter_lines()
+            got = [next(lines) for _ in range(6)]
+        assert any("t1" in line for line in got)
+        deadline = time.monotonic() + 10
+        while not servicer.closed.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert servicer.closed.is_set()  # the pipeline's finally ran: its decoder call cancelled
+
+
+# -- e2e: the four services ---------------------------------------------------------------
+def _data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _astronaut_png() -> bytes:
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(photo("astronaut.png"))).convert("RGB").resize((160, 160)).save(
+        buf, format="PNG"
+    )
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def front(cluster: Any) -> Iterator[tuple[openai.OpenAI, Any]]:
+    url = f"http://127.0.0.1:{cluster.ports.http}/v1"
+    yield _client(url), cluster
+
+
+@pytest.mark.e2e
+def test_the_front_answers_as_the_grpc_path_does(front: tuple[openai.OpenAI, Any]) -> None:
+    from splitvl.client import build_request, generate
+
+    client, cluster = front
+    [model] = [m.id for m in client.models.list().data]
+    assert model == cluster.model  # named as `vllm serve --model DIR` names it
+    image = _astronaut_png()
+    grpc_result = generate(
+        cluster.ports.address("gateway"),
+        build_request([image], "Describe this image.", max_tokens=8, ignore_eos=True),
+    )
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": _data_url(image)}},
+                {"type": "text", "text": "Describe this image."},
+            ],
+        }
+    ]
+    out = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].message.content == grpc_result.text
+    assert out.usage is not None and out.usage.completion_tokens == 8
+    assert out.model_extra["splitvl"]["images"][0]["tier"] == "exact"  # type: ignore[index]
+    streamed = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_completion_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(streamed)
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == grpc_result.text
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    text_only = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
+    )
+    assert text_only.usage is not None and 1 <= text_only.usage.completion_tokens <= 4
+    assert text_only.model_extra["splitvl"]["images"] == []  # type: ignore[index]
+
+
+@pytest.mark.e2e
+def test_a_bad_image_is_400_in_openais_shape(front: tuple[openai.OpenAI, Any]) -> None:
+    client, cluster = front
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=cluster.model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": _data_url(b"not a png")}},
+                        {"type": "text", "text": "?"},
+                    ],
+                }
+            ],
+            max_tokens=2,
+        )
+    body = err.value.body
+    assert isinstance(body, dict) and body["type"] == "invalid_request_error"
+    assert body["param"] == "images[0]" and "could not be decoded" in body["message"]
+
+
+def _aborted(cluster: Any) -> float:
+    text = httpx.get(f"http://127.0.0.1:{cluster.ports.metrics['decoder']}/metrics").text
+    for line in text.splitlines():
+        if line.startswith("splitvl_decoder_aborted_requests_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+@pytest.mark.e2e
+def test_a_disconnect_mid_stream_aborts_the_vllm_request(front: tuple[openai.OpenAI, Any]) -> None:
+    from tests.conftest import LONG_STREAM_TOKENS
+
+    client, cluster = front
+    before = _aborted(cluster)
+    stream = client.chat.completions.create(
+        model=cluster.model,
+        messages=[{"role": "user", "content": "Count."}],
+        max_tokens=LONG_STREAM_TOKENS // 2,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+    while _aborted(cluster) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _aborted(cluster) == before + 1
+
+
+@pytest.mark.e2e
+def test_vllms_benchmark_client_completes_against_the_front(
+    front: tuple[openai.OpenAI, Any], tmp_path: Any
+) -> None:
+    """vLLM's own client (vllm.benchmarks.serve, backend openai-chat, dataset random-mm)."""
+    import json
+
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    _, cluster = front
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(
+        [
+            "--backend",
+            "openai-chat",
+            "--base-url",
+            f"http://127.0.0.1:{cluster.ports.http}",
+            "--endpoint",
+            "/v1/chat/completions",
+            "--model",
+            cluster.model,
+            "--tokenizer",
+            cluster.model,
+            "--dataset-name",
+            "random-mm",
+            "--num-prompts",
+            "4",
+            "--max-concurrency",
+            "2",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "4",
+            "--random-mm-base-items-per-request",
+            "1",
+            "--random-mm-limit-mm-per-prompt",
+            '{"image": 1, "video": 0}',
+            "--random-mm-bucket-config",
+            "{(64, 64, 1): 1.0}",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "front.json",
+            "--disable-tqdm",
+        ]
+    )
+    main(args)
+    result = json.loads((tmp_path / "front.json").read_text())
+    assert result["completed"] == 4
+    assert result.get("failed", 0) == 0
+    assert result["total_output_tokens"] == 16
