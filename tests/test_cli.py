@@ -63,7 +63,7 @@ def _up_argv(model: Path, log_dir: Path) -> list[str]:
     """`splitvl up` on free ports, Prometheus off, logs in ``log_dir``."""
     return [
         *("up", "--model", str(model), "--base-port", str(free_port())),
-        *("--metrics-base-port", "0", "--log-dir", str(log_dir)),
+        *("--metrics-base-port", "0", "--http-port", "0", "--log-dir", str(log_dir)),
     ]
 
 
@@ -186,7 +186,9 @@ def test_decoder_args_append_to_the_tiny_defaults_env_then_flags(tmp_path, monke
 def test_each_base_port_has_its_own_default_log_folder(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPLITVL_HOME", str(tmp_path))
     dirs = [
-        cluster_from_args(cli.build_parser().parse_args(["up", "--model", "m", *extra])).log_dir
+        cluster_from_args(
+            cli.build_parser().parse_args(["up", "--model", "m", "--http-port", "0", *extra])
+        ).log_dir
         for extra in ([], ["--base-port", "61000"], ["--log-dir", str(tmp_path / "mine")])
     ]
     assert dirs == [tmp_path / "logs" / "50051", tmp_path / "logs" / "61000", tmp_path / "mine"]

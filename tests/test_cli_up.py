@@ -31,6 +31,8 @@ def test_up_serves_then_stops_cleanly_on_sigint(tiny_model, tmp_path) -> None:
             str(base),
             "--metrics-base-port",
             "0",
+            "--http-port",
+            str(free_port()),
             "--log-dir",
             str(tmp_path / "logs"),
         ],

@@ -175,7 +175,9 @@ def test_services_probes_ports_and_settings_agree(path: Path) -> None:
         c = container(deployments[name])
         pod_labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports == {"grpc": grpc_port, "metrics": METRICS_PORTS[component]}, name
+        # The gateway also serves its OpenAI-compatible HTTP front (GATEWAY_HTTP_PORT).
+        http = {"http": int(env["GATEWAY_HTTP_PORT"])} if component == "gateway" else {}
+        assert ports == {"grpc": grpc_port, "metrics": METRICS_PORTS[component], **http}, name
         prefix = {"encoder": "ENCODER_", "gateway": "GATEWAY_", "cache": "CACHE_"}.get(component)
         if prefix:  # the decoder takes its ports as flags (checked below)
             assert int(env[f"{prefix}PORT"]) == grpc_port
@@ -195,6 +197,7 @@ def test_services_probes_ports_and_settings_agree(path: Path) -> None:
         assert {p["port"] for p in service["spec"]["ports"]} == {
             grpc_port,
             METRICS_PORTS[component],
+            *http.values(),
         }
         if component != "gateway":
             assert service["spec"]["clusterIP"] == "None", name

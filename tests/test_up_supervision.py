@@ -37,7 +37,7 @@ def _free_base() -> int:
     while True:
         base = free_port()
         try:
-            check_ports(Ports.from_base(base, base + 10))
+            check_ports(Ports.from_base(base, base + 10, base + 20))
             return base
         except ValueError:
             continue
@@ -84,6 +84,8 @@ def up(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[U
             str(base),
             "--metrics-base-port",
             str(base + 10),
+            "--http-port",
+            str(base + 20),
             "--log-dir",
             str(log_dir),
         ],
@@ -160,6 +162,8 @@ def test_a_second_up_on_the_same_ports_refuses_at_once_and_leaves_the_logs(up: U
             str(up.base),
             "--metrics-base-port",
             str(up.base + 10),
+            "--http-port",
+            str(up.base + 20),
             "--log-dir",
             str(up.log_dir),
         ],
@@ -238,7 +242,7 @@ def test_sigkill_of_up_leaves_none_of_its_processes_alive(up: Up) -> None:
         alive = [p for p in tree if _alive(p)]
     assert alive == [], [(p.pid, p.name()) for p in alive]
     # The ports are free again: the next `up` starts cleanly.
-    check_ports(Ports.from_base(up.base, up.base + 10))
+    check_ports(Ports.from_base(up.base, up.base + 10, up.base + 20))
 
 
 def _alive(p: psutil.Process) -> bool:
