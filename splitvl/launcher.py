@@ -15,6 +15,7 @@ service and its vLLM processes when the launcher dies, however it dies.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -91,6 +92,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all held open while chosen: one ``free_port``
+    after another can hand out the same port twice)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+
+
 @dataclass
 class Ports:
     """gRPC and Prometheus ports of the four services, and the gateway's HTTP port
@@ -112,10 +123,11 @@ class Ports:
 
     @classmethod
     def free(cls) -> Ports:
+        ports = free_ports(2 * len(SERVICES) + 1)
         return cls(
-            grpc={n: free_port() for n in SERVICES},
-            metrics={n: free_port() for n in SERVICES},
-            http=free_port(),
+            grpc=dict(zip(SERVICES, ports[: len(SERVICES)], strict=True)),
+            metrics=dict(zip(SERVICES, ports[len(SERVICES) : 2 * len(SERVICES)], strict=True)),
+            http=ports[-1],
         )
 
     def address(self, name: str) -> str:

