@@ -127,7 +127,7 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None  # absent: the served model, as vLLM's server takes it
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -175,7 +175,7 @@ def to_generate_request(body: ChatCompletionRequest, served: Sequence[str]) -> p
             it does not serve. Everything else (counts, sizes, ranges, images) is checked
             by the pipeline itself, with the gRPC path's messages.
     """
-    if body.model not in served:
+    if body.model is not None and body.model not in served:
         raise ServiceError(
             grpc.StatusCode.NOT_FOUND,
             "MODEL_NOT_FOUND",

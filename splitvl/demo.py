@@ -4,6 +4,8 @@ Photos come from scikit-image's bundled data (astronaut, chelsea, coffee). The a
 is asked about again (an exact cache hit: no ViT) and once more as a JPEG re-encode of the
 same picture (a similarity hit when its cosine similarity clears the threshold and its
 grid is equal). Each answer is printed with its token ids, cache tier and stage timings.
+Last, the astronaut goes once more through the OpenAI-compatible HTTP front with the
+official ``openai`` client (an exact hit again), unless ``--http-port 0``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import io
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
@@ -48,6 +51,45 @@ def workload() -> list[tuple[str, bytes]]:
         ("astronaut.png (again)", astronaut),
         ("astronaut.png as JPEG q95", jpeg_copy(astronaut)),
     ]
+
+
+def openai_question(port: int, model: str, max_tokens: int, say: Any) -> dict[str, object]:
+    """The first photo once more, through the OpenAI-compatible front with the official
+    ``openai`` client, as code written for ``vllm serve`` would send it."""
+    import base64
+
+    import openai
+
+    url = f"http://127.0.0.1:{port}/v1"
+    data_url = "data:image/png;base64," + base64.b64encode(photo_bytes("astronaut.png")).decode()
+    entry: dict[str, object] = {"image": "astronaut.png via /v1/chat/completions"}
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    try:
+        out = client.chat.completions.create(
+            model=model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url}},
+                        {"type": "text", "text": PROMPT},
+                    ],
+                }
+            ],
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    except openai.APIError as err:
+        entry["error"] = {"message": str(err)}
+        say(f"[{entry['image']}] {entry['error']}")
+        return entry
+    ext = (out.model_extra or {}).get("splitvl", {})
+    image = ext.get("images", [{}])[0]
+    entry.update(tier=image.get("tier"), text=out.choices[0].message.content)
+    say(f"[astronaut.png, OpenAI-compatible front {url}] tier={image.get('tier')}")
+    say(f"  answer:    {out.choices[0].message.content!r}\n")
+    return entry
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -105,6 +147,10 @@ def run_demo(args: argparse.Namespace) -> int:
                 + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in r.timings.items())
                 + "\n"
             )
+        if cluster.ports.http:
+            entry = openai_question(cluster.ports.http, cluster.model, args.max_tokens, say)
+            results.append(entry)
+            ok += "error" not in entry
         # The cache is internal: TLS and the internal token as the cluster runs them.
         security = cluster.security()
         with sync_channel(cluster.ports.address("cache"), security) as ch:

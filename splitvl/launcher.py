@@ -138,7 +138,7 @@ class Ports:
         out = [(p, f"{n} gRPC", "--base-port") for n, p in self.grpc.items()]
         out += [(p, f"{n} metrics", "--metrics-base-port") for n, p in self.metrics.items() if p]
         if self.http:
-            out.append((self.http, "gateway HTTP (OpenAI-compatible)", "--http-port"))
+            out.append((self.http, "gateway OpenAI-compatible HTTP", "--http-port"))
         return out
 
 

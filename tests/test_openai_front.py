@@ -520,3 +520,9 @@ def test_vllms_benchmark_client_completes_against_the_front(
     assert result["completed"] == 4
     assert result.get("failed", 0) == 0
     assert result["total_output_tokens"] == 16
+
+
+def test_a_request_without_model_is_for_the_served_model() -> None:
+    """vLLM's server takes a request without ``model`` as one for the model it serves."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert to_generate_request(body, (MODEL,)).messages[0].parts[0].text == "hi"
