@@ -733,6 +733,7 @@ def main(args: argparse.Namespace) -> int:
 
     from decoder_service.engine import default_block_size
     from splitvl.home import splitvl_home
+    from splitvl_tools.cluster import bench_model
     from vlcommon.cpus import available_cpus, split_cpus
 
     def log(line: str) -> None:
@@ -840,17 +841,6 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),
     }
-
-
-def bench_model() -> Path:
-    from splitvl.home import splitvl_home
-    from splitvl.tiny_model import SEED, make_tiny_model
-
-    path = splitvl_home() / f"bench-qwen3-vl-seed{SEED}"
-    if not (path / "SPLITVL_TINY_MODEL").exists():
-        print(f"building the bench checkpoint in {path} ...", file=sys.stderr)
-        make_tiny_model(path, bench=True)
-    return path
 
 
 def block_size(text: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -80,3 +81,15 @@ def keep_or_remove_logs(log_dir: Path, *, own: bool, ok: bool, log: Callable[[st
         shutil.rmtree(log_dir, ignore_errors=True)
     else:
         log(f"service logs kept in {log_dir}")
+
+
+def bench_model() -> Path:
+    """The bench checkpoint (the real 2B model's ViT-to-LLM cost ratio), built once."""
+    from splitvl.home import splitvl_home
+    from splitvl.tiny_model import SEED, make_tiny_model
+
+    path = splitvl_home() / f"bench-qwen3-vl-seed{SEED}"
+    if not (path / "SPLITVL_TINY_MODEL").exists():
+        print(f"building the bench checkpoint in {path} ...", file=sys.stderr)
+        make_tiny_model(path, bench=True)
+    return path

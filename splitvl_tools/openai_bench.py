@@ -181,7 +181,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from splitvl.launcher import free_port
-    from splitvl_tools.bench import bench_model
+    from splitvl_tools.cluster import bench_model
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
