@@ -95,6 +95,8 @@ async def main_async(settings: GatewaySettings) -> None:
             bearer_tokens=bearer_tokens,
             admission=admission,
             timeout_s=settings.http_timeout_s,
+            max_tokens_limit=settings.max_tokens_limit,
+            max_body_bytes=settings.max_message_bytes,
         )
         http = HttpFront(
             app,

@@ -48,16 +48,18 @@ import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from qwenvl.common.v1 import generation_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import token_matches
@@ -74,7 +76,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,  # 413 without a retry hint (error_body)
     grpc.StatusCode.CANCELLED: 499,
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.UNAVAILABLE: 503,
@@ -83,6 +85,8 @@ HTTP_STATUS = {
 #: OpenAI's error ``type`` by HTTP status.
 ERROR_TYPE = {
     400: "invalid_request_error",
+    413: "invalid_request_error",
+    501: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
@@ -97,49 +101,43 @@ TIERS = {
 
 
 # -- the request, as OpenAI's chat completions API defines it -----------------------------
-class ImageUrl(BaseModel):
-    url: str
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: str
-    text: str | None = None
-    image_url: ImageUrl | None = None
-    video_url: dict[str, Any] | None = None
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    # Content parts are checked by hand (to_generate_request), so that each refusal names
+    # its own field (a pydantic union reports only its first branch's error).
+    role: StrictStr
+    content: StrictStr | list[Any] | None = None
+    name: StrictStr | None = None
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ChatCompletionRequest(BaseModel):
     """The fields splitvl serves; any other field is refused by name (``extra`` below),
-    except those whose value is the no-op default (``NO_OP_DEFAULTS``)."""
+    except those whose value is the no-op default (``NO_OP_DEFAULTS``). Strict types: a
+    ``max_tokens`` of ``true`` or ``"5"`` is refused, as the official clients never send
+    one."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str | None = None  # absent: the served model, as vLLM's server takes it
+    model: StrictStr | None = None  # absent: the served model, as vLLM's server takes it
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool = False
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    user: str | None = None
+    ignore_eos: StrictBool = False
+    user: StrictStr | None = None
 
 
 #: Fields of OpenAI's or vLLM's API that splitvl does not implement, accepted only with
@@ -166,14 +164,48 @@ def _refused(field: str, message: str) -> ServiceError:
     return invalid_argument("PARAMETER_UNSUPPORTED", message, field=field)
 
 
-def to_generate_request(body: ChatCompletionRequest, served: Sequence[str]) -> pb.GenerateRequest:
+def _utf8(text: str, field: str) -> str:
+    """``text`` if it can travel as UTF-8 (protobuf strings must): a lone surrogate
+    (``"\\ud800"`` in the JSON) cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid_argument(
+            "TEXT_NOT_UTF8",
+            f"{field} holds a lone surrogate (\\ud800-\\udfff): it is not valid UTF-8 text",
+            field=field,
+        ) from None
+    return text
+
+
+@dataclass
+class Converted:
+    """A converted request and how its gRPC field names map back to OpenAI's (for
+    ``param`` in errors: ``images[1]`` -> ``messages[0].content[2].image_url.url``)."""
+
+    request: pb.GenerateRequest
+    fields: dict[str, str]
+
+    def openai_param(self, field: str | None) -> str | None:
+        if not field:
+            return field
+        for grpc_name, openai_name in self.fields.items():
+            if field == grpc_name or field.startswith((grpc_name + ".", grpc_name + "[")):
+                return (openai_name + field[len(grpc_name) :]).lstrip(".")
+        return field
+
+
+def to_generate_request(
+    body: ChatCompletionRequest, served: Sequence[str], max_tokens_limit: int = INT32_MAX
+) -> Converted:
     """The gateway's GenerateRequest for an OpenAI chat completion request.
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming the OpenAI field (``messages[0].content[1]``,
-            ``n``, ``model``, ...) for what the front does not serve; NOT_FOUND for a model
-            it does not serve. Everything else (counts, sizes, ranges, images) is checked
-            by the pipeline itself, with the gRPC path's messages.
+            ``n``, ``max_tokens``, ...) for what the front does not serve or what cannot be
+            represented; NOT_FOUND for a model it does not serve; UNIMPLEMENTED for
+            ``video_url``. Everything else (counts, sizes, ranges, images) is checked by the
+            pipeline itself, with the gRPC path's messages.
     """
     if body.model is not None and body.model not in served:
         raise ServiceError(
@@ -196,23 +228,53 @@ def to_generate_request(body: ChatCompletionRequest, served: Sequence[str]) -> p
                 "max_completion_tokens", "max_tokens and max_completion_tokens differ; send one"
             )
     request = pb.GenerateRequest()
+    fields: dict[str, str] = {}
+    images = 0
     for i, message in enumerate(body.messages):
-        msg = request.messages.add(role=message.role)
+        msg = request.messages.add(role=_utf8(message.role, f"messages[{i}].role"))
         content = message.content
         if content is None:
             continue
         if isinstance(content, str):
-            msg.parts.add(text=content)
+            fields[f"messages[{i}].parts[0]"] = f"messages[{i}].content"
+            msg.parts.add(text=_utf8(content, f"messages[{i}].content"))
             continue
         for k, part in enumerate(content):
             field = f"messages[{i}].content[{k}]"
-            if part.type == "text" and part.text is not None:
-                msg.parts.add(text=part.text)
-            elif part.type == "image_url" and part.image_url is not None:
-                url = part.image_url.url
+            fields[f"messages[{i}].parts[{k}]"] = field
+            kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(kind, str):
+                raise _refused(field, f"{field} must be an object with a string 'type'")
+            if kind == "text":
+                text = part.get("text")
+                if not isinstance(text, str) or set(part) - {"type", "text"}:
+                    raise _refused(field, f"{field}: a text part is {{'type', 'text': string}}")
+                msg.parts.add(text=_utf8(text, f"{field}.text"))
+            elif kind == "image_url":
+                spec = part.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else None
+                if not isinstance(url, str) or set(part) - {"type", "image_url"}:
+                    raise _refused(
+                        f"{field}.image_url",
+                        f"{field}: an image_url part is {{'type', 'image_url': {{'url': string}}}}",
+                    )
+                assert isinstance(spec, dict)
+                if spec.get("detail") not in (None, "auto", "low", "high"):
+                    raise _refused(
+                        f"{field}.image_url.detail",
+                        f"{field}.image_url.detail is {spec.get('detail')!r}; "
+                        "expected 'auto', 'low' or 'high'",
+                    )
+                if set(spec) - {"url", "detail"}:
+                    raise _refused(
+                        f"{field}.image_url", f"{field}.image_url takes only 'url' and 'detail'"
+                    )
+                url = _utf8(url, f"{field}.image_url.url")
+                fields[f"images[{images}]"] = f"{field}.image_url.url"
+                images += 1
                 image = pb.ImageInput(data_url=url) if url[:5].lower() == "data:" else None
                 msg.parts.add(image=image or pb.ImageInput(url=url))
-            elif part.type == "video_url":
+            elif kind in ("video_url", "video"):
                 raise ServiceError(
                     grpc.StatusCode.UNIMPLEMENTED,
                     "VIDEO_UNSUPPORTED",
@@ -220,23 +282,42 @@ def to_generate_request(body: ChatCompletionRequest, served: Sequence[str]) -> p
                     {"field": field},
                 )
             else:
-                raise _refused(
-                    field, f"{field} has type {part.type!r}; served: 'text', 'image_url'"
-                )
+                raise _refused(field, f"{field} has type {kind!r}; served: 'text', 'image_url'")
     sampling = request.sampling
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if name == "max_completion_tokens" else body.max_tokens
+    fields["sampling.max_tokens"] = name
     if max_tokens is not None:
+        if not 1 <= max_tokens <= max_tokens_limit:
+            raise invalid_argument(
+                "MAX_TOKENS_OUT_OF_RANGE",
+                f"{name} is {max_tokens}; allowed 1..{max_tokens_limit}",
+                field=name,
+                limit=max_tokens_limit,
+            )
         sampling.max_tokens = max_tokens
+    fields["sampling"] = ""
     # OpenAI's and vLLM's default temperature is 1.0; the gRPC API's 0 means greedy.
     sampling.temperature = 1.0 if body.temperature is None else body.temperature
     if body.top_p is not None:
+        if not 0.0 < body.top_p <= 1.0:  # the gRPC API's 0 means "unset"; vLLM refuses 0
+            raise invalid_argument(
+                "TOP_P_OUT_OF_RANGE", f"top_p is {body.top_p}; allowed (0, 1]", field="top_p"
+            )
         sampling.top_p = body.top_p
     if body.seed is not None:
+        if not -INT64_MAX - 1 <= body.seed <= INT64_MAX:
+            raise invalid_argument(
+                "SEED_OUT_OF_RANGE",
+                f"seed is {body.seed}; allowed {-INT64_MAX - 1}..{INT64_MAX} (64-bit)",
+                field="seed",
+            )
         sampling.seed = body.seed
     if body.stop is not None:
-        sampling.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop
+        sampling.stop.extend(_utf8(stop, f"stop[{k}]") for k, stop in enumerate(stops))
     sampling.ignore_eos = body.ignore_eos
-    return request
+    return Converted(request, fields)
 
 
 class HttpCallContext:
@@ -250,9 +331,19 @@ class HttpCallContext:
         return None if self._deadline is None else self._deadline - time.monotonic()
 
 
-def error_body(err: ServiceError) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """HTTP status, OpenAI-shaped body and headers (``Retry-After``, seconds) of an error."""
+def error_body(
+    err: ServiceError, converted: Converted | None = None
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """HTTP status, OpenAI-shaped body and headers (``Retry-After``, seconds) of an error.
+
+    RESOURCE_EXHAUSTED is 429 only when it carries a retry hint (over capacity: a retry
+    later may pass); a size limit (an image's bytes, decoded pixels) is 413, which clients
+    do not retry. ``param`` is the OpenAI name of the field (``converted`` maps the gRPC
+    path's ``images[1]`` and ``sampling.*`` back to the request the client sent).
+    """
     status = HTTP_STATUS.get(err.code, 500)
+    if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_ms is None:
+        status = 413
     headers = {}
     if err.retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, -(-err.retry_after_ms // 1000)))
@@ -260,15 +351,17 @@ def error_body(err: ServiceError) -> tuple[int, dict[str, Any], dict[str, str]]:
         "error": {
             "message": err.message,
             "type": ERROR_TYPE.get(status, "server_error"),
-            "param": err.metadata.get("field"),
+            "param": converted.openai_param(err.metadata.get("field"))
+            if converted is not None
+            else err.metadata.get("field"),
             "code": err.reason,
         }
     }
     return status, body, headers
 
 
-def _error_response(err: ServiceError) -> JSONResponse:
-    status, body, headers = error_body(err)
+def _error_response(err: ServiceError, converted: Converted | None = None) -> JSONResponse:
+    status, body, headers = error_body(err, converted)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -310,6 +403,8 @@ def create_app(
     bearer_tokens: Sequence[str] = (),
     admission: AdmissionInterceptor | None = None,
     timeout_s: float | None = 600.0,
+    max_tokens_limit: int = INT32_MAX,
+    max_body_bytes: int = 256 * 1024 * 1024,
 ) -> FastAPI:
     """The FastAPI application of the front.
 
@@ -321,6 +416,9 @@ def create_app(
         admission: The gRPC server's admission control, shared, so one limit bounds both
             fronts; None = unbounded (tests).
         timeout_s: Deadline of one completion, seconds (None: none).
+        max_tokens_limit: The gateway's ``max_tokens_limit`` (named in the refusal).
+        max_body_bytes: Largest request body, bytes (the gRPC server's message limit);
+            a larger one is refused with 413 while it streams in, before it is parsed.
     """
     from hashlib import sha256
 
@@ -330,16 +428,64 @@ def create_app(
     app = FastAPI(title="splitvl", docs_url=None, redoc_url=None, openapi_url=None)
     served = (served_model_name,)
 
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+
     @app.exception_handler(RequestValidationError)
     async def invalid_json(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        field = ".".join(loc) or "body"
-        return _error_response(
-            invalid_argument(
-                "REQUEST_INVALID", f"{field}: {first.get('msg', 'invalid request')}", field=field
+        # Without "body" and the union-branch tags pydantic adds ("str", "list[any]").
+        loc = [
+            x
+            for x in first.get("loc", ())
+            if x != "body" and not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x))
+        ]
+        field = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+        kind = first.get("type", "")
+        if kind == "json_invalid":
+            where = f" (at character {loc[0]})" if loc else ""
+            message, field = f"the body is not valid JSON{where}", "body"
+        elif not field:
+            message, field = (
+                "the body must be a JSON object (Content-Type: application/json)",
+                "body",
             )
-        )
+        else:
+            message = f"{field}: {first.get('msg', 'invalid value')}"
+        return _error_response(invalid_argument("REQUEST_INVALID", message, field=field))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = {
+            404: f"{request.method} {request.url.path} is not served (served: "
+            "/v1/chat/completions, /v1/models, /health, /metrics)",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(status, str(exc.detail))
+        if status == 400 and "parsing the body" in str(exc.detail):
+            message = "the body could not be parsed as JSON (invalid UTF-8 or too deeply nested)"
+        codes = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
+        body = {
+            "error": {
+                "message": message,
+                "type": ERROR_TYPE.get(status, "invalid_request_error"),
+                "param": "body" if status == 400 else None,
+                "code": codes.get(status, "REQUEST_INVALID"),
+            }
+        }
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        body = {
+            "error": {
+                "message": "internal error (see the gateway's log)",
+                "type": "server_error",
+                "param": None,
+                "code": "INTERNAL",
+            }
+        }
+        return JSONResponse(body, status_code=500)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
@@ -415,23 +561,29 @@ def create_app(
                 admission.release()
             span.end()
 
+        converted: Converted | None = None
+        responses: Any = None
         try:
-            generate_request = to_generate_request(body, served)
-            responses = servicer.Generate(generate_request, HttpCallContext(timeout_s))
+            converted = to_generate_request(body, served, max_tokens_limit)
+            responses = servicer.Generate(converted.request, HttpCallContext(timeout_s))
             # Every input error arrives before the first response (the pipeline streams
-            # nothing before the first token), so it still gets its HTTP status.
+            # nothing before the first token), so it still gets its HTTP status. A client
+            # that leaves meanwhile (an encoder queue, a cold decoder) cancels the pipeline.
             with trace.use_span(span, end_on_exit=False):
-                first = await _next(responses)
+                first = await _watching(request, _next(responses))
         except ServiceError as err:
             finish(err)
-            return _error_response(err)
+            return _error_response(err, converted)
+        except _Disconnected:
+            finish()
+            return Response(status_code=499)
         except BaseException:
             finish()
             raise
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if not body.stream:
-            return await _complete(request, responses, first, rid, created, span, finish)
+            return await _complete(request, responses, first, rid, created, span, finish, converted)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -477,7 +629,7 @@ def create_app(
             except ServiceError as err:
                 # Mid-stream the status line is gone: OpenAI's clients read an error event.
                 error = err
-                yield f"data: {json.dumps(error_body(err)[1])}\n\n"
+                yield f"data: {json.dumps(error_body(err, converted)[1])}\n\n"
             finally:
                 # A disconnected client cancels this generator (Starlette watches for the
                 # disconnect): closing the pipeline cancels the decoder call, which aborts
@@ -486,7 +638,14 @@ def create_app(
                     await responses.aclose()
                 finish(error)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        async def close() -> None:
+            # Also when Starlette never starts events() (the client left before the first
+            # byte went out): the slot and the pipeline are released here, not by the GC.
+            with contextlib.suppress(BaseException), trace.use_span(span, end_on_exit=False):
+                await responses.aclose()
+            finish()
+
+        return _Stream(events(), media_type="text/event-stream", on_close=close)
 
     async def _complete(
         request: Request,
@@ -496,6 +655,7 @@ def create_app(
         created: int,
         span: trace.Span,
         finish: Any,
+        converted: Converted | None,
     ) -> Response:
         """The non-streaming answer; a client that disconnects meanwhile cancels it."""
 
@@ -519,7 +679,7 @@ def create_app(
             chunks = task.result()
         except ServiceError as err:
             finish(err)
-            return _error_response(err)
+            return _error_response(err, converted)
         except BaseException:
             task.cancel()
             finish()
@@ -550,6 +710,112 @@ def create_app(
         )
 
     return app
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class _Disconnected(Exception):
+    """The HTTP client went away while the pipeline worked."""
+
+
+async def _watching(request: Request, work: Any, poll_s: float = 0.25) -> Any:
+    """Await ``work``; cancel it and raise :class:`_Disconnected` if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise _Disconnected
+    except BaseException:
+        task.cancel()
+        raise
+
+
+class _Stream(StreamingResponse):
+    """A StreamingResponse that always runs ``on_close`` once it is done with the client."""
+
+    def __init__(self, content: Any, *, media_type: str, on_close: Any) -> None:
+        super().__init__(content, media_type=media_type)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is refused with 413 in OpenAI's
+    shape as it streams in (by Content-Length at once, else by counting), so a 1 GB body
+    is never buffered or parsed. The gRPC server's message limit, applied to HTTP."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _refusal(self) -> JSONResponse:
+        return _error_response(
+            ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "REQUEST_TOO_LARGE",
+                f"the request body is over the limit of {self.max_bytes} bytes "
+                "(GATEWAY_MAX_MESSAGE_BYTES)",
+                {"field": "body", "limit": str(self.max_bytes)},
+            )
+        )
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refusal()(scope, receive, send)
+            return
+        seen = 0
+        too_large = False
+        replaced = False
+
+        async def guarded_send(message: Any) -> None:
+            # Over the limit, whatever the app answers (FastAPI turns the aborted body into
+            # its own 400) is replaced by the 413.
+            nonlocal replaced
+            if not too_large:
+                await send(message)
+            elif not replaced:
+                replaced = True
+                refusal = self._refusal()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": refusal.status_code,
+                        "headers": refusal.raw_headers,
+                    }
+                )
+                await send({"type": "http.response.body", "body": refusal.body})
+
+        async def counted_receive() -> Any:
+            nonlocal seen, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    too_large = True
+                    raise _TooLarge
+            return message
+
+        await self.app(scope, counted_receive, guarded_send)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 async def _next(responses: Any) -> pb.GenerateResponse | None:

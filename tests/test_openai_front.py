@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -69,7 +70,7 @@ def test_messages_and_sampling_become_the_gateway_request() -> None:
         ignore_eos=True,
         top_k=-1,  # vLLM's "off": accepted
     )
-    req = to_generate_request(body, (MODEL,))
+    req = to_generate_request(body, (MODEL,)).request
     assert [m.role for m in req.messages] == ["system", "user"]
     assert req.messages[0].parts[0].text == "Be brief."
     parts = req.messages[1].parts
@@ -88,7 +89,9 @@ def test_messages_and_sampling_become_the_gateway_request() -> None:
 
 
 def test_an_absent_temperature_is_openais_default_of_one_not_greedy() -> None:
-    req = to_generate_request(_request(messages=[{"role": "user", "content": "hi"}]), (MODEL,))
+    req = to_generate_request(
+        _request(messages=[{"role": "user", "content": "hi"}]), (MODEL,)
+    ).request
     assert req.sampling.temperature == 1.0
     assert not req.sampling.HasField("max_tokens")  # the decoder's default applies
 
@@ -525,4 +528,183 @@ def test_vllms_benchmark_client_completes_against_the_front(
 def test_a_request_without_model_is_for_the_served_model() -> None:
     """vLLM's server takes a request without ``model`` as one for the model it serves."""
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
-    assert to_generate_request(body, (MODEL,)).messages[0].parts[0].text == "hi"
+    assert to_generate_request(body, (MODEL,)).request.messages[0].parts[0].text == "hi"
+
+
+# -- what an adversarial pass found (each kind fixed, each a test) ----------------------
+def _post(url: str, **kwargs: Any) -> httpx.Response:
+    return httpx.post(f"{url}/chat/completions", timeout=20, **kwargs)
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **fields}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (_chat(max_tokens=2**40), "max_tokens", "max_tokens is 1099511627776; allowed 1..4096"),
+        (
+            _chat(max_completion_tokens=0),
+            "max_completion_tokens",
+            "max_completion_tokens is 0; allowed 1..4096",
+        ),
+        (_chat(seed=2**70), "seed", "seed is 1180591620717411303424; allowed"),
+        (_chat(top_p=0), "top_p", "top_p is 0.0; allowed (0, 1]"),
+        (_chat(max_tokens=True), "max_tokens", "max_tokens: Input should be a valid integer"),
+        (_chat(max_tokens="5"), "max_tokens", "max_tokens: Input should be a valid integer"),
+        (_chat(stream="yes"), "stream", "stream: Input should be a valid boolean"),
+        (
+            _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]),
+            "messages[0].content[0]",
+            "messages[0].content[0]: a text part is {'type', 'text': string}",
+        ),
+        (
+            _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+            "messages[0].content[0].image_url",
+            "an image_url part is {'type', 'image_url': {'url': string}}",
+        ),
+        (
+            _chat(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "x", "detail": "ultra"}}
+                        ],
+                    }
+                ]
+            ),
+            "messages[0].content[0].image_url.detail",
+            "image_url.detail is 'ultra'; expected 'auto', 'low' or 'high'",
+        ),
+        (
+            _chat(messages=[{"role": "user", "content": 5}]),
+            "messages[0].content",
+            "messages[0].content: Input should be",
+        ),
+    ],
+)
+def test_bad_values_are_400_naming_the_openai_field(
+    body: dict[str, Any], param: str, message: str
+) -> None:
+    with serving(ScriptedServicer(), max_tokens_limit=4096) as url:
+        response = _post(url, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_a_lone_surrogate_is_400_not_500_wherever_it_is() -> None:
+    """Protobuf strings must be UTF-8; json accepts "\\ud800". It used to be a 500."""
+    bodies = {
+        "messages[0].content": '{"messages":[{"role":"user","content":"a\\ud800b"}]}',
+        "messages[0].role": '{"messages":[{"role":"u\\ud800","content":"a"}]}',
+        "stop[0]": '{"messages":[{"role":"user","content":"a"}],"stop":"\\udfff"}',
+        "messages[0].content[0].image_url.url": '{"messages":[{"role":"user","content":'
+        '[{"type":"image_url","image_url":{"url":"data:\\ud800"}}]}]}',
+    }
+    with serving(ScriptedServicer()) as url:
+        for param, raw in bodies.items():
+            response = _post(url, content=raw, headers={"content-type": "application/json"})
+            assert response.status_code == 400, (param, response.text)
+            error = response.json()["error"]
+            assert (error["param"], error["code"]) == (param, "TEXT_NOT_UTF8")
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_parsed() -> None:
+    servicer = ScriptedServicer()
+    with serving(servicer, max_body_bytes=1000) as url:
+        big = json.dumps(_chat(messages=[{"role": "user", "content": "x" * 5000}]))
+        by_length = _post(url, content=big, headers={"content-type": "application/json"})
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            for i in range(0, len(big), 500):
+                yield big[i : i + 500].encode()
+
+        by_count = _post(url, content=chunks(), headers={"content-type": "application/json"})
+        small = _post(url, json=_chat())
+    for response in (by_length, by_count):
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert error["code"] == "REQUEST_TOO_LARGE" and "limit of 1000 bytes" in error["message"]
+    assert small.status_code == 200
+    assert len(servicer.requests) == 1  # the large ones never reached the pipeline
+
+
+def test_size_limits_are_413_and_only_capacity_is_429() -> None:
+    size = ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "IMAGE_BYTES_TOO_LARGE", "too big")
+    assert error_body(size)[0] == 413 and error_body(size)[2] == {}
+    busy = ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "BUSY", "full", retry_after_ms=200)
+    assert error_body(busy)[0] == 429 and error_body(busy)[2] == {"Retry-After": "1"}
+
+
+def test_pipeline_field_names_come_back_as_the_clients_own() -> None:
+    body = _request(
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "see"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+                ],
+            },
+            {"role": "user", "content": "and"},
+        ]
+    )
+    converted = to_generate_request(body, (MODEL,))
+    for grpc_name, openai_name in [
+        ("images[0]", "messages[0].content[1].image_url.url"),
+        ("images[0].data_url", "messages[0].content[1].image_url.url.data_url"),
+        ("messages[0].parts[0].text", "messages[0].content[0].text"),
+        ("messages[1].parts[0].text", "messages[1].content.text"),
+        ("sampling.temperature", "temperature"),
+        ("sampling.max_tokens", "max_tokens"),
+        ("messages", "messages"),
+    ]:
+        assert converted.openai_param(grpc_name) == openai_name
+
+
+def test_errors_outside_the_api_are_in_openais_shape_too() -> None:
+    with serving(ScriptedServicer()) as url:
+        missing = httpx.post(f"{url}/completions", json={})
+        wrong_method = httpx.get(f"{url}/chat/completions")
+        not_json = _post(
+            url, content=b'{"messages": [', headers={"content-type": "application/json"}
+        )
+        form = _post(url, data={"a": "b"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "NOT_FOUND"
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == "METHOD_NOT_ALLOWED"
+    assert not_json.status_code == 400
+    assert not_json.json()["error"]["message"].startswith("the body is not valid JSON")
+    assert form.status_code == 400
+    assert "must be a JSON object" in form.json()["error"]["message"]
+
+
+def test_a_client_gone_before_the_first_token_releases_its_slot_and_pipeline() -> None:
+    """Starlette never starts the stream's generator for a client already gone: the slot
+    and the pipeline used to wait for the garbage collector."""
+    import socket
+
+    admission = AdmissionInterceptor(max_in_flight=4, retry_after_ms=100)
+    servicer = ScriptedServicer()
+    servicer.delay_s = 1.5  # the first token is slow (an encoder queue)
+    with serving(servicer, admission=admission) as url:
+        port = int(url.split(":")[2].split("/")[0])
+        body = json.dumps(_chat(stream=True)).encode()
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while (admission.in_flight or not servicer.closed.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert admission.in_flight == 0
+        assert servicer.closed.is_set()
