@@ -39,6 +39,7 @@ from splitvl.launcher import (
     DEFAULT_METRICS_BASE_PORT,
     LaunchConfigError,
     ServiceStartError,
+    StartInterrupted,
     Supervisor,
 )
 
@@ -68,7 +69,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster.start()
     failed = False
     try:
-        cluster.wait_ready(progress=lambda line: print(line, flush=True))
+        try:
+            cluster.wait_ready(progress=lambda line: print(line, flush=True), stop=stop)
+        except StartInterrupted as err:
+            print(f"splitvl up: {err}; stopping", file=sys.stderr, flush=True)
+            return 130
         http = cluster.ports.http
         openai = f", OpenAI-compatible http://127.0.0.1:{http}/v1" if http else ""
         print(

@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +69,10 @@ class ServiceStartError(RuntimeError):
         self.log_path = log_path
         self.summary = f"{service} {what}; see its log: {log_path}"
         super().__init__(f"{service} {what}:\n{tail}")
+
+
+class StartInterrupted(RuntimeError):
+    """A signal (Ctrl-C) arrived while the services were starting."""
 
 
 class LaunchConfigError(ValueError):
@@ -231,8 +236,13 @@ class LogDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise LaunchConfigError(
+                f"--log-dir {self.path.parent}: {err.strerror or err}"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -357,7 +367,12 @@ class Cluster:
         # leaves nothing started and no file behind.
         command = self._command(name)
         # A restarted service's log is appended to the crashed one's.
-        log = self.log_path(name).open("ab" if append else "wb")
+        try:
+            log = self.log_path(name).open("ab" if append else "wb")
+        except OSError as err:
+            raise LaunchConfigError(
+                f"--log-dir {self.log_dir}: {self.log_path(name).name}: {err.strerror or err}"
+            ) from None
         self.procs[name] = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,  # a background process group must not read the tty
@@ -376,7 +391,10 @@ class Cluster:
         log.close()
 
     def wait_ready(
-        self, timeout_s: float = 600.0, progress: Callable[[str], None] | None = None
+        self,
+        timeout_s: float = 600.0,
+        progress: Callable[[str], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         """Block until every service's health says SERVING.
 
@@ -384,6 +402,7 @@ class Cluster:
             timeout_s: Give up after this many seconds.
             progress: Called with a line when a service becomes SERVING and every 15 s while
                 waiting (the decoder's vLLM engine takes tens of seconds on a CPU).
+            stop: Set (Ctrl-C) to give up waiting at once: raises :class:`StartInterrupted`.
 
         Raises:
             ServiceStartError: a service exited or did not become SERVING in time (the
@@ -394,6 +413,8 @@ class Cluster:
         next_note = start + 15
         pending = set(SERVICES)
         while pending:
+            if stop is not None and stop.is_set():
+                raise StartInterrupted(f"interrupted while {', '.join(sorted(pending))} started")
             for name in sorted(pending):
                 proc = self.procs[name]
                 if proc.poll() is not None:

@@ -239,3 +239,31 @@ def test_free_ports_are_distinct_every_time() -> None:
         taken = [*ports.grpc.values(), *ports.metrics.values(), ports.http]
         assert len(set(taken)) == len(taken) == 9
         check_ports(ports)
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_an_unusable_log_folder_is_one_line_not_a_traceback(tmp_path: Path, kind: str) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    folder = afile if kind == "a file" else afile / "sub"
+    with pytest.raises(LaunchConfigError) as err:
+        LogDirLock(folder).acquire()
+    assert str(err.value).startswith(f"--log-dir {folder}: ")
+
+
+def test_a_stop_signal_while_starting_ends_the_wait_at_once(tmp_path: Path) -> None:
+    import threading
+
+    from splitvl.launcher import StartInterrupted
+
+    cluster = _ScriptedCluster(model=str(tmp_path), ports=Ports.free(), log_dir=tmp_path / "l")
+    stop = threading.Event()
+    stop.set()
+    t0 = time.monotonic()
+    try:
+        cluster.procs = {}  # nothing started: the wait checks the stop first
+        with pytest.raises(StartInterrupted):
+            cluster.wait_ready(timeout_s=60, stop=stop)
+    finally:
+        cluster.stop()
+    assert time.monotonic() - t0 < 1
