@@ -62,7 +62,7 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlcommon.admission import AdmissionInterceptor
-from vlcommon.auth import token_matches
+from vlcommon.auth import AuthInterceptor
 from vlcommon.errors import ServiceError, invalid_argument
 
 log = logging.getLogger(__name__)
@@ -420,11 +420,9 @@ def create_app(
         max_body_bytes: Largest request body, bytes (the gRPC server's message limit);
             a larger one is refused with 413 while it streams in, before it is parsed.
     """
-    from hashlib import sha256
-
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    accepted = tuple(sha256(t.encode()).digest() for t in bearer_tokens)
+    auth = AuthInterceptor(bearer_tokens) if bearer_tokens else None
     app = FastAPI(title="splitvl", docs_url=None, redoc_url=None, openapi_url=None)
     served = (served_model_name,)
 
@@ -489,25 +487,12 @@ def create_app(
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
-        if accepted and request.url.path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            reason = ""
-            if scheme.lower() != "bearer" or not token.strip():
-                reason = "AUTH_TOKEN_MISSING"
-                message = "header 'Authorization' must be 'Bearer <token>'"
-            elif not token_matches(token.strip(), accepted):
-                reason = "AUTH_TOKEN_INVALID"
-                message = "the bearer token in header 'Authorization' is not accepted"
-            if reason:
-                return _error_response(
-                    ServiceError(
-                        grpc.StatusCode.UNAUTHENTICATED,
-                        reason,
-                        message,
-                        {"field": "authorization"},
-                    )
-                )
+        if auth is not None and request.url.path.startswith("/v1/"):
+            # The gRPC path's own check (reasons AUTH_TOKEN_MISSING / AUTH_TOKEN_INVALID).
+            header = request.headers.get("authorization")
+            err = auth.check(request.url.path, [("authorization", header)] if header else [])
+            if err is not None:
+                return _error_response(err)
         response: Response = await call_next(request)
         return response
 
@@ -823,18 +808,6 @@ async def _next(responses: Any) -> pb.GenerateResponse | None:
         return await responses.__anext__()  # type: ignore[no-any-return]
     except StopAsyncIteration:
         return None
-
-
-def ssl_context(cert_file: str, key_file: str, client_ca_file: str) -> ssl.SSLContext | None:
-    """TLS for the front from the gateway's own ``tls_*`` settings (mTLS with a client CA)."""
-    if not cert_file:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert_file, key_file)
-    if client_ca_file:
-        context.load_verify_locations(client_ca_file)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
 
 
 class HttpFront:
