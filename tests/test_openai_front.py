@@ -431,7 +431,9 @@ def test_a_bad_image_is_400_in_openais_shape(front: tuple[openai.OpenAI, Any]) -
         )
     body = err.value.body
     assert isinstance(body, dict) and body["type"] == "invalid_request_error"
-    assert body["param"] == "images[0]" and "could not be decoded" in body["message"]
+    # The gRPC path names the field `images[0]`; the front maps it to the OpenAI part it came from.
+    assert body["param"] == "messages[0].content[0].image_url.url"
+    assert "could not be decoded" in body["message"]
 
 
 def _aborted(cluster: Any) -> float:
