@@ -10,10 +10,15 @@ fails on its package name). Two datasets, each at several concurrencies:
 * ``repeat50``: vLLM's ``custom_image`` JSONL over bundled photos (448x448, sent as data
   URLs), half of the requests naming an image an earlier request sent.
 
-32 output tokens, ``--ignore-eos``, temperature 0. The two servers run one at a time (vLLM's
-CPU worker binds a core and spins even when idle), in ``--rounds`` alternations
-(vllm, splitvl, vllm, splitvl, ...): the ratio of each round compares neighbours in time,
-and the report gives the median over rounds with the spread.
+32 output tokens, ``--ignore-eos``, temperature 0. Every run (round, dataset, concurrency,
+and the unmeasured warm-up) gets images no earlier run sent: ``random-mm`` a seed of its
+own, ``repeat50`` its own photos from one :class:`ImageFactory` (pairwise dissimilar), so a
+"distinct" run is all misses and a "repeat50" run has exactly its own repeats, for both
+servers (vLLM's prefix and processor caches would otherwise hit too). Both servers get the
+same images in the same round. The two servers run one at a time (vLLM's CPU worker binds a
+core), in ``--rounds`` rounds whose order alternates (vllm then splitvl, then splitvl then
+vllm, ...): the ratio of each round compares neighbours in time, and the report gives the
+median over rounds with the spread.
 """
 
 from __future__ import annotations
@@ -49,11 +54,12 @@ METRICS = (
 )
 
 
-def write_repeat_dataset(folder: Path, n: int, side: int, seed: int) -> Path:
-    """A ``custom_image`` JSONL of ``n`` requests, about half repeating an earlier image."""
-    from splitvl_tools.workload import ImageFactory
-
-    factory = ImageFactory(side=side, seed=seed)
+def write_repeat_dataset(folder: Path, name: str, n: int, factory: Any, seed: int) -> Path:
+    """A ``custom_image`` JSONL of ``n`` requests, about half repeating an earlier image of
+    the same file; the new images come from ``factory`` (an :class:`ImageFactory`, shared by
+    every dataset of a bench so that no two datasets hold similar images)."""
+    folder = folder / name
+    folder.mkdir()
     rng = random.Random(seed)
     paths: list[Path] = []
     lines = []
@@ -72,6 +78,28 @@ def write_repeat_dataset(folder: Path, n: int, side: int, seed: int) -> Path:
     return out
 
 
+def run_inputs(
+    work: Path, rounds: int, concurrencies: list[int], n: int, side: int, seed: int
+) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], Path]]:
+    """Each run's random-mm seed and repeat50 file, keyed by (round, concurrency); the
+    warm-up is concurrency 0 (4 requests). No two runs share an image."""
+    from splitvl_tools.workload import ImageFactory
+
+    factory = ImageFactory(side=side, seed=seed)
+    seeds = {
+        (round_, conc): 1000 * seed + 10 * round_ + i + 1
+        for round_ in range(rounds)
+        for i, conc in enumerate([0, *concurrencies])
+    }
+    files = {
+        key: write_repeat_dataset(
+            work, f"repeat50-r{key[0]}-c{key[1]}", 4 if key[1] == 0 else n, factory, s
+        )
+        for key, s in seeds.items()
+    }
+    return seeds, files
+
+
 def client_args(
     base_url: str,
     model: str,
@@ -82,13 +110,14 @@ def client_args(
     output_len: int,
     side: int,
     result: Path,
+    seed: int,
 ) -> list[str]:
-    """vLLM benchmark client flags for one run."""
+    """vLLM benchmark client flags for one run (``seed``: random-mm's images and prompts)."""
     common = [
         *("--backend", "openai-chat", "--base-url", base_url),
         *("--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", model),
         *("--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency)),
-        *("--ignore-eos", "--temperature", "0", "--seed", "0", "--disable-tqdm"),
+        *("--ignore-eos", "--temperature", "0", "--seed", str(seed), "--disable-tqdm"),
         *("--save-result", "--result-dir", str(result.parent), "--result-filename", result.name),
     ]
     if dataset == "distinct":
@@ -190,14 +219,16 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="splitvl-openai-bench-"))
     concurrencies = [int(c) for c in args.openai_concurrency.split(",")]
     n = args.requests or 32
-    dataset_path = write_repeat_dataset(work, n, args.image_side, args.seed)
+    runs, files = run_inputs(work, args.rounds, concurrencies, n, args.image_side, args.seed)
     results: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {
         s: {d: {} for d in DATASETS} for s in SYSTEMS
     }
     client_log = (work / "client.log").open("w")
     block = args.block_size or 32
     for round_ in range(args.rounds):
-        for system in SYSTEMS:
+        # Alternate which server goes first, so that drift of a shared host over a round
+        # does not always favour the same one.
+        for system in SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]:
             say(f"round {round_ + 1}/{args.rounds}: starting {system} ...")
             if system == "vllm_serve":
                 server = vllm_serve(model, free_port(), work / f"vllm-{round_}.log", block)
@@ -209,7 +240,16 @@ def run(args: argparse.Namespace) -> int:
                     warm = work / f"warm-{system}-{dataset}-{round_}.json"
                     run_client(
                         client_args(
-                            base_url, model, dataset, dataset_path, 1, 2, 4, args.image_side, warm
+                            base_url,
+                            model,
+                            dataset,
+                            files[round_, 0],
+                            1,
+                            2,
+                            4,
+                            args.image_side,
+                            warm,
+                            runs[round_, 0],
                         ),
                         client_log,
                     )
@@ -220,12 +260,13 @@ def run(args: argparse.Namespace) -> int:
                             base_url,
                             model,
                             dataset,
-                            dataset_path,
+                            files[round_, conc],
                             conc,
                             n,
                             args.max_tokens,
                             args.image_side,
                             path,
+                            runs[round_, conc],
                         )
                         result = run_client(argv, client_log)
                         results[system][dataset].setdefault(str(conc), []).append(result)

@@ -436,6 +436,53 @@ def test_a_bad_image_is_400_in_openais_shape(front: tuple[openai.OpenAI, Any]) -
     assert "could not be decoded" in body["message"]
 
 
+@pytest.mark.e2e
+def test_a_traceparent_header_joins_the_callers_trace(
+    front: tuple[openai.OpenAI, Any], otlp_receiver: Any
+) -> None:
+    """The front's server span is a child of the caller's span, and the pipeline's spans in
+    the four services (preprocess, lookup, ViT batch, generation) are in the caller's trace."""
+    import secrets
+
+    from tests.test_traces import attrs, collect_trace
+
+    client, cluster = front
+    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
+    source = Image.open(io.BytesIO(photo("coffee.png"))).convert("RGB").resize((150, 120))
+    buf = io.BytesIO()
+    source.save(buf, format="PNG")  # unseen: a miss, so every service does work
+    reply = client.chat.completions.create(
+        model=cluster.model,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": _data_url(buf.getvalue())}},
+                    {"type": "text", "text": "?"},
+                ],
+            }
+        ],
+        max_tokens=2,
+        extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+    )
+    assert reply.choices[0].message.content is not None
+    wanted = {
+        "POST /v1/chat/completions",
+        "gateway.preprocess",
+        "cache.lookup",
+        "vit.batch",
+        "decoder.generation",
+    }
+    spans = collect_trace(otlp_receiver, trace_id, lambda ss: wanted <= {s["name"] for s in ss})
+    names = {s["name"] for s in spans}
+    assert wanted <= names, wanted - names
+    [server] = [s for s in spans if s["name"] == "POST /v1/chat/completions"]
+    assert server["parent"] == parent_id and server["service"] == "splitvl-gateway"
+    assert attrs(server)["splitvl.front"] == "openai"
+    services = {s["service"] for s in spans}
+    assert {"splitvl-gateway", "splitvl-cache", "splitvl-encoder", "splitvl-decoder"} <= services
+
+
 def _aborted(cluster: Any) -> float:
     text = httpx.get(f"http://127.0.0.1:{cluster.ports.metrics['decoder']}/metrics").text
     for line in text.splitlines():

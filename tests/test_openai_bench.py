@@ -1,0 +1,41 @@
+"""The inputs of ``splitvl bench --openai``: every run sends images no other run sent.
+
+The first version gave every run vLLM's client ``--seed 0`` and one repeat50 file, so the
+"distinct" runs after the first (and after the warm-up) were served from splitvl's cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from splitvl_tools.openai_bench import client_args, run_inputs
+
+
+def _images(jsonl: Path) -> list[str]:
+    return [
+        hashlib.sha256(Path(json.loads(line)["image_files"][0]).read_bytes()).hexdigest()
+        for line in jsonl.read_text().splitlines()
+    ]
+
+
+def test_no_two_runs_share_an_image_and_each_repeats_about_half(tmp_path: Path) -> None:
+    seeds, files = run_inputs(tmp_path, rounds=2, concurrencies=[1, 8], n=12, side=64, seed=0)
+    assert set(seeds) == set(files) == {(r, c) for r in (0, 1) for c in (0, 1, 8)}
+    assert len(set(seeds.values())) == len(seeds)  # random-mm: a seed per run
+    per_run = {key: _images(path) for key, path in files.items()}
+    for key, images in per_run.items():
+        assert len(images) == (4 if key[1] == 0 else 12)
+        if key[1]:
+            repeats = len(images) - len(set(images))
+            assert 3 <= repeats <= 9, (key, repeats)  # about half of 12
+        others = {h for k, hs in per_run.items() if k != key for h in hs}
+        assert not set(images) & others, key
+
+
+def test_the_seed_reaches_vllms_client(tmp_path: Path) -> None:
+    argv = client_args(
+        "http://x", "m", "distinct", tmp_path / "f.jsonl", 1, 4, 8, 64, tmp_path / "r.json", 1234
+    )
+    assert argv[argv.index("--seed") + 1] == "1234"
