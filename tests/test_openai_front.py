@@ -213,17 +213,21 @@ class ScriptedServicer:
 
 
 @contextlib.contextmanager
-def serving(servicer: ScriptedServicer, **kwargs: Any) -> Iterator[str]:
-    """The app on a free loopback port, its loop on a thread; yields the base URL."""
+def serving(
+    servicer: ScriptedServicer, ssl_files: tuple[str, str, str] = ("", "", ""), **kwargs: Any
+) -> Iterator[str]:
+    """The app on a free loopback port, its loop on a thread; yields the base URL (https when
+    ``ssl_files`` names a certificate)."""
     loop = asyncio.new_event_loop()
     front = HttpFront(
-        create_app(servicer, served_model_name=MODEL, **kwargs), "127.0.0.1", 0, ("", "", "")
+        create_app(servicer, served_model_name=MODEL, **kwargs), "127.0.0.1", 0, ssl_files
     )
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(front.start(), loop).result(10)
     try:
-        yield f"http://127.0.0.1:{front.port}/v1"
+        scheme = "https" if ssl_files[0] else "http"
+        yield f"{scheme}://127.0.0.1:{front.port}/v1"
     finally:
         asyncio.run_coroutine_threadsafe(front.stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
@@ -757,3 +761,32 @@ def test_a_client_gone_before_the_first_token_releases_its_slot_and_pipeline() -
             time.sleep(0.05)
         assert admission.in_flight == 0
         assert servicer.closed.is_set()
+
+
+def test_tls_and_mutual_tls_on_the_http_port(tmp_path: Any) -> None:
+    """The gRPC port's TLS settings serve the HTTP port too: with a certificate the front
+    speaks only TLS; with a client CA it also requires a client certificate from that CA."""
+    import ssl
+
+    from tests.test_security import make_pki
+
+    pki = make_pki(tmp_path)
+    server = (str(pki.server_cert), str(pki.server_key))
+    with serving(ScriptedServicer(), ssl_files=(*server, "")) as url:
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca))) as http:
+            client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, http_client=http)
+            assert [m.id for m in client.models.list().data] == [MODEL]
+        with pytest.raises(httpx.HTTPError):  # plaintext on the TLS port
+            httpx.get(url.replace("https://", "http://") + "/models", timeout=5)
+    with serving(ScriptedServicer(), ssl_files=(*server, str(pki.ca))) as url:
+        trusted = ssl.create_default_context(cafile=str(pki.ca))
+        with httpx.Client(verify=trusted) as http, pytest.raises(httpx.HTTPError):
+            http.get(url + "/models", timeout=5)  # no client certificate
+        rogue = ssl.create_default_context(cafile=str(pki.ca))
+        rogue.load_cert_chain(str(pki.rogue_cert), str(pki.rogue_key))
+        with httpx.Client(verify=rogue) as http, pytest.raises(httpx.HTTPError):
+            http.get(url + "/models", timeout=5)  # a certificate from another CA
+        ours = ssl.create_default_context(cafile=str(pki.ca))
+        ours.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        with httpx.Client(verify=ours) as http:
+            assert http.get(url + "/models", timeout=5).json()["data"][0]["id"] == MODEL
