@@ -15,10 +15,10 @@ and the unmeasured warm-up) gets images no earlier run sent: ``random-mm`` a see
 own, ``repeat50`` its own photos from one :class:`ImageFactory` (pairwise dissimilar), so a
 "distinct" run is all misses and a "repeat50" run has exactly its own repeats, for both
 servers (vLLM's prefix and processor caches would otherwise hit too). Both servers get the
-same images in the same round. The two servers run one at a time (vLLM's CPU worker binds a
-core), in ``--rounds`` rounds whose order alternates (vllm then splitvl, then splitvl then
-vllm, ...): the ratio of each round compares neighbours in time, and the report gives the
-median over rounds with the spread.
+same images in the same round. Both servers stay up for the whole bench and take turns run by
+run (vllm then splitvl, then splitvl then vllm, ...), so that each ratio compares two runs a
+minute apart on a shared host; the report gives the median over ``--rounds`` with the
+spread.
 """
 
 from __future__ import annotations
@@ -78,22 +78,22 @@ def write_repeat_dataset(folder: Path, name: str, n: int, factory: Any, seed: in
     return out
 
 
+WARM_UP = (-1, 0)
+
+
 def run_inputs(
     work: Path, rounds: int, concurrencies: list[int], n: int, side: int, seed: int
 ) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], Path]]:
-    """Each run's random-mm seed and repeat50 file, keyed by (round, concurrency); the
-    warm-up is concurrency 0 (4 requests). No two runs share an image."""
+    """Each run's random-mm seed and repeat50 file, keyed by (round, concurrency), and the
+    warm-up's (:data:`WARM_UP`, 4 requests). No two runs share an image."""
     from splitvl_tools.workload import ImageFactory
 
     factory = ImageFactory(side=side, seed=seed)
-    seeds = {
-        (round_, conc): 1000 * seed + 10 * round_ + i + 1
-        for round_ in range(rounds)
-        for i, conc in enumerate([0, *concurrencies])
-    }
+    keys = [WARM_UP] + [(r, c) for r in range(rounds) for c in concurrencies]
+    seeds = {key: 1000 * seed + i + 1 for i, key in enumerate(keys)}
     files = {
         key: write_repeat_dataset(
-            work, f"repeat50-r{key[0]}-c{key[1]}", 4 if key[1] == 0 else n, factory, s
+            work, f"repeat50-r{key[0]}-c{key[1]}", 4 if key == WARM_UP else n, factory, s
         )
         for key, s in seeds.items()
     }
@@ -219,45 +219,47 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="splitvl-openai-bench-"))
     concurrencies = [int(c) for c in args.openai_concurrency.split(",")]
     n = args.requests or 32
-    runs, files = run_inputs(work, args.rounds, concurrencies, n, args.image_side, args.seed)
+    seeds, files = run_inputs(work, args.rounds, concurrencies, n, args.image_side, args.seed)
     results: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {
         s: {d: {} for d in DATASETS} for s in SYSTEMS
     }
     client_log = (work / "client.log").open("w")
     block = args.block_size or 32
-    for round_ in range(args.rounds):
-        # Alternate which server goes first, so that drift of a shared host over a round
-        # does not always favour the same one.
-        for system in SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]:
-            say(f"round {round_ + 1}/{args.rounds}: starting {system} ...")
+    with contextlib.ExitStack() as servers:
+        # Both servers stay up; the runs alternate between them, so that each ratio compares
+        # two runs a minute apart on this shared host. An idle vLLM engine costs next to no
+        # CPU (0.03 CPU-s in 3 s, docs/benchmarks.md), so the idle one does not slow the other.
+        bases: dict[str, str] = {}
+        for system in SYSTEMS:
+            say(f"starting {system} ...")
             if system == "vllm_serve":
-                server = vllm_serve(model, free_port(), work / f"vllm-{round_}.log", block)
+                server = vllm_serve(model, free_port(), work / "vllm.log", block)
             else:
-                server = splitvl_front(model, work / f"splitvl-logs-{round_}", say)
-            with server as base_url:
-                # One unmeasured request per dataset: first-use costs of both servers.
-                for dataset in DATASETS:
-                    warm = work / f"warm-{system}-{dataset}-{round_}.json"
-                    run_client(
-                        client_args(
-                            base_url,
-                            model,
-                            dataset,
-                            files[round_, 0],
-                            1,
-                            2,
-                            4,
-                            args.image_side,
-                            warm,
-                            runs[round_, 0],
-                        ),
-                        client_log,
-                    )
-                for dataset in DATASETS:
-                    for conc in concurrencies:
-                        path = work / f"{system}-{dataset}-c{conc}-{round_}.json"
+                server = splitvl_front(model, work / "splitvl-logs", say)
+            bases[system] = servers.enter_context(server)
+        for system in SYSTEMS:  # unmeasured requests: first-use costs of both servers
+            for dataset in DATASETS:
+                warm = client_args(
+                    bases[system],
+                    model,
+                    dataset,
+                    files[WARM_UP],
+                    1,
+                    2,
+                    4,
+                    args.image_side,
+                    work / f"warm-{system}-{dataset}.json",
+                    seeds[WARM_UP],
+                )
+                run_client(warm, client_log)
+        step = 0
+        for round_ in range(args.rounds):
+            for dataset in DATASETS:
+                for conc in concurrencies:
+                    # Which server goes first alternates from one pair to the next.
+                    for system in SYSTEMS if step % 2 == 0 else SYSTEMS[::-1]:
                         argv = client_args(
-                            base_url,
+                            bases[system],
                             model,
                             dataset,
                             files[round_, conc],
@@ -265,17 +267,18 @@ def run(args: argparse.Namespace) -> int:
                             n,
                             args.max_tokens,
                             args.image_side,
-                            path,
-                            runs[round_, conc],
+                            work / f"{system}-{dataset}-c{conc}-{round_}.json",
+                            seeds[round_, conc],
                         )
                         result = run_client(argv, client_log)
                         results[system][dataset].setdefault(str(conc), []).append(result)
                         say(
-                            f"  {system} {dataset} c={conc}: "
+                            f"  round {round_ + 1}/{args.rounds} {system} {dataset} c={conc}: "
                             f"{result['request_throughput']:.2f} req/s, "
                             f"TTFT mean {result['mean_ttft_ms']:.0f} ms, "
                             f"failed {result.get('failed', 0)}"
                         )
+                    step += 1
     report = summarize(results, concurrencies)
     report["command"] = "splitvl bench --openai " + " ".join(sys.argv[3:])
     report["work_dir"] = str(work)

@@ -10,7 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from splitvl_tools.openai_bench import client_args, run_inputs
+from splitvl_tools.openai_bench import WARM_UP, client_args, run_inputs
 
 
 def _images(jsonl: Path) -> list[str]:
@@ -22,12 +22,12 @@ def _images(jsonl: Path) -> list[str]:
 
 def test_no_two_runs_share_an_image_and_each_repeats_about_half(tmp_path: Path) -> None:
     seeds, files = run_inputs(tmp_path, rounds=2, concurrencies=[1, 8], n=12, side=64, seed=0)
-    assert set(seeds) == set(files) == {(r, c) for r in (0, 1) for c in (0, 1, 8)}
+    assert set(seeds) == set(files) == {WARM_UP} | {(r, c) for r in (0, 1) for c in (1, 8)}
     assert len(set(seeds.values())) == len(seeds)  # random-mm: a seed per run
     per_run = {key: _images(path) for key, path in files.items()}
     for key, images in per_run.items():
-        assert len(images) == (4 if key[1] == 0 else 12)
-        if key[1]:
+        assert len(images) == (4 if key == WARM_UP else 12)
+        if key != WARM_UP:
             repeats = len(images) - len(set(images))
             assert 3 <= repeats <= 9, (key, repeats)  # about half of 12
         others = {h for k, hs in per_run.items() if k != key for h in hs}
