@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -104,6 +106,46 @@ def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
     return options
 
 
+# Calls that may be repeated as they are: a repeat returns the same answer and changes
+# nothing (a lookup, an encode, the stats). Generate (tokens stream out) and Put (it stores)
+# are left to their callers.
+IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
+    "qwenvl.encoder.v1.EncoderService": ("Encode",),
+    "qwenvl.cache.v1.CacheService": ("Lookup", "GetStats"),
+}
+
+
+def retry_service_config(max_attempts: int = 3) -> str:
+    """gRPC's default service config for internal channels, as JSON (gRFC A6 retries).
+
+    The idempotent methods (:data:`IDEMPOTENT_METHODS`) are retried on UNAVAILABLE (a
+    replica killed or restarting, a connection reset) up to ``max_attempts`` attempts in
+    all, 50..500 ms apart, each attempt within the call's own deadline; with round_robin a
+    retry goes to another replica when one is left. Nothing else is retried.
+    """
+    return json.dumps(
+        {
+            "loadBalancingConfig": [{"round_robin": {}}],
+            "methodConfig": [
+                {
+                    "name": [
+                        {"service": service, "method": method}
+                        for service, methods in IDEMPOTENT_METHODS.items()
+                        for method in methods
+                    ],
+                    "retryPolicy": {
+                        "maxAttempts": max_attempts,
+                        "initialBackoff": "0.05s",
+                        "maxBackoff": "0.5s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ],
+        }
+    )
+
+
 def channel_options(
     max_message_bytes: int = 256 * MiB, keepalive_time_s: float = 30.0
 ) -> list[tuple[str, int | str]]:
@@ -112,7 +154,10 @@ def channel_options(
     ``round_robin`` spreads calls over every address a target resolves to, so a
     ``dns:///encoder.<ns>.svc:50052`` target on a headless Service balances across pods
     (gRPC's default, pick_first, pins one connection to one pod). With a single address it
-    behaves like pick_first.
+    behaves like pick_first. Idempotent calls are retried on UNAVAILABLE by grpc's own retry
+    policy (:func:`retry_service_config`); a retry needs the request kept until the answer
+    starts, so the retry buffers are as large as a message may be (gRPC's 256 KiB default
+    would leave any Encode with an image's pixels unretried).
     """
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -124,4 +169,8 @@ def channel_options(
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2_000),
         ("grpc.lb_policy_name", "round_robin"),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", retry_service_config()),
+        ("grpc.per_rpc_retry_buffer_size", max_message_bytes),
+        ("grpc.retry_buffer_size", 4 * max_message_bytes),
     ]
