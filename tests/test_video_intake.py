@@ -303,3 +303,27 @@ def test_key_follows_frames_plan_and_revision(spec, config) -> None:  # type: ig
     assert other.key != a.key
     zoom = decode(zoom_clip("astronaut.png", seconds=2, fps=10, size=(64, 64)), spec, config)
     assert zoom.key != a.key
+
+
+def test_cli_sends_images_and_videos_in_command_line_order(tmp_path) -> None:
+    from qwenvl.gateway.v1 import gateway_service_pb2 as pb
+
+    from splitvl import cli
+    from splitvl.client import build_request
+
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"not decoded by the client")
+    png = tmp_path / "a.png"
+    png.write_bytes(b"png bytes")
+    argv = ["generate", "--image", str(png), "--video", str(clip), "--image", "https://h/b.png"]
+    argv += ["--video", "https://h/c.mp4", "--fps", "1.5", "--max-frames", "8", "--prompt", "hi"]
+    args = cli.build_parser().parse_args(argv)
+    parts = build_request(cli.media_parts(args), args.prompt).messages[0].parts
+    assert [p.WhichOneof("part") for p in parts] == ["image", "video", "image", "video", "text"]
+    assert parts[1].video == pb.VideoInput(
+        file=pb.VideoFile(data=b"not decoded by the client"), sample_fps=1.5, max_frames=8
+    )
+    assert parts[3].video.file.url == "https://h/c.mp4"
+    assert parts[2].image.url == "https://h/b.png"
+    missing = cli.build_parser().parse_args(["generate", "--video", "/nope.mp4", "--prompt", "x"])
+    assert cli.cmd_generate(missing) == 2
