@@ -536,6 +536,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 span.set_attribute("splitvl.video.duration_s", decoded.duration_s)
                 span.set_attribute("splitvl.video.source_frames", decoded.sampling.source_frames)
                 span.set_attribute("splitvl.video.frames_kept", len(decoded.sampling.indices))
+                span.set_attribute("splitvl.video.frames_decoded", decoded.frames_decoded)
                 span.set_attribute("splitvl.video.grid_thw", list(decoded.plan.grid))
                 span.set_attribute("splitvl.video.tokens", decoded.plan.tokens)
                 span.set_attribute("splitvl.video.decode_ms", seconds * 1000)

@@ -141,6 +141,8 @@ class DecodedVideo:
             resizing, the sampling plan, the resize plan and the model revision).
         container, codec: Format names as FFmpeg gives them ("" for given frames).
         duration_s: Length of the source, seconds.
+        frames_decoded: Frames the codec produced (from each seek's key frame to the kept
+            frame): the cost of sampling, well under ``source_frames`` for a long clip.
     """
 
     frames: np.ndarray
@@ -150,6 +152,7 @@ class DecodedVideo:
     container: str = ""
     codec: str = ""
     duration_s: float = 0.0
+    frames_decoded: int = 0
 
     @property
     def patch_timestamps(self) -> list[float]:
@@ -427,6 +430,7 @@ def decode_video(
         first_shape: tuple[int, ...] = ()
         frames_iter: Any = None
         position = -1  # index of the last frame decoded
+        produced = 0
         digest = hashlib.sha256(KEY_VERSION)
         try:
             for target in sorted(set(kept)):
@@ -439,6 +443,7 @@ def decode_video(
                 target_pts = packets[target][0]
                 frame = None
                 for frame in frames_iter:
+                    produced += 1
                     if frame.pts is None:
                         continue
                     position = bisect.bisect_left(packets, (int(frame.pts), False))
@@ -484,6 +489,7 @@ def decode_video(
         container=fmt,
         codec=codec,
         duration_s=duration,
+        frames_decoded=produced,
     )
 
 

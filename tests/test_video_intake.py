@@ -327,3 +327,14 @@ def test_cli_sends_images_and_videos_in_command_line_order(tmp_path) -> None:
     assert parts[2].image.url == "https://h/b.png"
     missing = cli.build_parser().parse_args(["generate", "--video", "/nope.mp4", "--prompt", "x"])
     assert cli.cmd_generate(missing) == 2
+
+
+def test_only_the_gops_of_kept_frames_are_decoded(spec, config) -> None:  # type: ignore[no-untyped-def]
+    # 60 frames, a key frame every 5: keeping 4 frames decodes at most 4 GOPs' heads.
+    data = pan_clip("astronaut.png", seconds=6.0, fps=10, size=(64, 64), gop=5)
+    video = decode(data, spec, config, VideoRequest(max_frames=4, sample_fps=0.5))
+    assert video.sampling.source_frames == 60
+    assert video.sampling.indices == (0, 20, 39, 59)
+    assert video.frames_decoded <= 4 * 5
+    every = decode(data, spec, config, VideoRequest(max_frames=60, sample_fps=10))
+    assert every.frames_decoded == 60  # one pass, no seek back
