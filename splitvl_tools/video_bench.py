@@ -266,11 +266,11 @@ def run(args: Any) -> int:
         "max_tokens": args.max_tokens,
         "reps": args.reps,
         "block_size": args.block_size or default_block_size(not torch.cuda.is_available()),
-        "clip": "10 s at 10 fps, 96x128, sampled at 2 fps (20 frames)",
+        "clip": "10 s at 10 fps, 192x256, sampled at 2 fps (20 frames)",
     }
     log(f"video bench: model {model}; plan {plan}")
     t0 = time.perf_counter()
-    size = (96, 128)
+    size = (192, 256)
     works: dict[str, list] = {"warmup": make_clips(2, 999, size)}
     for s, scenario in enumerate(SCENARIOS):
         works[scenario] = [
