@@ -269,3 +269,22 @@ def test_cli_generate_video_json(cluster, tmp_path) -> None:
     assert video["timestamps"] == pytest.approx([0.0, 0.6, 1.3, 1.9])  # linspace(0, 19, 4)
     assert set(video) >= {"tier", "grid", "tokens", "frames", "timestamps"}
     assert len(body["images"]) == 1
+
+
+def test_a_video_given_as_frames_is_padded_and_answered(cluster, tiny_model) -> None:
+    """C14 through the services: three frames (odd, under min_frames) are all kept, the
+    last repeated to the temporal patch size, at i / fps, and answered."""
+    from splitvl_tools.video_clips import pan_frames
+    from tests.conftest import png_bytes
+
+    frames = pan_frames("astronaut.png", 3, (64, 96))
+    video = gpb.VideoInput(
+        frames=[gpb.ImageInput(data=png_bytes(Image.fromarray(f))) for f in frames], fps=4.0
+    )
+    request = build_request([video], PROMPT, max_tokens=8, ignore_eos=True)
+    result = generate(cluster.ports.address("gateway"), request, timeout_s=300)
+    [info] = result.videos
+    assert info["frames"] == 4 and info["frame_indices"] == [0, 1, 2, 2]
+    assert info["timestamps"] == [0.0, 0.25, 0.5, 0.5]
+    assert info["grid"] == [2, 4, 6]
+    assert len(result.token_ids) == 8
