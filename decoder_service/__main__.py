@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = AsyncEngineArgs.add_cli_args(parser)
     parser.set_defaults(
         enable_mm_embeds=True,
-        limit_mm_per_prompt={"image": 8, "video": 0},
+        limit_mm_per_prompt={"image": 8, "video": 2},
         enforce_eager=_on_cpu() or None,
         block_size=default_block_size(_on_cpu()),
     )

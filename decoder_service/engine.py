@@ -90,6 +90,14 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class VideoInput(ImageInput):
+    """One video's embeddings (``video_embeds``) with its grid (``video_grid_thw``, t > 0)
+    and one time per temporal patch, seconds (Qwen3-VL's ``<t seconds>`` prompt text)."""
+
+    timestamps: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     """A streamed piece of output; ``finish_reason`` is set on the last one."""
 
@@ -113,6 +121,8 @@ class DecoderEngine:
         self.spec: VisionSpec | None = None
         self.max_model_len = 0
         self.max_images = 0
+        self.max_videos = 0
+        self.max_video_tokens = 0
         self.max_image_tokens = 0
         self.died = False
         self.forbidden_tokens: tuple[str, ...] = ()
@@ -147,10 +157,13 @@ class DecoderEngine:
         limits = self.llm.model_config.multimodal_config.limit_per_prompt
         image_limit = limits.get("image", 1)
         self.max_images = int(getattr(image_limit, "count", image_limit))
+        video_limit = limits.get("video", 0)
+        self.max_videos = int(getattr(video_limit, "count", video_limit))
         # vLLM refuses an image item with more tokens than its pre-allocated encoder cache.
         processor = getattr(self.llm, "input_processor", None)
         cache_size = int(getattr(processor, "mm_encoder_cache_size", 0) or 0)
         self.max_image_tokens = cache_size or self.max_model_len
+        self.max_video_tokens = self.max_image_tokens
         log.info(
             "vLLM engine ready: max_model_len=%d, images per prompt <= %d",
             self.max_model_len,
@@ -191,20 +204,54 @@ class DecoderEngine:
         """Prompt length after vLLM expands each ``<|image_pad|>`` to the image's tokens."""
         return len(ids) - len(images) + sum(int(im.embeddings.shape[0]) for im in images)
 
+    def video_prompt_length(self, videos: Sequence[VideoInput]) -> int:
+        """Tokens vLLM adds for the videos: each ``<|video_pad|>`` becomes, per temporal
+        patch, the timestamp text, ``<|vision_start|>``, its tokens and ``<|vision_end|>``
+        (``Qwen3VLMultiModalProcessor.get_video_repl``), less the placeholder itself."""
+        extra = 0
+        for v in videos:
+            for t in v.timestamps:
+                extra += len(self.tokenizer.encode(f"<{t:.1f} seconds>", add_special_tokens=False))
+            extra += 2 * len(v.timestamps) + int(v.embeddings.shape[0]) - 1
+        return extra
+
     async def generate(
-        self, request_id: str, prompt: str, images: Sequence[ImageInput], params: Any
+        self,
+        request_id: str,
+        prompt: str,
+        images: Sequence[ImageInput],
+        params: Any,
+        videos: Sequence[VideoInput] = (),
     ) -> AsyncGenerator[Delta, None]:
-        """Stream deltas. Cancelling the consumer aborts the vLLM request."""
+        """Stream deltas. Cancelling the consumer aborts the vLLM request.
+
+        Videos go in as ``{"video_embeds", "video_grid_thw", "timestamps"}``: vLLM 0.32's
+        Qwen3-VL parser requires ``timestamps`` beside embeddings (its
+        ``Qwen3VLMultiModalDataParser.embedding_fields``; older vLLMs raised
+        ``KeyError: 'timestamps'`` here), one list per video, one time per temporal patch.
+        """
         inputs: dict[str, Any] = {"prompt": prompt}
+        mm: dict[str, Any] = {}
+        uuids: dict[str, list[str]] = {}
         if images:
-            inputs["multi_modal_data"] = {
-                "image": {
-                    "image_embeds": torch.cat([im.embeddings for im in images], dim=0),
-                    "image_grid_thw": torch.tensor([im.grid for im in images], dtype=torch.long),
-                }
+            mm["image"] = {
+                "image_embeds": torch.cat([im.embeddings for im in images], dim=0),
+                "image_grid_thw": torch.tensor([im.grid for im in images], dtype=torch.long),
             }
             if all(im.uuid for im in images):
-                inputs["multi_modal_uuids"] = {"image": [im.uuid for im in images]}
+                uuids["image"] = [str(im.uuid) for im in images]
+        if videos:
+            mm["video"] = {
+                "video_embeds": torch.cat([v.embeddings for v in videos], dim=0),
+                "video_grid_thw": torch.tensor([v.grid for v in videos], dtype=torch.long),
+                "timestamps": [list(v.timestamps) for v in videos],
+            }
+            if all(v.uuid for v in videos):
+                uuids["video"] = [str(v.uuid) for v in videos]
+        if mm:
+            inputs["multi_modal_data"] = mm
+        if uuids and len(uuids) == len(mm):
+            inputs["multi_modal_uuids"] = uuids
         finished = False
         completion = 0
         try:

@@ -23,7 +23,9 @@ from decoder_service.validation import (
     blank_texts,
     check_control_tokens,
     check_image,
+    check_video,
     to_chat_messages,
+    video_order,
 )
 from vlcommon import tensors
 from vlcommon.errors import ServiceError, abort, invalid_argument
@@ -141,7 +143,12 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 check_image(request.images[i], i, self.engine.spec, self.engine.max_image_tokens)
                 for i in order
             ]
+            videos = [
+                check_video(request.videos[i], i, self.engine.spec, self.engine.max_video_tokens)
+                for i in video_order(request, self.engine.max_videos)
+            ]
             received = sum(tensors.payload_nbytes(request.images[i].embeddings) for i in order)
+            received += sum(tensors.payload_nbytes(v.embedding.embeddings) for v in request.videos)
             metrics.EMBEDDING_RECEIVED_BYTES.inc(received)
             params = sampling_params(request.sampling, limits)
             # Render and tokenise once; the blank render is the template's own tokens.
@@ -154,7 +161,9 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 ),
                 self.engine.forbidden_tokens,
             )
-            n_prompt = self.engine.prompt_length(ids, images)
+            n_prompt = self.engine.prompt_length(ids, images) + self.engine.video_prompt_length(
+                videos
+            )
             budget = self.engine.max_model_len - params.max_tokens  # type: ignore[attr-defined]
             if n_prompt >= self.engine.max_model_len:  # no max_tokens would make it fit
                 raise invalid_argument(
@@ -186,7 +195,8 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 span.set_attribute("splitvl.embedding.bytes", received)
                 # aclosing: a GeneratorExit at our yield closes the engine stream (and so aborts
                 # the vLLM request) at once, not when the garbage collector finalises it.
-                stream = self.engine.generate(request_id, prompt, images, params)
+                span.set_attribute("splitvl.request.videos", len(videos))
+                stream = self.engine.generate(request_id, prompt, images, params, videos)
                 async with contextlib.aclosing(stream):
                     async for delta in stream:
                         now = time.perf_counter()

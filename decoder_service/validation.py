@@ -15,7 +15,7 @@ import torch
 from qwenvl.common.v1 import tensor_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 
-from decoder_service.engine import ImageInput
+from decoder_service.engine import ImageInput, VideoInput
 from vlcommon import tensors
 from vlcommon.errors import invalid_argument
 from vlcommon.model_info import VisionSpec
@@ -76,6 +76,8 @@ def to_chat_messages(
                 check_no_control_tokens(part.text, forbidden, f"{field}.text")
                 chars += len(part.text)
                 content.append({"type": "text", "text": part.text})
+            elif kind == "video_index":
+                content.append({"type": "video"})  # checked by video_order
             elif kind == "image_index":
                 idx = part.image_index
                 if not 0 <= idx < len(request.images):
@@ -95,7 +97,9 @@ def to_chat_messages(
                 content.append({"type": "image"})
             else:
                 raise invalid_argument(
-                    "PART_EMPTY", f"{field} has neither text nor image_index", field=field
+                    "PART_EMPTY",
+                    f"{field} has none of text, image_index, video_index",
+                    field=field,
                 )
         messages.append({"role": message.role, "content": content})
     if chars > limits.max_text_chars:
@@ -122,8 +126,92 @@ def to_chat_messages(
     return messages, order
 
 
+def video_order(request: pb.GenerateRequest, max_videos: int) -> list[int]:
+    """``order[k]``: the index into ``request.videos`` of the k-th video part, in prompt order.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT for an index out of range or used twice, a video no
+            part references, or more videos than the engine's ``limit_mm_per_prompt``.
+    """
+    order: list[int] = []
+    for i, message in enumerate(request.messages):
+        for j, part in enumerate(message.parts):
+            if part.WhichOneof("part") != "video_index":
+                continue
+            field = f"messages[{i}].parts[{j}].video_index"
+            idx = part.video_index
+            if not 0 <= idx < len(request.videos):
+                raise invalid_argument(
+                    "VIDEO_INDEX_INVALID",
+                    f"{field} is {idx}; the request has {len(request.videos)} videos",
+                    field=field,
+                )
+            if idx in order:
+                raise invalid_argument(
+                    "VIDEO_INDEX_REUSED", f"{field} {idx} is used twice", field=field
+                )
+            order.append(idx)
+    if len(order) != len(request.videos):
+        unused = sorted(set(range(len(request.videos))) - set(order))
+        raise invalid_argument(
+            "VIDEO_UNUSED",
+            f"videos {unused} are not referenced by any message part",
+            field="videos",
+        )
+    if len(order) > max_videos:
+        raise invalid_argument(
+            "TOO_MANY_VIDEOS",
+            f"the request has {len(order)} videos; the limit is {max_videos} per prompt",
+            field="videos",
+            limit=max_videos,
+        )
+    return order
+
+
+def check_video(
+    msg: pb.VideoEmbedding, index: int, spec: VisionSpec, max_tokens: int
+) -> VideoInput:
+    """Validate one video's embeddings, grid and timestamps before the engine.
+
+    Expected: the embeddings' shape as :func:`check_image` (with t >= 1), and one finite,
+    non-negative timestamp per temporal patch (vLLM's Qwen3-VL asserts
+    ``len(timestamps) == grid t`` inside the engine).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming ``videos[index]``.
+    """
+    field = f"videos[{index}]"
+    emb = msg.embedding
+    image = check_image(emb, index, spec, max_tokens, field=f"{field}.embedding", video=True)
+    stamps = list(msg.timestamps)
+    if len(stamps) != image.grid[0]:
+        raise invalid_argument(
+            "VIDEO_TIMESTAMPS_MISMATCH",
+            f"{field}.timestamps has {len(stamps)} entries; grid {list(image.grid)} needs "
+            f"{image.grid[0]} (one per temporal patch)",
+            field=f"{field}.timestamps",
+            expected=image.grid[0],
+            actual=len(stamps),
+        )
+    if not all(math.isfinite(t) and t >= 0 for t in stamps):
+        raise invalid_argument(
+            "VIDEO_TIMESTAMPS_INVALID",
+            f"{field}.timestamps holds a negative or non-finite time",
+            field=f"{field}.timestamps",
+        )
+    return VideoInput(
+        embeddings=image.embeddings, grid=image.grid, uuid=image.uuid, timestamps=tuple(stamps)
+    )
+
+
 def check_image(
-    msg: tensor_pb2.ImageEmbedding, index: int, spec: VisionSpec, max_tokens: int
+    msg: tensor_pb2.ImageEmbedding,
+    index: int,
+    spec: VisionSpec,
+    max_tokens: int,
+    *,
+    field: str = "",
+    video: bool = False,
 ) -> ImageInput:
     """Validate one image's embeddings against its grid and the model (case C07).
 
@@ -133,7 +221,7 @@ def check_image(
         ServiceError: INVALID_ARGUMENT naming ``images[index]`` with expected and actual
             shape (or the missing grid, or the bad dtype/byte count).
     """
-    field = f"images[{index}]"
+    field = field or f"images[{index}]"
     if not msg.HasField("grid"):
         raise invalid_argument(
             "GRID_MISSING",
@@ -142,11 +230,13 @@ def check_image(
         )
     grid = (int(msg.grid.t), int(msg.grid.h), int(msg.grid.w))
     m = spec.spatial_merge_size
-    # A still image has t == 1 (vLLM asserts it for image items: t > 1 killed the engine).
-    if grid[0] != 1 or min(grid) <= 0 or grid[1] % m or grid[2] % m:
+    # A still image has t == 1 (vLLM asserts it for image items: t > 1 killed the engine);
+    # a video (video_grid_thw) any t >= 1.
+    if (grid[0] != 1 and not video) or min(grid) <= 0 or grid[1] % m or grid[2] % m:
+        what = "a video has t >= 1" if video else "an image has t = 1"
         raise invalid_argument(
             "GRID_INVALID",
-            f"{field}.grid is {list(grid)}; an image has t = 1 and h, w > 0, multiples of "
+            f"{field}.grid is {list(grid)}; {what} and h, w > 0, multiples of "
             f"spatial_merge_size {m}",
             field=f"{field}.grid",
         )

@@ -57,6 +57,7 @@ async def main_async(settings: EncoderSettings) -> None:
         None,
         max_images_per_request=settings.max_images_per_request,
         max_patches_per_image=settings.max_patches_per_image,
+        max_patches_per_video=settings.max_patches_per_video,
     )
 
     await serve(

@@ -76,6 +76,7 @@ class VisionEngine:
         self.spec = spec
         self.device = device
         self.dtype = dtype
+        self.video_processor: Any = None
 
     @classmethod
     def load(
@@ -127,27 +128,66 @@ class VisionEngine:
             optimize_for_cpu(visual)
         image_processor = AutoImageProcessor.from_pretrained(model_dir)
         spec = load_vision_spec(model_dir)
+        video_processor = None
+        try:
+            from transformers import AutoVideoProcessor
+
+            video_processor = AutoVideoProcessor.from_pretrained(model_dir)
+        except (OSError, ValueError, ImportError) as exc:  # a checkpoint without one: images only
+            log.warning("%s: no video processor (%s); videos are refused", model_dir, exc)
         log.info(
             "vision tower loaded from %s: %d tensors on %s %s", model_dir, len(state), dev, dtype
         )
-        return cls(model_dir, visual, image_processor, spec, dev, torch_dtype)
+        engine = cls(model_dir, visual, image_processor, spec, dev, torch_dtype)
+        engine.video_processor = video_processor
+        return engine
 
     def preprocess(self, pixels: np.ndarray, plan: ResizePlan) -> Preprocessed:
         """Resize (the shared plan), rescale, normalise and patchify one image.
 
         Args:
-            pixels: uint8 [height, width, 3] upright RGB.
+            pixels: uint8 [height, width, 3] upright RGB, or a video's frames
+                [frames, height, width, 3] (:meth:`preprocess_video`).
             plan: The gateway's resize plan.
 
         Raises:
             ValueError: the processor's grid differs from the plan's (a bug, not bad input).
         """
+        if pixels.ndim == 4:
+            return self.preprocess_video(pixels, plan)
         resized = resize_to_plan(pixels, plan)
         out = self.image_processor(images=[resized], do_resize=False, return_tensors="pt")
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
         if grid != plan.grid:
             raise ValueError(f"processor grid {grid} != planned grid {plan.grid}")
         return Preprocessed(out["pixel_values"], grid, plan.tokens)  # type: ignore[arg-type]
+
+    def preprocess_video(self, frames: np.ndarray, plan: ResizePlan) -> Preprocessed:
+        """Rescale, normalise and patchify a video's frames with the checkpoint's video
+        processor (transformers' Qwen3VLVideoProcessor), without its sampling or resizing:
+        the gateway sampled the frames and resized each to ``plan`` already.
+
+        Args:
+            frames: uint8 [frames, resized_height, resized_width, 3] upright RGB, frames a
+                multiple of temporal_patch_size.
+
+        Raises:
+            ValueError: no video processor, or its grid differs from the plan's.
+        """
+        if self.video_processor is None:
+            raise ValueError(f"{self.model_dir} has no video processor")
+        video = torch.from_numpy(np.array(frames, copy=True)).permute(0, 3, 1, 2)
+        out = self.video_processor(
+            videos=[video],
+            do_resize=False,
+            do_sample_frames=False,
+            cap_pixels_per_frame=True,  # no effect without resizing; silences its warning
+            return_tensors="pt",
+        )
+        grid = tuple(int(x) for x in out["video_grid_thw"][0].tolist())
+        if grid != plan.grid:
+            raise ValueError(f"video processor grid {grid} != planned grid {plan.grid}")
+        return Preprocessed(out["pixel_values_videos"], grid, plan.tokens)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def encode(self, images: list[Preprocessed]) -> list[torch.Tensor]:

@@ -30,8 +30,14 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.encoder")
 
 
-def plan_from_proto(msg: tensor_pb2.ResizePlan, engine: VisionEngine, field: str) -> ResizePlan:
+def plan_from_proto(
+    msg: tensor_pb2.ResizePlan, engine: VisionEngine, field: str, frames: int = 0
+) -> ResizePlan:
     """Check a ResizePlan against the model's geometry.
+
+    Args:
+        frames: 0 for an image (grid t = 1); a video's frame count, a positive multiple
+            of temporal_patch_size (grid t = frames / temporal_patch_size).
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming ``field`` when sizes are not positive
@@ -46,12 +52,22 @@ def plan_from_proto(msg: tensor_pb2.ResizePlan, engine: VisionEngine, field: str
             field=field,
             limit=spec.factor,
         )
+    if frames and frames % spec.temporal_patch_size:
+        raise invalid_argument(
+            "VIDEO_FRAMES_INVALID",
+            f"{field}: a video of {frames} frames; the count must be a multiple of the "
+            f"temporal patch size {spec.temporal_patch_size} (the gateway pads)",
+            field=field,
+            limit=spec.temporal_patch_size,
+        )
     grid = (msg.grid.t, msg.grid.h, msg.grid.w)
-    expected = (1, h // spec.patch_size, w // spec.patch_size)
+    grid_t = frames // spec.temporal_patch_size if frames else 1
+    expected = (grid_t, h // spec.patch_size, w // spec.patch_size)
     if grid != expected:
+        what = f"a video of {frames} frames of {h}x{w}" if frames else f"a {h}x{w} image"
         raise invalid_argument(
             "RESIZE_PLAN_INVALID",
-            f"{field}.grid is {grid}; a {h}x{w} image has {expected}",
+            f"{field}.grid is {grid}; {what} has {expected}",
             field=f"{field}.grid",
         )
     if max(h, w) / min(h, w) > MAX_ASPECT_RATIO:
@@ -61,7 +77,7 @@ def plan_from_proto(msg: tensor_pb2.ResizePlan, engine: VisionEngine, field: str
             field=field,
             limit=f"{MAX_ASPECT_RATIO:g}",
         )
-    return ResizePlan(h, w, 1, expected[1], expected[2], spec.tokens(*expected))
+    return ResizePlan(h, w, grid_t, expected[1], expected[2], spec.tokens(*expected))
 
 
 class EncoderServicer(pb_grpc.EncoderServiceServicer):
@@ -74,12 +90,14 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         *,
         max_images_per_request: int,
         max_patches_per_image: int,
+        max_patches_per_video: int = 65536,
     ) -> None:
         # None until the model has loaded (health says NOT_SERVING meanwhile).
         self.engine = engine
         self.batcher = batcher
         self.max_images = max_images_per_request
         self.max_patches = max_patches_per_image
+        self.max_video_patches = max_patches_per_video
 
     def _ready(self) -> tuple[VisionEngine, Batcher]:
         if self.engine is None or self.batcher is None:
@@ -95,29 +113,46 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         prepared = []
         for i, image in enumerate(request.images):
             field = f"images[{i}]"
+            # [height, width, 3] for an image, [frames, height, width, 3] for a video.
+            video = len(image.pixels.shape) == 4
             pixels = tensors.validate(
-                image.pixels, field=f"{field}.pixels", dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=3
+                image.pixels,
+                field=f"{field}.pixels",
+                dtypes=(tensor_pb2.DATA_TYPE_UINT8,),
+                ndim=4 if video else 3,
             )
-            if image.pixels.shape[2] != 3 or min(image.pixels.shape[:2]) < 1:
+            shape = list(image.pixels.shape)
+            if shape[-1] != 3 or min(shape[:-1]) < 1:
                 raise invalid_argument(
                     "PIXELS_SHAPE_INVALID",
-                    f"{field}.pixels.shape is {list(image.pixels.shape)}; "
-                    "expected [height, width, 3]",
+                    f"{field}.pixels.shape is {shape}; expected [height, width, 3] (an image) "
+                    "or [frames, height, width, 3] (a video)",
                     field=f"{field}.pixels.shape",
                 )
-            plan = plan_from_proto(image.plan, engine, f"{field}.plan")
+            plan = plan_from_proto(image.plan, engine, f"{field}.plan", shape[0] if video else 0)
+            if video and shape[1:3] != [plan.resized_height, plan.resized_width]:
+                # Frames come resized by the gateway (one resize per frame, its plan).
+                raise invalid_argument(
+                    "PIXELS_SHAPE_INVALID",
+                    f"{field}.pixels.shape is {shape}; a video's frames must already have the "
+                    f"plan's size {plan.resized_height}x{plan.resized_width}",
+                    field=f"{field}.pixels.shape",
+                )
             patches = plan.grid_t * plan.grid_h * plan.grid_w
-            if patches > self.max_patches:
+            limit = self.max_video_patches if video else self.max_patches
+            if patches > limit:
                 raise resource_exhausted(
-                    "IMAGE_TOO_MANY_PATCHES",
-                    f"{field} has {patches} patches; the limit is {self.max_patches}",
+                    "VIDEO_TOO_MANY_PATCHES" if video else "IMAGE_TOO_MANY_PATCHES",
+                    f"{field} has {patches} patches; the limit is {limit}",
                     field=field,
-                    limit=self.max_patches,
+                    limit=limit,
                 )
             # In-flight de-duplication is by content AND plan: one key never stands for two
             # different resizes.
             dedup_key = (
-                f"{image.key}|{plan.resized_height}x{plan.resized_width}" if image.key else ""
+                f"{image.key}|{plan.grid_t}x{plan.resized_height}x{plan.resized_width}"
+                if image.key
+                else ""
             )
             prepared.append((dedup_key, tensors.to_numpy(image.pixels, pixels), plan))
         return prepared

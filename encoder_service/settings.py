@@ -39,6 +39,11 @@ class EncoderSettings(ServerSettings):
         ge=0,
         description="Larger images are refused; 0 = the checkpoint's max_pixels / patch_size**2.",
     )
+    # A video is one item of t * h * w patches: 16,384 video tokens (the gateway's default
+    # per-request video budget) are 65,536 patches.
+    max_patches_per_video: int = Field(
+        65536, ge=1, description="Patches of one video (t*h*w); larger ones are refused."
+    )
 
 
 # Packing pays only while one ViT call is small enough to leave the matmuls short of their

@@ -166,9 +166,15 @@ class UrlFetcher:
     Connection setup is small beside decoding the image it fetches.
     """
 
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(
+        self, settings: GatewaySettings, *, noun: str = "images", max_bytes: int = 0
+    ) -> None:
         self.settings = settings
         self.inflight = 0  # URL fetches running now, over all requests (one event loop)
+        # The gateway's video fetcher is another instance: fields read videos[i].url and
+        # bodies stop at the video byte limit (GATEWAY_MAX_VIDEO_BYTES).
+        self.noun = noun
+        self.max_bytes = max_bytes or settings.max_image_bytes
 
     async def fetch_all(
         self, urls: Iterable[tuple[int, str]], time_left: float | None
@@ -221,15 +227,17 @@ class UrlFetcher:
             limit=len(pending),
             use_dns_cache=False,
         )
-        async with aiohttp.ClientSession(
-            connector=connector,
-            trust_env=False,  # no proxies from the environment: the guard must see the peer
-            timeout=aiohttp.ClientTimeout(
-                sock_connect=min(s.url_connect_timeout_s, budget),
-                sock_read=min(s.url_read_timeout_s, budget),
-            ),
-            headers={"User-Agent": "splitvl-gateway", "Accept": "image/*"},
-        ) as session:
+        async with (
+            aiohttp.ClientSession(
+                connector=connector,
+                trust_env=False,  # no proxies from the environment: the guard must see the peer
+                timeout=aiohttp.ClientTimeout(
+                    sock_connect=min(s.url_connect_timeout_s, budget),
+                    sock_read=min(s.url_read_timeout_s, budget),
+                ),
+                headers={"User-Agent": "splitvl-gateway", "Accept": f"{self.noun[:-1]}/*"},
+            ) as session
+        ):
             try:
                 async with asyncio.timeout(budget):
                     # A TaskGroup cancels the other fetches as soon as one fails.
@@ -270,7 +278,7 @@ class UrlFetcher:
     def check_url(self, url: str, *, index: int) -> URL:
         """Refuse a URL before any network work (INVALID_ARGUMENT / FAILED_PRECONDITION)."""
         s = self.settings
-        field = f"images[{index}].url"
+        field = f"{self.noun}[{index}].url"
         if not s.allow_urls:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -334,7 +342,7 @@ class UrlFetcher:
 
     async def _fetch(self, session: aiohttp.ClientSession, url: URL, index: int) -> bytes:
         s = self.settings
-        field = f"images[{index}].url"
+        field = f"{self.noun}[{index}].url"
         for hop in range(s.url_max_redirects + 1):
             try:
                 async with session.get(url, allow_redirects=False) as response:
@@ -414,7 +422,7 @@ class UrlFetcher:
 
     async def _read(self, response: aiohttp.ClientResponse, url: URL, field: str) -> bytes:
         """The body, streamed and stopped past ``max_image_bytes`` (after decompression)."""
-        limit = self.settings.max_image_bytes
+        limit = self.max_bytes
         if response.content_length is not None and response.content_length > limit:
             raise self._too_large(field, url, f"declares {response.content_length} bytes", limit)
         chunks: list[bytes] = []
@@ -428,8 +436,8 @@ class UrlFetcher:
 
     def _too_large(self, field: str, url: URL, what: str, limit: int) -> ServiceError:
         return resource_exhausted(
-            "IMAGE_BYTES_TOO_LARGE",
-            f"{field}: host {_host(url)} {what}; the image limit is {limit} bytes",
+            "IMAGE_BYTES_TOO_LARGE" if self.noun == "images" else "VIDEO_BYTES_TOO_LARGE",
+            f"{field}: host {_host(url)} {what}; the {self.noun[:-1]} limit is {limit} bytes",
             field=field,
             limit=limit,
             host=_host(url),

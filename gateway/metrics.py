@@ -49,3 +49,12 @@ EMBEDDING_SENT_BYTES = Counter(
     "Image embedding tensor bytes sent, by destination (decoder, cache).",
     ["destination"],
 )
+VIDEOS = Counter("splitvl_gateway_videos_total", "Videos in requests that passed preprocessing.")
+VIDEO_FRAMES = Counter(
+    "splitvl_gateway_video_frames_total", "Video frames kept by sampling (decoded and resized)."
+)
+VIDEO_DECODE_SECONDS = Histogram(
+    "splitvl_gateway_video_decode_seconds",
+    "Wall time to demux, decode the kept frames of, and resize one video.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)

@@ -203,9 +203,9 @@ def to_generate_request(
     Raises:
         ServiceError: INVALID_ARGUMENT naming the OpenAI field (``messages[0].content[1]``,
             ``n``, ``max_tokens``, ...) for what the front does not serve or what cannot be
-            represented; NOT_FOUND for a model it does not serve; UNIMPLEMENTED for
-            ``video_url``. Everything else (counts, sizes, ranges, images) is checked by the
-            pipeline itself, with the gRPC path's messages.
+            represented; NOT_FOUND for a model it does not serve. Everything else (counts,
+            sizes, ranges, images, videos) is checked by the pipeline itself, with the gRPC
+            path's messages.
     """
     if body.model is not None and body.model not in served:
         raise ServiceError(
@@ -230,6 +230,7 @@ def to_generate_request(
     request = pb.GenerateRequest()
     fields: dict[str, str] = {}
     images = 0
+    videos = 0
     for i, message in enumerate(body.messages):
         msg = request.messages.add(role=_utf8(message.role, f"messages[{i}].role"))
         content = message.content
@@ -274,15 +275,24 @@ def to_generate_request(
                 images += 1
                 image = pb.ImageInput(data_url=url) if url[:5].lower() == "data:" else None
                 msg.parts.add(image=image or pb.ImageInput(url=url))
-            elif kind in ("video_url", "video"):
-                raise ServiceError(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    "VIDEO_UNSUPPORTED",
-                    f"{field}: video_url parts are not served yet (images only)",
-                    {"field": field},
-                )
+            elif kind == "video_url":
+                # vLLM's chat part for a video file: {"type": "video_url", "video_url": {"url"}}.
+                spec = part.get("video_url")
+                url = spec.get("url") if isinstance(spec, dict) else None
+                if not isinstance(url, str) or set(part) - {"type", "video_url"}:
+                    raise _refused(
+                        f"{field}.video_url",
+                        f"{field}: a video_url part is {{'type', 'video_url': {{'url': string}}}}",
+                    )
+                url = _utf8(url, f"{field}.video_url.url")
+                fields[f"videos[{videos}]"] = f"{field}.video_url.url"
+                videos += 1
+                file = pb.VideoFile(data_url=url) if url[:5].lower() == "data:" else None
+                msg.parts.add(video=pb.VideoInput(file=file or pb.VideoFile(url=url)))
             else:
-                raise _refused(field, f"{field} has type {kind!r}; served: 'text', 'image_url'")
+                raise _refused(
+                    field, f"{field} has type {kind!r}; served: 'text', 'image_url', 'video_url'"
+                )
     sampling = request.sampling
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if name == "max_completion_tokens" else body.max_tokens

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import io
 import logging
+import math
 import threading
 import time
 import uuid
@@ -44,8 +46,18 @@ from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
 from gateway import metrics
 from gateway.fetch import UrlFetcher
-from gateway.media import ImageUrl, check_video, image_bytes
+from gateway.media import ImageUrl, image_bytes, video_file_bytes
 from gateway.settings import GatewaySettings
+from gateway.video import (
+    DecodedVideo,
+    VideoLimits,
+    VideoRequest,
+    check_request,
+    decode_video,
+    frames_video,
+    live_check,
+    load_video_config,
+)
 from vlcommon import tensors
 from vlcommon.errors import (
     ServiceError,
@@ -64,7 +76,7 @@ from vlcommon.imaging import (
     resize_to_plan,
     similarity_descriptor,
 )
-from vlcommon.model_info import VisionSpec
+from vlcommon.model_info import VisionSpec, resolve_model_dir
 from vlcommon.request_rules import check_message_counts, check_no_control_tokens, check_role
 from vlcommon.sampling import check_sampling_ranges
 from vlcommon.verification import verification_image
@@ -128,6 +140,30 @@ class PreparedImage:
     tier: int = generation_pb2.CACHE_TIER_MISS
     similarity: float = 0.0
     embedding: tensor_pb2.ImageEmbedding | None = None
+
+
+@dataclass
+class PreparedVideo(PreparedImage):
+    """One video, sampled and resized (gateway.video), on the image path's stages.
+
+    ``pixels`` holds every kept frame, uint8 ``[frames, resized_height, resized_width, 3]``;
+    ``plan.grid_t`` is frames / temporal_patch_size. It has no descriptor and no
+    verification image: a video is only ever an exact hit.
+    """
+
+    video: DecodedVideo | None = None
+
+
+@dataclass(frozen=True)
+class VideoSource:
+    """A video part as parsed: its file (bytes or a URL still to fetch) or its frames."""
+
+    index: int  # position among the request's videos
+    field: str  # e.g. messages[0].parts[1].video
+    file: bytes | ImageUrl | None
+    frames: tuple[bytes | ImageUrl, ...]
+    fps: float
+    overrides: VideoRequest
 
 
 @dataclass(frozen=True)
@@ -194,6 +230,23 @@ def _tier(tier: int) -> str:
     return generation_pb2.CacheTier.Name(tier).removeprefix("CACHE_TIER_").lower()
 
 
+def _video_info(v: PreparedVideo) -> pb.VideoInfo:
+    """The response's per-video information."""
+    assert v.video is not None
+    sampling = v.video.sampling
+    return pb.VideoInfo(
+        index=v.index,
+        tier=v.tier,
+        grid=_grid(v.plan),
+        tokens=v.plan.tokens,
+        frames=len(sampling.indices),
+        timestamps=sampling.timestamps,
+        key=v.key,
+        source_frames=sampling.source_frames,
+        frame_indices=sampling.indices,
+    )
+
+
 def _grid(plan: ResizePlan) -> tensor_pb2.GridTHW:
     return tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w)
 
@@ -248,12 +301,26 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         # queued); updated from the worker threads too, hence the lock.
         self._preprocess_lock = threading.Lock()
         self.preprocess_pending = 0
+        self.video_fetcher = UrlFetcher(settings, noun="videos", max_bytes=settings.max_video_bytes)
+        self.video_limits = VideoLimits(
+            max_bytes=settings.max_video_bytes,
+            max_duration_s=settings.max_video_duration_s,
+            max_frames=settings.video_max_frames,
+            max_fps=settings.video_max_fps,
+            max_decoded_pixels=settings.video_max_decoded_pixels,
+        )
+        self.video_config = (
+            load_video_config(resolve_model_dir(settings.model), spec) if settings.model else None
+        )
 
     # -- validation ---------------------------------------------------------------------
     def _parse(
-        self, request: pb.GenerateRequest
+        self, request: pb.GenerateRequest, videos: list[VideoSource] | None = None
     ) -> tuple[list[decoder_service_pb2.Message], list[bytes | ImageUrl]]:
         """Validate the messages and collect the images' encoded bytes (or URLs), in order.
+
+        Video parts are collected into ``videos`` (their files or frames, in order, with
+        their overrides checked); without that list a video part is refused.
 
         Counts (messages, parts, images, characters) are checked before any content is
         scanned, so an oversized request is refused without work proportional to its size.
@@ -267,6 +334,15 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 f"the request has {n_images} images; the limit is {s.max_images}",
                 field="images",
                 limit=s.max_images,
+            )
+        n_videos = sum(1 for m in request.messages for q in m.parts if q.HasField("video"))
+        if n_videos > s.max_videos:
+            raise invalid_argument(
+                "TOO_MANY_VIDEOS",
+                f"the request has {n_videos} videos; the limit is {s.max_videos} "
+                "(GATEWAY_MAX_VIDEOS)",
+                field="videos",
+                limit=s.max_videos,
             )
         chars = sum(len(q.text) for m in request.messages for q in m.parts)
         if chars > s.max_text_chars:
@@ -304,11 +380,15 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     images.append(source)
                     out.parts.add(image_index=len(images) - 1)
                 elif kind == "video":
-                    check_video(
-                        part.video,
-                        field=f"{field}.video",
-                        temporal_patch_size=self.spec.temporal_patch_size,
-                    )
+                    if videos is None or self.video_config is None:
+                        raise ServiceError(
+                            grpc.StatusCode.UNIMPLEMENTED,
+                            "VIDEO_NOT_SUPPORTED",
+                            f"{field}.video: this server has no video processor config",
+                            {"field": f"{field}.video"},
+                        )
+                    videos.append(self._parse_video(part.video, len(videos), f"{field}.video"))
+                    out.parts.add(video_index=len(videos) - 1)
                 else:
                     raise invalid_argument(
                         "PART_EMPTY", f"{field} has none of text, image, video", field=field
@@ -317,6 +397,173 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 self._check_text("".join(run), f"messages[{i}].parts (joined text)")
             messages.append(out)
         return messages, images
+
+    def _parse_video(self, video: pb.VideoInput, index: int, field: str) -> VideoSource:
+        """One video part: its source resolved (URL checked, not fetched), overrides checked.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for no source, a bad data URL, an override out of
+                bounds, more frames than GATEWAY_VIDEO_MAX_FRAMES; RESOURCE_EXHAUSTED past
+                the byte limits; FAILED_PRECONDITION for a URL with URLs off.
+        """
+        assert self.video_config is not None
+        s = self.settings
+        overrides = VideoRequest(
+            sample_fps=video.sample_fps, max_frames=video.max_frames, max_pixels=video.max_pixels
+        )
+        check_request(overrides, self.video_config, self.video_limits, field)
+        if not math.isfinite(video.fps) or video.fps < 0:
+            raise invalid_argument(
+                "VIDEO_FPS_OUT_OF_RANGE",
+                f"{field}.fps is {video.fps}; it must be >= 0 (0: 2 frames per second)",
+                field=f"{field}.fps",
+            )
+        if video.HasField("file"):
+            if video.frames:
+                raise invalid_argument(
+                    "VIDEO_SOURCE_AMBIGUOUS",
+                    f"{field} has both file and frames; send one",
+                    field=field,
+                )
+            source = video_file_bytes(video.file, index=index, max_bytes=s.max_video_bytes)
+            if isinstance(source, ImageUrl):
+                self.video_fetcher.check_url(source.url, index=index)
+            return VideoSource(index, field, source, (), 0.0, overrides)
+        if not video.frames:
+            raise invalid_argument(
+                "VIDEO_TOO_FEW_FRAMES",
+                f"{field} has neither a file nor frames (0 frames)",
+                field=f"{field}.frames",
+                limit=1,
+            )
+        if len(video.frames) > s.video_max_frames:
+            raise resource_exhausted(
+                "VIDEO_TOO_MANY_FRAMES",
+                f"{field}.frames has {len(video.frames)} frames; the limit is "
+                f"{s.video_max_frames} (GATEWAY_VIDEO_MAX_FRAMES)",
+                field=f"{field}.frames",
+                limit=s.video_max_frames,
+            )
+        frames: list[bytes | ImageUrl] = []
+        for j, frame in enumerate(video.frames):
+            data = image_bytes(frame, index=j, max_bytes=s.max_image_bytes)
+            if isinstance(data, ImageUrl):
+                raise invalid_argument(
+                    "VIDEO_FRAME_URL",
+                    f"{field}.frames[{j}] is a URL; send video frames by value, or the video "
+                    "file by URL",
+                    field=f"{field}.frames[{j}]",
+                )
+            frames.append(data)
+        return VideoSource(index, field, None, tuple(frames), video.fps, overrides)
+
+    async def _fetch_video_urls(
+        self, videos: list[VideoSource], context: grpc.aio.ServicerContext
+    ) -> list[VideoSource]:
+        """Fetch the videos given by URL (the image URLs' guard, the video byte limit)."""
+        urls = [(v.index, v.file.url) for v in videos if isinstance(v.file, ImageUrl)]
+        if not urls:
+            return videos
+        with tracer.start_as_current_span("gateway.fetch_urls") as span:
+            span.set_attribute("splitvl.videos", len(urls))
+            fetched = await self.video_fetcher.fetch_all(urls, _remaining(context))
+            span.set_attribute("splitvl.transfer_bytes", sum(map(len, fetched.values())))
+        return [
+            dataclasses.replace(v, file=fetched[v.index]) if isinstance(v.file, ImageUrl) else v
+            for v in videos
+        ]
+
+    def _prepare_videos(
+        self,
+        videos: list[VideoSource],
+        stop: threading.Event | None = None,
+        deadline: float | None = None,
+    ) -> list[PreparedVideo]:
+        """Decode, sample and resize each video on a preprocess thread (gateway.video), one
+        ``video.decode`` span each; stops between frames when the request is cancelled or
+        its deadline passes.
+
+        Raises:
+            ServiceError: as gateway.video; RESOURCE_EXHAUSTED ``VIDEO_TOKENS_TOO_MANY`` when
+                the videos' tokens pass GATEWAY_MAX_VIDEO_TOKENS; CANCELLED /
+                DEADLINE_EXCEEDED when stopped.
+        """
+        assert self.video_config is not None
+        stop = stop or threading.Event()
+        out: list[PreparedVideo] = []
+        tokens = 0
+        for v in videos:
+            self._check_live(stop, deadline)
+            t0 = time.perf_counter()
+            with tracer.start_as_current_span("video.decode") as span:
+                span.set_attribute("splitvl.video.index", v.index)
+                if v.file is not None:
+                    assert isinstance(v.file, bytes)
+                    span.set_attribute("splitvl.video.encoded_bytes", len(v.file))
+                    decoded = decode_video(
+                        v.file,
+                        index=v.index,
+                        spec=self.spec,
+                        config=self.video_config,
+                        limits=self.video_limits,
+                        request=v.overrides,
+                        revision=self.revision,
+                        check=live_check(stop, deadline, v.index),
+                    )
+                else:
+                    images = []
+                    for j, data in enumerate(v.frames):
+                        self._check_live(stop, deadline)
+                        assert isinstance(data, bytes)
+                        image = decode_image(
+                            data,
+                            index=j,
+                            max_decoded_pixels=self.settings.video_max_decoded_pixels,
+                        )
+                        images.append(np.asarray(image, dtype=np.uint8))
+                    decoded = frames_video(
+                        images,
+                        index=v.index,
+                        fps=v.fps,
+                        spec=self.spec,
+                        config=self.video_config,
+                        request=v.overrides,
+                        revision=self.revision,
+                    )
+                seconds = time.perf_counter() - t0
+                span.set_attribute("splitvl.video.container", decoded.container or "frames")
+                span.set_attribute("splitvl.video.codec", decoded.codec or "image")
+                span.set_attribute("splitvl.video.duration_s", decoded.duration_s)
+                span.set_attribute("splitvl.video.source_frames", decoded.sampling.source_frames)
+                span.set_attribute("splitvl.video.frames_kept", len(decoded.sampling.indices))
+                span.set_attribute("splitvl.video.frames_decoded", decoded.frames_decoded)
+                span.set_attribute("splitvl.video.grid_thw", list(decoded.plan.grid))
+                span.set_attribute("splitvl.video.tokens", decoded.plan.tokens)
+                span.set_attribute("splitvl.video.decode_ms", seconds * 1000)
+            metrics.VIDEO_DECODE_SECONDS.observe(seconds)
+            metrics.VIDEO_FRAMES.inc(len(decoded.sampling.indices))
+            tokens += decoded.plan.tokens
+            limit = self.settings.max_video_tokens
+            if tokens > limit:
+                raise resource_exhausted(
+                    "VIDEO_TOKENS_TOO_MANY",
+                    f"the request's videos need {tokens} video tokens (videos[0..{v.index}]); "
+                    f"the limit is {limit} per request (GATEWAY_MAX_VIDEO_TOKENS): lower "
+                    "sample_fps, max_frames or max_pixels",
+                    field="videos",
+                    limit=limit,
+                )
+            out.append(
+                PreparedVideo(
+                    index=v.index,
+                    plan=decoded.plan,
+                    key=decoded.key,
+                    decoded=True,
+                    pixels=decoded.frames,
+                    video=decoded,
+                )
+            )
+        return out
 
     async def _fetch_urls(
         self, sources: list[bytes | ImageUrl], context: grpc.aio.ServicerContext
@@ -939,27 +1186,47 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 )
             policy = request.cache_policy or self.default_policy
             with tracer.start_as_current_span("gateway.preprocess") as span:
-                messages, sources = self._parse(request)
+                video_sources: list[VideoSource] = []
+                messages, sources = self._parse(request, video_sources)
                 lo, hi = self._budget(request)
                 datas = await self._fetch_urls(sources, context)
                 images, bytes_lookup_ms, ask_cache = await self._prepare(
                     datas, lo, hi, policy, context
                 )
+                videos: list[PreparedVideo] = []
+                if video_sources:
+                    video_sources = await self._fetch_video_urls(video_sources, context)
+                    videos = await self._run_preprocess(
+                        self._prepare_videos, video_sources, context=context
+                    )
+                span.set_attribute("splitvl.videos", len(videos))
                 span.set_attribute("splitvl.images", len(images))
                 span.set_attribute("splitvl.grids", [str(im.plan.grid) for im in images])
                 span.set_attribute("splitvl.decoded", [im.decoded for im in images])
             # The bytes-key lookup ran inside this span; its time is the lookup stage's.
             timings.preprocess_ms = (time.perf_counter() - t_start) * 1000 - bytes_lookup_ms
             metrics.IMAGES.inc(len(images))
+            metrics.VIDEOS.inc(len(videos))
             request_span.set_attribute("splitvl.request.model", self.settings.model)
             request_span.set_attribute("splitvl.request.images", len(images))
+            request_span.set_attribute("splitvl.request.videos", len(videos))
+            request_span.set_attribute(
+                "splitvl.request.video_tokens", sum(v.plan.tokens for v in videos)
+            )
 
             t = time.perf_counter()
+            lookups = []
             if ask_cache:
-                await self._lookup([im for im in images if im.decoded], policy, context)
+                lookups.append(self._lookup([im for im in images if im.decoded], policy, context))
+            if videos and self.down.cache is not None and policy != generation_pb2.CACHE_POLICY_OFF:
+                # Videos have no similarity tier: exact keys only, whatever the policy.
+                lookups.append(
+                    self._lookup(list(videos), generation_pb2.CACHE_POLICY_EXACT_ONLY, context)
+                )
+            await asyncio.gather(*lookups)
             timings.lookup_ms = (time.perf_counter() - t) * 1000 + bytes_lookup_ms
 
-            misses = [im for im in images if im.embedding is None]
+            misses = [im for im in [*images, *videos] if im.embedding is None]
             if misses:
                 t = time.perf_counter()
                 await self._encode(misses, context)
@@ -978,8 +1245,15 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             with tracer.start_as_current_span("embedding.transfer") as span:
                 for im in images:
                     decode_request.images.append(im.embedding)
+                for v in videos:
+                    assert v.video is not None
+                    decode_request.videos.add(
+                        embedding=v.embedding, timestamps=v.video.patch_timestamps
+                    )
                 sent = sum(
-                    tensors.payload_nbytes(im.embedding.embeddings) for im in images if im.embedding
+                    tensors.payload_nbytes(im.embedding.embeddings)
+                    for im in [*images, *videos]
+                    if im.embedding
                 )
                 span.set_attribute("splitvl.embedding.bytes", sent)
                 span.set_attribute("splitvl.embedding.destination", "decoder")
@@ -997,6 +1271,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 )
                 for i, im in enumerate(images)
             ]
+            video_infos = [_video_info(v) for v in videos]
 
             t_decode = time.perf_counter()
             with tracer.start_as_current_span("gateway.decode") as span:
@@ -1020,6 +1295,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                             metrics.TTFT.observe(now - t_start)
                             span.add_event("first_token", {"splitvl.ttft_ms": timings.ttft_ms})
                             response.images.extend(infos)
+                            response.videos.extend(video_infos)
                             first = False
                         if chunk.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
                             response.usage.CopyFrom(chunk.usage)

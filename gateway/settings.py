@@ -39,6 +39,26 @@ class GatewaySettings(ServerSettings):
         description="Width*height summed over a request's images (from their headers, "
         "before decoding).",
     )
+    # Videos (gateway/video.py). Sampling defaults come from the checkpoint's video processor.
+    max_videos: int = Field(2, ge=0, description="Videos per request.")
+    max_video_bytes: int = Field(64 * MiB, ge=1, description="Encoded bytes of one video file.")
+    max_video_duration_s: float = Field(
+        600.0, gt=0, description="Length of one video file, seconds (from its packets' times)."
+    )
+    video_max_frames: int = Field(
+        768,
+        ge=1,
+        description="Most frames kept from one video (a request's max_frames may only lower it); "
+        "also the most frames a video given as frames may have.",
+    )
+    video_max_fps: float = Field(8.0, gt=0, description="Highest sample_fps a request may ask.")
+    video_max_decoded_pixels: int = Field(
+        8_294_400, ge=1, description="Stored width*height of one video frame (3840x2160)."
+    )
+    # Qwen3-VL's reference budget (Qwen's blog and the vLLM recipe): 16,384 video tokens.
+    max_video_tokens: int = Field(
+        16384, ge=1, description="Video tokens summed over a request's videos."
+    )
     max_text_chars: int = Field(65536, ge=1, description="Characters of text per request.")
     max_tokens_limit: int = Field(4096, ge=1)
     max_messages: int = Field(64, ge=1)
@@ -96,10 +116,16 @@ class GatewaySettings(ServerSettings):
 
         The shared 256 MiB default suits internal hops (embeddings); a public client could
         make the gateway hold several times its message while it is parsed. Unless set, it
-        is ``max_images * max_image_bytes + 1 MiB`` (room for text and framing), at least
+        is ``max_images * max_image_bytes + 1 MiB`` (room for text and framing), or
+        ``max_videos * max_video_bytes + 1 MiB`` where larger (a request at both maxima is
+        refused by size; send large videos by URL), at least
         the 4 MiB floor. Data URLs cost 4/3 of their image in base64. The gateway's channels
         to its own services keep vlcommon.settings.channel_options' 256 MiB.
         """
         if "max_message_bytes" not in self.model_fields_set:
-            self.max_message_bytes = max(4 * MiB, self.max_images * self.max_image_bytes + MiB)
+            self.max_message_bytes = max(
+                4 * MiB,
+                self.max_images * self.max_image_bytes + MiB,
+                self.max_videos * self.max_video_bytes + MiB,
+            )
         return self

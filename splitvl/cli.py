@@ -3,7 +3,7 @@
 splitvl make-tiny-model DIR           build the tiny random-weight Qwen3-VL checkpoint
 splitvl up [--model PATH_OR_HUB_ID] [--decoder-arg=ARG ...]
                                       run the four services on loopback until SIGINT/SIGTERM
-splitvl generate --image FILE|URL... --prompt TEXT [--json]   stream an answer from the gateway
+splitvl generate --image FILE|URL... --video FILE|URL... --prompt TEXT [--json]   stream an answer
 splitvl demo [--json]                 start the services, ask about real photos, stop
 splitvl bench [--quick] [--json]      splitvl against vLLM alone: TTFT, ITL, throughput
 splitvl cache-bench [--sizes N,...] [--json]   similarity index latency/memory/recall by size
@@ -22,11 +22,13 @@ import json
 import signal
 import sys
 import threading
+from typing import Any
 
 from splitvl.argtypes import (
     base_port,
     base_port_or_off,
     non_negative_float,
+    non_negative_int,
     port_or_off,
     positive_float,
     positive_int,
@@ -95,16 +97,56 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+class _MediaAction(argparse.Action):
+    """``--image`` / ``--video``: each value also lands in ``args.media`` as (flag, value),
+    so images and videos are sent in the order the command line gives them."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        getattr(namespace, self.dest).append(values)
+        media = getattr(namespace, "media", None) or []
+        media.append((self.dest, values))
+        namespace.media = media
+
+
+def media_parts(args: argparse.Namespace) -> list[Any]:
+    """The ``--image`` and ``--video`` values as ImageInput / VideoInput, in command-line order.
+
+    Raises:
+        OSError: a file cannot be read (``err.media_flag`` names the flag).
+    """
+    from splitvl.client import image_input, video_input
+
+    media = getattr(args, "media", None) or [("image", s) for s in args.image]
+    parts: list[Any] = []
+    for kind, source in media:
+        try:
+            if kind == "video":
+                parts.append(video_input(source, sample_fps=args.fps, max_frames=args.max_frames))
+            else:
+                parts.append(image_input(source))
+        except OSError as err:
+            err.media_flag = kind  # type: ignore[attr-defined]
+            raise
+    return parts
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from splitvl.client import build_request, generate, image_input
+    from splitvl.client import build_request, generate
 
     try:
-        images = [image_input(source) for source in args.image]
+        images = media_parts(args)
     except OSError as err:
+        flag = getattr(err, "media_flag", "image")
         print(
-            f"splitvl generate: cannot read --image {err.filename}: {err.strerror}",
+            f"splitvl generate: cannot read --{flag} {err.filename}: {err.strerror}",
             file=sys.stderr,
         )
         return 2
@@ -133,6 +175,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(
                 f"image {im['index']}: {im['tier']} (similarity {im['similarity']:.4f}, "
                 f"grid {im['grid']}, {im['tokens']} tokens)",
+                file=sys.stderr,
+            )
+        for v in result.videos:
+            stamps = ", ".join(f"{t:.2f}" for t in v["timestamps"])
+            print(
+                f"video {v['index']}: {v['tier']} (grid {v['grid']}, {v['tokens']} tokens, "
+                f"{v['frames']} frames at {stamps} s)",
                 file=sys.stderr,
             )
     return 0
@@ -211,10 +260,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--image",
-        action="append",
+        action=_MediaAction,
         default=[],
         help="image file, http(s):// URL (fetched by the gateway; needs GATEWAY_ALLOW_URLS=true "
-        "there) or data: URL; repeatable, sent in order before the prompt",
+        "there) or data: URL; repeatable, sent in order (with --video) before the prompt",
+    )
+    p.add_argument(
+        "--video",
+        action=_MediaAction,
+        default=[],
+        help="video file (MP4, MOV, MKV, WebM, GIF...), http(s):// URL or data: URL; "
+        "repeatable, sent in command-line order with the images",
+    )
+    p.add_argument(
+        "--fps",
+        type=non_negative_float,
+        default=0.0,
+        help="frames per second sampled from each video; 0 = the server's default (2)",
+    )
+    p.add_argument(
+        "--max-frames",
+        type=non_negative_int,
+        default=0,
+        help="most frames kept per video; 0 = the server's default",
     )
     p.add_argument("--prompt", required=True, help="the user's text, after the images")
     p.add_argument(
@@ -230,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object (text, token_ids, images, finish_reason, usage, timings)",
+        help="print one JSON object (text, token_ids, images, videos, finish_reason, usage, "
+        "timings)",
     )
     p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_BASE_PORT}", help="the gateway")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="deadline, seconds")

@@ -29,6 +29,7 @@ class Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     images: list[dict[str, Any]] = field(default_factory=list)
+    videos: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str = ""
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -39,6 +40,7 @@ class Result:
             "text": self.text,
             "token_ids": self.token_ids,
             "images": self.images,
+            "videos": self.videos,
             "finish_reason": self.finish_reason,
             "usage": self.usage,
             "timings": self.timings,
@@ -63,8 +65,29 @@ def image_input(source: str) -> pb.ImageInput:
     return pb.ImageInput(data=Path(source).read_bytes())
 
 
+def video_input(source: str, *, sample_fps: float = 0.0, max_frames: int = 0) -> pb.VideoInput:
+    """A ``VideoInput`` (an encoded file) from what a user typed after ``--video``.
+
+    Args:
+        source: A URL (``url``, fetched by the gateway when GATEWAY_ALLOW_URLS is on), a
+            ``data:`` URL, or a file path (its bytes).
+        sample_fps: Frames per second to sample; 0 = the server's default (2).
+        max_frames: Most frames to keep; 0 = the server's default.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    if source.lower().startswith(("http://", "https://")):
+        file = pb.VideoFile(url=source)
+    elif source.lower().startswith("data:"):
+        file = pb.VideoFile(data_url=source)
+    else:
+        file = pb.VideoFile(data=Path(source).read_bytes())
+    return pb.VideoInput(file=file, sample_fps=sample_fps, max_frames=max_frames)
+
+
 def build_request(
-    images: Sequence[bytes | pb.ImageInput],
+    images: Sequence[bytes | pb.ImageInput | pb.VideoInput],
     prompt: str,
     *,
     max_tokens: int | None = None,
@@ -77,14 +100,17 @@ def build_request(
 
     Args:
         images: Encoded image files (bytes, sent as ``ImageInput.data``) or ready
-            ``ImageInput`` messages (e.g. from ``image_input``, for URLs).
+            ``ImageInput`` messages (e.g. from ``image_input``, for URLs), and videos
+            (``VideoInput``, e.g. from ``video_input``), in the order given.
         max_tokens: Output token limit; None leaves it unset (the decoder's
             ``DECODER_MAX_TOKENS_DEFAULT``, 256).
     """
     request = pb.GenerateRequest(cache_policy=cache_policy)
     message = request.messages.add(role="user")
     for image in images:
-        if isinstance(image, pb.ImageInput):
+        if isinstance(image, pb.VideoInput):
+            message.parts.add(video=image)
+        elif isinstance(image, pb.ImageInput):
             message.parts.add(image=image)
         else:
             message.parts.add(image=pb.ImageInput(data=image))
@@ -116,6 +142,21 @@ def consume(responses: Any, on_text: Callable[[str], None] | None = None) -> Res
                     "key": im.key,
                 }
                 for im in chunk.images
+            ]
+        if chunk.videos:
+            result.videos = [
+                {
+                    "index": v.index,
+                    "tier": TIER_NAMES.get(v.tier, "unspecified"),
+                    "grid": [v.grid.t, v.grid.h, v.grid.w],
+                    "tokens": v.tokens,
+                    "frames": v.frames,
+                    "timestamps": [round(t, 6) for t in v.timestamps],
+                    "frame_indices": list(v.frame_indices),
+                    "source_frames": v.source_frames,
+                    "key": v.key,
+                }
+                for v in chunk.videos
             ]
         result.token_ids.extend(chunk.token_ids)
         result.text += chunk.text

@@ -729,6 +729,10 @@ def main(args: argparse.Namespace) -> int:
         from splitvl_tools.openai_bench import run
 
         return run(args)
+    if args.video:
+        from splitvl_tools.video_bench import run as run_video
+
+        return run_video(args)
     import torch
 
     from decoder_service.engine import default_block_size
@@ -899,6 +903,15 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--openai-concurrency", default="1,8,32", help="with --openai: concurrencies to run"
+    )
+    p.add_argument(
+        "--video",
+        action="store_true",
+        help="instead: the video scenario, 10-second clips at 2 fps, half repeats "
+        "(splitvl_tools/video_bench.py)",
+    )
+    p.add_argument(
+        "--video-concurrency", type=positive_int, default=8, help="with --video: streams at once"
     )
     p.add_argument(
         "--rounds", type=positive_int, default=2, help="with --openai: vllm/splitvl alternations"

@@ -128,13 +128,14 @@ def test_an_absent_temperature_is_openais_default_of_one_not_greedy() -> None:
             {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             "messages[0].content[0]",
             grpc.StatusCode.INVALID_ARGUMENT,
-            "messages[0].content[0] has type 'input_audio'; served: 'text', 'image_url'",
+            "messages[0].content[0] has type 'input_audio'; served: 'text', 'image_url', "
+            "'video_url'",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
-            "messages[0].content[0]",
-            grpc.StatusCode.UNIMPLEMENTED,
-            "messages[0].content[0]: video_url parts are not served yet (images only)",
+            "messages[0].content[0].video_url",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "messages[0].content[0]: a video_url part is {'type', 'video_url': {'url': string}}",
         ),
         (
             {"max_tokens": 5, "max_completion_tokens": 6},
@@ -790,3 +791,18 @@ def test_tls_and_mutual_tls_on_the_http_port(tmp_path: Any) -> None:
         ours.load_cert_chain(str(pki.client_cert), str(pki.client_key))
         with httpx.Client(verify=ours) as http:
             assert http.get(url + "/models", timeout=5).json()["data"][0]["id"] == MODEL
+def test_a_video_url_part_becomes_a_video_file_in_order() -> None:
+    content = [
+        {"type": "video_url", "video_url": {"url": "https://h/clip.mp4"}},
+        {"type": "image_url", "image_url": {"url": "https://h/a.png"}},
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+        {"type": "text", "text": "what happens?"},
+    ]
+    converted = to_generate_request(
+        _request(messages=[{"role": "user", "content": content}]), (MODEL,)
+    )
+    parts = converted.request.messages[0].parts
+    assert [p.WhichOneof("part") for p in parts] == ["video", "image", "video", "text"]
+    assert parts[0].video.file.url == "https://h/clip.mp4"
+    assert parts[2].video.file.data_url == "data:video/mp4;base64,AAAA"
+    assert converted.openai_param("videos[1]") == "messages[0].content[2].video_url.url"

@@ -1,0 +1,561 @@
+"""Video intake: decode only the frames qwen-vl-utils' sampling keeps, upright, resized.
+
+Usage::
+
+    config = load_video_config(model_dir)              # the checkpoint's video processor
+    video = decode_video(data, index=0, spec=spec, config=config, limits=limits,
+                         request=VideoRequest(...), revision=rev)
+    video.frames      # uint8 [frames, resized_height, resized_width, 3], padded to 2
+    video.plan.grid   # video_grid_thw (t = frames / temporal_patch_size, h, w)
+    video.timestamps  # seconds, one per kept frame (real presentation times)
+
+Sampling and sizing are qwen-vl-utils' (``qwen_vl_utils.vision_process``, the reference
+implementation Qwen names): ``smart_nframes`` picks the frame count (fps, min/max frames,
+an even count), ``torch.linspace(0, total - 1, n).round()`` the indices, and each frame is
+resized with its ``smart_resize`` within ``[min_pixels, max(min(VIDEO_MAX_TOKEN_NUM * f**2,
+total_pixels / n * 2), 1.05 * min_pixels)]`` with ``f = 2 * image_patch_size`` (32 for
+Qwen3-VL). The container is read with PyAV (FFmpeg): its packets are demuxed first (no
+decoding) to count the frames and get their presentation times, then the decoder seeks to
+the key frame before each kept frame and decodes forward to it, so a 5-minute clip sampled
+to a few frames decodes a few GOPs, not the file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import io
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
+from vlcommon.imaging import ResizePlan, resize_to_plan
+from vlcommon.model_info import VisionSpec
+
+# qwen-vl-utils' sample_fps for a list of frames given without a rate.
+DEFAULT_FRAMES_FPS = 2.0
+KEY_VERSION = b"splitvl-video-v1\0"
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    """The server's default video sampling, from the checkpoint's video processor config.
+
+    Attributes:
+        fps: Frames per second sampled from a file (``fps``, 2 for Qwen3-VL).
+        min_frames, max_frames: Bounds on the sampled frame count (4 and 768).
+        frame_min_pixels: Lower bound on each resized frame's height*width
+            (``size.shortest_edge``).
+        frame_max_pixels: Upper bound on each resized frame's height*width:
+            ``max_video_tokens * (2 * patch_size)**2`` (qwen-vl-utils' VIDEO_MAX_TOKEN_NUM).
+        total_pixels: The pixel budget of a whole video (``size.longest_edge``); qwen-vl-utils
+            gives each frame at most ``total_pixels / frames * 2``.
+    """
+
+    fps: float
+    min_frames: int
+    max_frames: int
+    frame_min_pixels: int
+    frame_max_pixels: int
+    total_pixels: int
+
+
+def load_video_config(model_dir: Path, spec: VisionSpec) -> VideoConfig:
+    """Read :class:`VideoConfig` from ``processor_config.json`` (``video_processor``) or
+    ``video_preprocessor_config.json``; transformers' Qwen3VLVideoProcessor defaults fill
+    what neither gives."""
+    proc: dict = {}
+    nested = model_dir / "processor_config.json"
+    if nested.exists():
+        proc = dict(json.loads(nested.read_text()).get("video_processor") or {})
+    single = model_dir / "video_preprocessor_config.json"
+    if not proc and single.exists():
+        proc = dict(json.loads(single.read_text()))
+    factor = spec.factor
+    size = proc.get("size") or {}
+    return VideoConfig(
+        fps=float(proc.get("fps") or 2.0),
+        min_frames=int(proc.get("min_frames") or 4),
+        max_frames=int(proc.get("max_frames") or 768),
+        frame_min_pixels=int(size.get("shortest_edge") or 128 * factor * factor),
+        frame_max_pixels=int(proc.get("max_video_tokens") or 768) * factor * factor,
+        total_pixels=int(size.get("longest_edge") or 768 * factor * factor * 32),
+    )
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """The gateway's bounds on one video (GATEWAY_* settings; see gateway.settings)."""
+
+    max_bytes: int
+    max_duration_s: float
+    max_frames: int
+    max_fps: float
+    max_decoded_pixels: int  # stored width*height of one frame
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    """Per-request overrides (VideoInput), 0 meaning the server's default."""
+
+    sample_fps: float = 0.0
+    max_frames: int = 0
+    max_pixels: int = 0
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Which frames of the source are kept and when they are shown.
+
+    Attributes:
+        source_frames: Frames in the file (or given).
+        video_fps: The source's average rate, frames per second.
+        indices: Kept frame indices in presentation order, padded (last one repeated).
+        timestamps: Presentation time of each kept frame, seconds from the first frame.
+    """
+
+    source_frames: int
+    video_fps: float
+    indices: tuple[int, ...]
+    timestamps: tuple[float, ...]
+
+
+@dataclass
+class DecodedVideo:
+    """One video, sampled, upright and resized: what the encoder and the cache need.
+
+    Attributes:
+        frames: uint8 ``[n, resized_height, resized_width, 3]``, n even.
+        plan: Resize plan; ``grid_t = n / temporal_patch_size``, ``tokens`` for the video.
+        sampling: The sampling plan.
+        key: Exact cache key (SHA-256 hex over the decoded upright kept frames before
+            resizing, the sampling plan, the resize plan and the model revision).
+        container, codec: Format names as FFmpeg gives them ("" for given frames).
+        duration_s: Length of the source, seconds.
+        frames_decoded: Frames the codec produced (from each seek's key frame to the kept
+            frame): the cost of sampling, well under ``source_frames`` for a long clip.
+    """
+
+    frames: np.ndarray
+    plan: ResizePlan
+    sampling: SamplingPlan
+    key: str
+    container: str = ""
+    codec: str = ""
+    duration_s: float = 0.0
+    frames_decoded: int = 0
+
+    @property
+    def patch_timestamps(self) -> list[float]:
+        """One time per temporal patch (the mean of its first and last frame), as Qwen3-VL's
+        processor builds its ``<t seconds>`` prompt text (``_calculate_timestamps``)."""
+        ts = self.sampling.timestamps
+        n = len(ts) // max(1, self.plan.grid_t)
+        return [(ts[i] + ts[i + n - 1]) / 2 for i in range(0, len(ts), n)]
+
+
+def _field(index: int) -> str:
+    return f"videos[{index}]"
+
+
+def _undecodable(index: int, what: str) -> ServiceError:
+    return invalid_argument(
+        "VIDEO_UNDECODABLE",
+        f"{_field(index)} could not be decoded: {what}",
+        field=_field(index),
+    )
+
+
+def _truncated(index: int, what: str) -> ServiceError:
+    return invalid_argument(
+        "VIDEO_TRUNCATED",
+        f"{_field(index)} is truncated or undecodable: {what}",
+        field=_field(index),
+    )
+
+
+def check_request(req: VideoRequest, config: VideoConfig, limits: VideoLimits, field: str) -> None:
+    """Refuse per-request overrides outside the server's bounds (INVALID_ARGUMENT)."""
+    if not (0 <= req.sample_fps <= limits.max_fps) or math.isnan(req.sample_fps):
+        raise invalid_argument(
+            "VIDEO_FPS_OUT_OF_RANGE",
+            f"{field}.sample_fps is {req.sample_fps}; allowed 0 (default {config.fps:g}) to "
+            f"{limits.max_fps:g} (GATEWAY_VIDEO_MAX_FPS)",
+            field=f"{field}.sample_fps",
+            limit=limits.max_fps,
+        )
+    if not (0 <= req.max_frames <= limits.max_frames):
+        raise invalid_argument(
+            "VIDEO_MAX_FRAMES_OUT_OF_RANGE",
+            f"{field}.max_frames is {req.max_frames}; allowed 0 (default) to "
+            f"{limits.max_frames} (GATEWAY_VIDEO_MAX_FRAMES)",
+            field=f"{field}.max_frames",
+            limit=limits.max_frames,
+        )
+    floor = config.frame_min_pixels
+    if req.max_pixels and not (floor <= req.max_pixels <= config.frame_max_pixels):
+        raise invalid_argument(
+            "VIDEO_MAX_PIXELS_OUT_OF_RANGE",
+            f"{field}.max_pixels is {req.max_pixels}; allowed 0 (default) or {floor} to "
+            f"{config.frame_max_pixels} (the per-frame bounds of the checkpoint's video "
+            "processor)",
+            field=f"{field}.max_pixels",
+            limit=config.frame_max_pixels,
+        )
+
+
+def _max_frames(config: VideoConfig, limits: VideoLimits, req: VideoRequest) -> int:
+    return min(req.max_frames or config.max_frames, limits.max_frames)
+
+
+def sample_indices(
+    total_frames: int, video_fps: float, fps: float, min_frames: int, max_frames: int
+) -> list[int]:
+    """qwen-vl-utils' frame choice: ``smart_nframes`` then ``linspace(...).round()``.
+
+    A source of fewer frames than the temporal patch size (2) keeps all of them (the caller
+    pads): ``smart_nframes`` would refuse it, while its list-of-frames path pads, and a
+    still image sent as a video (case C16) is better answered than refused.
+    """
+    import torch
+    from qwen_vl_utils.vision_process import FRAME_FACTOR, smart_nframes
+
+    if total_frames < FRAME_FACTOR:
+        return list(range(total_frames))
+    n = smart_nframes(
+        {"fps": fps, "min_frames": min_frames, "max_frames": max_frames}, total_frames, video_fps
+    )
+    return [int(i) for i in torch.linspace(0, total_frames - 1, n).round().long().tolist()]
+
+
+def plan_video(
+    height: int,
+    width: int,
+    frames: int,
+    spec: VisionSpec,
+    config: VideoConfig,
+    *,
+    index: int,
+    max_pixels: int = 0,
+) -> ResizePlan:
+    """Resize plan of every frame of a video of ``frames`` frames (already padded).
+
+    qwen-vl-utils' ``fetch_video`` bounds: ``max_pixels = max(min(frame_max_pixels,
+    total_pixels / frames * 2), int(frame_min_pixels * 1.05))``, lowered to the request's
+    ``max_pixels``; then its ``smart_resize`` with ``factor = 2 * patch_size``.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``VIDEO_ASPECT_RATIO_TOO_LARGE`` past 200.
+    """
+    from qwen_vl_utils.vision_process import FRAME_FACTOR, MAX_RATIO, smart_resize
+
+    ratio = max(height, width) / max(1, min(height, width))
+    if ratio > MAX_RATIO:
+        raise invalid_argument(
+            "VIDEO_ASPECT_RATIO_TOO_LARGE",
+            f"{_field(index)} is {width}x{height}: aspect ratio {ratio:.1f} exceeds the limit "
+            f"of {MAX_RATIO}",
+            field=_field(index),
+            limit=MAX_RATIO,
+        )
+    lo = config.frame_min_pixels
+    hi = max(
+        min(config.frame_max_pixels, config.total_pixels / frames * FRAME_FACTOR), int(lo * 1.05)
+    )
+    if max_pixels:
+        hi = min(hi, max_pixels)
+    rh, rw = smart_resize(height, width, factor=spec.factor, min_pixels=lo, max_pixels=hi)
+    grid_t = frames // spec.temporal_patch_size
+    grid_h, grid_w = rh // spec.patch_size, rw // spec.patch_size
+    return ResizePlan(
+        resized_height=rh,
+        resized_width=rw,
+        grid_t=grid_t,
+        grid_h=grid_h,
+        grid_w=grid_w,
+        tokens=spec.tokens(grid_t, grid_h, grid_w),
+    )
+
+
+def _pad(indices: list[int], times: list[float], multiple: int) -> tuple[list[int], list[float]]:
+    """Repeat the last frame up to a multiple of the temporal patch size (qwen-vl-utils'
+    list-of-frames path and transformers' ``patchify`` both pad this way)."""
+    pad = -len(indices) % multiple
+    return indices + [indices[-1]] * pad, times + [times[-1]] * pad
+
+
+def _key(digest: hashlib._Hash, sampling: SamplingPlan, plan: ResizePlan, revision: str) -> str:
+    digest.update(
+        f"\0{sampling.source_frames}\0{sampling.indices}\0"
+        f"{[round(t, 6) for t in sampling.timestamps]}\0"
+        f"{plan.resized_height}x{plan.resized_width}\0{plan.grid}\0{revision}\0".encode()
+    )
+    return digest.hexdigest()
+
+
+def _rotate(rgb: np.ndarray, rotation: float) -> np.ndarray:
+    """Turn a frame as its display matrix says (FFmpeg's ``av_display_rotation_get``: degrees
+    counterclockwise), the way ffmpeg's autorotate and players show it (case C15)."""
+    k = round(rotation / 90) % 4
+    return np.ascontiguousarray(np.rot90(rgb, k)) if k else rgb
+
+
+Check = Callable[[], None]
+
+
+def decode_video(
+    data: bytes,
+    *,
+    index: int,
+    spec: VisionSpec,
+    config: VideoConfig,
+    limits: VideoLimits,
+    request: VideoRequest,
+    revision: str,
+    check: Check | None = None,
+) -> DecodedVideo:
+    """Demux, sample, decode (only the kept frames), rotate upright and resize one file.
+
+    Args:
+        data: The encoded file.
+        index: The video's position among the request's videos (for messages).
+        check: Called between frames; raises to stop (a cancelled or expired request).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``VIDEO_UNDECODABLE`` (not a container FFmpeg reads),
+            ``VIDEO_NO_VIDEO_STREAM`` (e.g. audio only, case C18), ``VIDEO_TRUNCATED`` (the
+            index lists frames the file does not hold, or a kept frame does not decode,
+            case C17); RESOURCE_EXHAUSTED ``VIDEO_BYTES_TOO_LARGE``, ``VIDEO_TOO_LONG``,
+            ``VIDEO_FRAME_TOO_LARGE`` naming the GATEWAY_* limit; what ``check`` raises.
+    """
+    import av
+
+    check = check or (lambda: None)
+    field = _field(index)
+    if len(data) > limits.max_bytes:
+        raise resource_exhausted(
+            "VIDEO_BYTES_TOO_LARGE",
+            f"{field} is {len(data)} bytes; the limit is {limits.max_bytes} "
+            "(GATEWAY_MAX_VIDEO_BYTES)",
+            field=field,
+            limit=limits.max_bytes,
+        )
+    if not data:
+        raise _undecodable(index, "the file is empty")
+    try:
+        container: Any = av.open(io.BytesIO(data), mode="r")
+    except (av.FFmpegError, ValueError, OSError) as exc:
+        raise _undecodable(index, f"not a video container FFmpeg can read ({exc})") from exc
+    with container:
+        streams = [s for s in container.streams if s.type == "video"]
+        if not streams:
+            kinds = sorted({str(s.type) for s in container.streams}) or ["none"]
+            raise invalid_argument(
+                "VIDEO_NO_VIDEO_STREAM",
+                f"{field} has no video stream (streams: {', '.join(kinds)})",
+                field=field,
+            )
+        stream: Any = streams[0]
+        fmt = container.format.name
+        codec = stream.codec_context.name
+        time_base = float(stream.time_base or 0) or 1e-6
+        # Demux only (no decoding): every frame's presentation time and key-frame flag.
+        packets: list[tuple[int, bool]] = []
+        demux_error = ""
+        try:
+            for packet in container.demux(stream):
+                if packet.size and packet.pts is not None:
+                    packets.append((int(packet.pts), bool(packet.is_keyframe)))
+                if len(packets) % 256 == 0:
+                    check()
+        except av.FFmpegError as exc:
+            demux_error = str(exc)
+        packets.sort()
+        listed = int(stream.frames or 0)
+        if demux_error or not packets or (listed and len(packets) < listed):
+            raise _truncated(
+                index,
+                f"its index lists {listed} frames, {len(packets)} could be read"
+                + (f" ({demux_error})" if demux_error else ""),
+            )
+        total = len(packets)
+        start = packets[0][0]
+        times = [(pts - start) * time_base for pts, _ in packets]
+        step = (times[-1] / (total - 1)) if total > 1 else 0.0
+        duration = times[-1] + step
+        if duration > limits.max_duration_s:
+            raise resource_exhausted(
+                "VIDEO_TOO_LONG",
+                f"{field} lasts {duration:.1f} s; the limit is {limits.max_duration_s:g} s "
+                "(GATEWAY_MAX_VIDEO_DURATION_S)",
+                field=field,
+                limit=limits.max_duration_s,
+            )
+        rate = stream.average_rate or stream.guessed_rate
+        video_fps = float(rate) if rate else (total / duration if duration > 0 else 1.0)
+        stored = stream.codec_context.width * stream.codec_context.height
+        if stored > limits.max_decoded_pixels:
+            raise resource_exhausted(
+                "VIDEO_FRAME_TOO_LARGE",
+                f"{field} has {stream.codec_context.width}x{stream.codec_context.height} "
+                f"frames ({stored} pixels); the limit is {limits.max_decoded_pixels} per frame "
+                "(GATEWAY_VIDEO_MAX_DECODED_PIXELS)",
+                field=field,
+                limit=limits.max_decoded_pixels,
+            )
+        kept = sample_indices(
+            total,
+            video_fps,
+            request.sample_fps or config.fps,
+            config.min_frames,
+            _max_frames(config, limits, request),
+        )
+        # Decode the kept frames: seek to the key frame before a kept frame when it lies past
+        # the frames already decoded, decode forward to the kept frame's pts. Each is hashed
+        # and resized at once, so only resized frames stay in memory.
+        keyframes = [i for i, (_, key) in enumerate(packets) if key] or [0]
+        indices, stamps = _pad(kept, [times[i] for i in kept], spec.temporal_patch_size)
+        sampling = SamplingPlan(total, video_fps, tuple(indices), tuple(stamps))
+        resized: dict[int, np.ndarray] = {}
+        plan: ResizePlan | None = None
+        first_shape: tuple[int, ...] = ()
+        frames_iter: Any = None
+        position = -1  # index of the last frame decoded
+        produced = 0
+        digest = hashlib.sha256(KEY_VERSION)
+        try:
+            for target in sorted(set(kept)):
+                check()
+                key_index = keyframes[max(0, bisect.bisect_right(keyframes, target) - 1)]
+                if frames_iter is None or position < key_index - 1 or position >= target:
+                    container.seek(packets[key_index][0], stream=stream, backward=True)
+                    frames_iter = container.decode(stream)
+                    position = key_index - 1
+                target_pts = packets[target][0]
+                frame = None
+                for frame in frames_iter:
+                    produced += 1
+                    if frame.pts is None:
+                        continue
+                    position = bisect.bisect_left(packets, (int(frame.pts), False))
+                    if frame.pts >= target_pts:
+                        break
+                    check()
+                else:
+                    frame = None
+                if frame is None:
+                    raise _truncated(index, f"frame {target} of {total} did not decode")
+                rgb = _rotate(frame.to_ndarray(format="rgb24"), float(frame.rotation or 0))
+                if plan is None:
+                    plan = plan_video(
+                        rgb.shape[0],
+                        rgb.shape[1],
+                        len(indices),
+                        spec,
+                        config,
+                        index=index,
+                        max_pixels=request.max_pixels,
+                    )
+                    digest.update(f"{rgb.shape[0]}x{rgb.shape[1]}\0".encode())
+                elif rgb.shape[:2] != first_shape:
+                    raise invalid_argument(
+                        "VIDEO_FRAME_SIZE_MISMATCH",
+                        f"{field} changes frame size mid-stream ({first_shape} to "
+                        f"{rgb.shape[:2]}); splitvl takes videos of one frame size",
+                        field=field,
+                    )
+                first_shape = rgb.shape[:2]
+                digest.update(rgb.tobytes())
+                resized[target] = resize_to_plan(rgb, plan).permute(1, 2, 0).numpy()
+                del rgb
+        except av.FFmpegError as exc:
+            raise _truncated(index, f"decoding failed ({exc})") from exc
+    assert plan is not None  # kept holds at least one frame
+    out = np.stack([resized[i] for i in indices])
+    return DecodedVideo(
+        frames=out,
+        plan=plan,
+        sampling=sampling,
+        key=_key(digest, sampling, plan, revision),
+        container=fmt,
+        codec=codec,
+        duration_s=duration,
+        frames_decoded=produced,
+    )
+
+
+def frames_video(
+    images: list[np.ndarray],
+    *,
+    index: int,
+    fps: float,
+    spec: VisionSpec,
+    config: VideoConfig,
+    request: VideoRequest,
+    revision: str,
+) -> DecodedVideo:
+    """A video given as decoded frames (VideoInput.frames): all kept, padded to 2.
+
+    Timestamps are ``i / fps`` (fps 0: qwen-vl-utils' default sample_fps, 2).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``VIDEO_FRAME_SIZE_MISMATCH`` when the frames differ
+            in size, ``VIDEO_TOO_FEW_FRAMES`` when there is none.
+    """
+    field = _field(index)
+    if not images:
+        raise invalid_argument(
+            "VIDEO_TOO_FEW_FRAMES", f"{field}.frames is empty", field=f"{field}.frames", limit=1
+        )
+    h, w = images[0].shape[:2]
+    for j, im in enumerate(images):
+        if im.shape[:2] != (h, w):
+            raise invalid_argument(
+                "VIDEO_FRAME_SIZE_MISMATCH",
+                f"{field}.frames[{j}] is {im.shape[1]}x{im.shape[0]}; frames[0] is {w}x{h}: "
+                "every frame of a video must have one size",
+                field=f"{field}.frames[{j}]",
+            )
+    rate = fps or DEFAULT_FRAMES_FPS
+    kept = list(range(len(images)))
+    indices, stamps = _pad(kept, [i / rate for i in kept], spec.temporal_patch_size)
+    sampling = SamplingPlan(len(images), rate, tuple(indices), tuple(stamps))
+    plan = plan_video(h, w, len(indices), spec, config, index=index, max_pixels=request.max_pixels)
+    digest = hashlib.sha256(KEY_VERSION)
+    digest.update(f"{h}x{w}\0".encode())
+    out = np.empty((len(indices), plan.resized_height, plan.resized_width, 3), np.uint8)
+    for n, i in enumerate(indices):
+        digest.update(images[i].tobytes())
+        out[n] = resize_to_plan(images[i], plan).permute(1, 2, 0).numpy()
+    return DecodedVideo(
+        frames=out,
+        plan=plan,
+        sampling=sampling,
+        key=_key(digest, sampling, plan, revision),
+        duration_s=len(images) / rate,
+    )
+
+
+def live_check(stop: threading.Event, deadline: float | None, index: int) -> Check:
+    """A ``check`` for :func:`decode_video`: CANCELLED or DEADLINE_EXCEEDED between frames."""
+
+    def check() -> None:
+        if stop.is_set():
+            raise ServiceError(grpc.StatusCode.CANCELLED, "CANCELLED", "the request was cancelled")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "DEADLINE_EXCEEDED",
+                f"the request's deadline expired while {_field(index)} was decoded",
+            )
+
+    return check
