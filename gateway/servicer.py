@@ -119,8 +119,8 @@ class PreparedImage:
     decoded: bool
     pixels: np.ndarray | None = None  # uint8 [resized_height, resized_width, 3], upright RGB
     descriptor: np.ndarray | None = None  # float32 [DESCRIPTOR_DIM]
-    # uint8 [resized_height/2, resized_width/2]: the cache verifies similarity candidates
-    # on it (vlcommon.verification); built from ``pixels`` when there is a cache.
+    # uint8 [h, w]: the decoded image's luma, at most VERIFY_MAX_PIXELS: the cache verifies
+    # similarity candidates on it (vlcommon.verification); built when there is a cache.
     verification: np.ndarray | None = None
     # The encoded file's digest when its header's plan is the decoded image's plan: stored
     # as an alias of ``key`` so that the same file is found again without decoding.
@@ -514,10 +514,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     resized = np.asarray(image, dtype=np.uint8)  # already the planned size
                 else:
                     resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
+                # From the decoded image, not the plan (vlcommon.verification), here on the
+                # preprocess thread (up to ~30 ms for 12 MP); only a cache can use it.
+                verification = verification_image(image) if self.down.cache is not None else None
             del image
-            # Built here, on the preprocess thread, not in the event loop (up to ~6 ms at
-            # 2048x2048); only a cache can use it.
-            verification = verification_image(resized) if self.down.cache is not None else None
             prepared.append(
                 PreparedImage(
                     index=index,
