@@ -28,6 +28,7 @@ from cache_service.store import EmbeddingStore
 from splitvl_tools import cache_eval
 from tests.conftest import in_process_server, photo
 from vlcommon import tensors
+from vlcommon.grid_reuse import reusable_grids
 from vlcommon.imaging import (
     DESCRIPTOR_DIM,
     cosine_similarity,
@@ -301,3 +302,72 @@ async def test_verification_counts_in_the_budget_and_bad_ones_are_invalid(cache)
         await lookup(stub, q)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "queries[0].verification" in exc.value.details()
+
+
+def with_reusable(q: pb.LookupQuery, data: bytes, spec: VisionSpec) -> pb.LookupQuery:
+    """The query with the grids of its aspect class, as the gateway computes them."""
+    image = decode_image(data, index=0, max_decoded_pixels=40_000_000)
+    grids = reusable_grids(
+        image.height, image.width, spec, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels
+    )
+    q.reusable_grids.extend(tensor_pb2.GridTHW(t=t, h=h, w=w) for t, h, w in grids[1:])
+    return q
+
+
+async def test_a_resized_copy_is_served_with_the_stored_grid_within_the_bound(cache) -> None:
+    """At Qwen3-VL's budget a 4% smaller copy of a photo gets another grid. Listing the
+    grids of its aspect class lets the similarity tier answer with the stored entry (its
+    embeddings and its grid); without them, and for a half-size copy, it is a miss. The
+    exact tier never answers with another grid."""
+    stub, _ = cache
+    qwen = cache_eval.default_spec(65536, 16777216)
+    image = decode_image(photo("astronaut.png"), index=0, max_decoded_pixels=40_000_000)
+    stored = prepare(photo("astronaut.png"), spec=qwen)
+    await stub.Put(pb.PutRequest(entries=[put_entry(stored)]))
+    smaller = encode(image.resize((round(image.width * 0.96), round(image.height * 0.96))))
+    half = encode(image.resize((image.width // 2, image.height // 2)))
+    ps, ph = prepare(smaller, spec=qwen), prepare(half, spec=qwen)
+    assert ps.grid != stored.grid and ph.grid != stored.grid
+    plain, served, half_result = await lookup(
+        stub,
+        query(ps),
+        with_reusable(query(ps), smaller, qwen),
+        with_reusable(query(ph), half, qwen),
+    )
+    assert plain.tier == MISS and plain.similarity > 0.99
+    assert served.tier == SIMILAR and served.matched_key == stored.key
+    g = served.embedding.grid
+    assert (g.t, g.h, g.w) == stored.grid
+    assert list(served.embedding.embeddings.shape) == [stored.tokens, WIDTH]
+    assert half_result.tier == MISS and stored.grid not in [
+        (r.t, r.h, r.w) for r in with_reusable(query(ph), half, qwen).reusable_grids
+    ]
+    # The exact key with a reusable grid listed is still a miss under another grid.
+    exact = query(stored)
+    exact.grid.CopyFrom(tensor_pb2.GridTHW(t=1, h=ps.grid[1], w=ps.grid[2]))
+    exact.reusable_grids.add(t=1, h=stored.grid[1], w=stored.grid[2])
+    exact.ClearField("descriptor")
+    (result,) = await lookup(stub, exact)
+    assert result.tier == MISS
+
+
+async def test_an_equal_grid_candidate_is_preferred_and_bad_reusable_grids_are_invalid(
+    cache,
+) -> None:
+    stub, _ = cache
+    qwen = cache_eval.default_spec(65536, 16777216)
+    image = decode_image(photo("coffee.png"), index=0, max_decoded_pixels=40_000_000)
+    big = prepare(photo("coffee.png"), spec=qwen)
+    smaller = encode(image.resize((round(image.width * 0.96), round(image.height * 0.96))))
+    small = prepare(smaller, spec=qwen)
+    await stub.Put(pb.PutRequest(entries=[put_entry(big), put_entry(small)]))
+    # A JPEG of the smaller copy: both entries verify, the equal grid one answers.
+    jpeg = encode(decode_image(smaller, index=0, max_decoded_pixels=10**8), "JPEG", quality=90)
+    (result,) = await lookup(stub, with_reusable(query(prepare(jpeg, spec=qwen)), jpeg, qwen))
+    assert result.tier == SIMILAR and result.matched_key == small.key
+    bad = with_reusable(query(small), smaller, qwen)
+    bad.reusable_grids.add(t=1, h=3, w=4)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await lookup(stub, bad)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"queries[0].reusable_grids[{len(bad.reusable_grids) - 1}]" in exc.value.details()
