@@ -346,13 +346,15 @@ def invoice_photo(total: str, *, seed: int, size: tuple[int, int] = (1200, 1600)
     return image
 
 
-def spreadsheet(cells: dict[tuple[int, int], str], *, dark_header: bool = True) -> Image.Image:
+def spreadsheet(cells: dict[tuple[int, int], str], *, banded: bool = False) -> Image.Image:
     """A 960x540 spreadsheet screenshot: a toolbar, a header row, 20 rows x 8 columns of
-    14 px numbers (filled from a fixed seed), gridlines; ``cells`` overrides (row, col)."""
+    14 px numbers (filled from a fixed seed), gridlines; ``cells`` overrides (row, col).
+    ``banded``: rows alternate white and light blue (then it is not document-like, so the
+    similarity tier and its verification see it)."""
     rng = np.random.default_rng(7)
     image = Image.new("RGB", (960, 540), (255, 255, 255))
     draw = ImageDraw.Draw(image)
-    draw.rectangle((0, 0, 960, 44), fill=(33, 115, 70) if dark_header else (235, 235, 235))
+    draw.rectangle((0, 0, 960, 44), fill=(33, 115, 70))
     draw.rectangle((0, 44, 960, 68), fill=(242, 242, 242))
     font = ImageFont.load_default(size=14)
     col_w, row_h, top = 116, 22, 68
@@ -360,6 +362,8 @@ def spreadsheet(cells: dict[tuple[int, int], str], *, dark_header: bool = True) 
         draw.text((40 + c * col_w + 6, 48), chr(65 + c), fill=(60, 60, 60), font=font)
     for r in range(21):
         y = top + r * row_h
+        if banded and r % 2:
+            draw.rectangle((0, y, 960, y + row_h), fill=(205, 222, 245))
         draw.line((0, y, 960, y), fill=(210, 210, 210))
         draw.text((8, y + 4), str(r + 1), fill=(90, 90, 90), font=font)
         for c in range(8):
@@ -459,6 +463,8 @@ def adversarial_pairs(quick: bool = False) -> list[tuple[str, Image.Image, Image
         out.append(("invoice-photo", invoice_photo(ta, seed=i), invoice_photo(tb, seed=i)))
     for cell, old, new in SPREADSHEET_EDITS[:1] if quick else SPREADSHEET_EDITS:
         out.append(("spreadsheet-one-cell", spreadsheet({cell: old}), spreadsheet({cell: new})))
+        banded = spreadsheet({cell: old}, banded=True), spreadsheet({cell: new}, banded=True)
+        out.append(("spreadsheet-banded-one-cell", *banded))
     for i, (w, h) in enumerate(RANDOM_SIZES[:1] if quick else RANDOM_SIZES):
         a, b = random_pixels(w, h, seed=2 * i), random_pixels(w, h, seed=2 * i + 1)
         out.append(("random-pixels", a, b))

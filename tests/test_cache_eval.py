@@ -1,6 +1,6 @@
 """``splitvl cache-eval`` on the reduced set (9 photos incl. the stereo pair, 6 text pairs
-in 4 layouts, 16 adversarial pairs: receipts, charts, screenshots, photographed pages and
-invoices one character apart, a spreadsheet one cell apart, random pixels, the poisoning
+in 4 layouts, 17 adversarial pairs: receipts, charts, screenshots, photographed pages and
+invoices one character apart, spreadsheets one cell apart, random pixels, the poisoning
 construction): at the cache's default threshold no distinct pair hits (descriptor, a
 servable grid and the verification, as the cache decides) and >= 95% of the near
 duplicates other than crops do (a crop loses border content the verification cannot
@@ -44,16 +44,22 @@ def qwen_report() -> dict:
 def _check_targets(report: dict) -> None:
     assert report["threshold"] == CacheSettings().threshold == 0.85
     # 9 photos -> 36 pairs; 6 text pairs x 4 layouts x (PNG, JPEG of the other) -> 48;
-    # 16 adversarial pairs x (PNG, JPEG of the other) -> 32.
-    assert len(cache_eval.adversarial_pairs(quick=True)) == 16
-    assert report["distinct_pairs"] == 36 + 48 + 32
+    # 17 adversarial pairs x (PNG, JPEG of the other) -> 34.
+    assert len(cache_eval.adversarial_pairs(quick=True)) == 17
+    assert report["distinct_pairs"] == 36 + 48 + 34
     variants = cache_eval.near_duplicate_variants(Image.new("RGB", (64, 48)), "PNG")
     assert report["near_duplicate_pairs"] == 9 * len(variants)
     assert report["crop_pairs"] == 9 * sum("crop" in name for name, _ in variants)
     # No distinct pair hits, the small-text pages included.
     assert report["false_hits"] == 0 and report["false_hit_pairs"] == []
     kinds = report["by_distinct_kind"]
-    for kind in ("page-photo-12px", "screen-dark-11px", "invoice-photo", "receipt-gradient"):
+    for kind in (
+        "page-photo-12px",
+        "screen-dark-11px",
+        "invoice-photo",
+        "receipt-gradient",
+        "spreadsheet-banded-one-cell",
+    ):
         # The descriptor and the grid rule let them through; the verification refuses.
         assert kinds[f"adversarial-{kind}"]["over_threshold"] == 2, kind
         assert kinds[f"adversarial-{kind}"]["lowest_residual"] > report["verify_tolerance"]
