@@ -14,6 +14,7 @@ rotated image is never in the class.
 
 from __future__ import annotations
 
+from vlcommon.errors import ServiceError
 from vlcommon.imaging import plan_resize
 from vlcommon.model_info import VisionSpec
 
@@ -42,7 +43,12 @@ def reusable_grids(
 
     Returns:
         Distinct grids: ``plan_resize`` of ``round(height * s) x round(width * s)`` for
-        ``s`` in ``[1 - bound, 1 + bound]``, the image's own plan first.
+        ``s`` in ``[1 - bound, 1 + bound]`` (scales whose rounded size has no plan, past
+        the aspect-ratio limit, are skipped), the image's own plan first.
+
+    Raises:
+        ServiceError: as ``plan_resize`` for the image's own size (which the gateway has
+            already planned, so it does not happen there).
     """
     own = plan_resize(height, width, spec, index=0, min_pixels=min_pixels, max_pixels=max_pixels)
     grids = [own.grid]
@@ -51,7 +57,12 @@ def reusable_grids(
     for i in range(_STEPS + 1):
         s = 1 - bound + 2 * bound * i / _STEPS
         h, w = max(1, round(height * s)), max(1, round(width * s))
-        grid = plan_resize(h, w, spec, index=0, min_pixels=min_pixels, max_pixels=max_pixels).grid
-        if grid not in grids:
-            grids.append(grid)
+        try:
+            plan = plan_resize(h, w, spec, index=0, min_pixels=min_pixels, max_pixels=max_pixels)
+        except ServiceError:
+            # Rounding a 5x1000 image (ratio 200, the limit) to 4x900 exceeds the ratio
+            # limit: that scale has no plan, so it adds no grid (the request is still fine).
+            continue
+        if plan.grid not in grids:
+            grids.append(plan.grid)
     return grids
