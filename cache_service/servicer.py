@@ -216,7 +216,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         Entries returned with their embeddings are leased until the RPC is done (the
         response sent, or the call failed or was cancelled), so eviction cannot pick them.
         The queries are checked on the event loop and matched on a worker thread: a
-        similarity candidate's verification costs up to ~20 ms (2048x2048 plans), and 256
+        similarity candidate's verification costs up to ~25 ms (1 MiB images), and 256
         queries with 8 candidates each must not stall health checks and other calls. A
         cancelled call stops matching at the next query.
 

@@ -316,7 +316,7 @@ class EmbeddingStore:
                 self._add_alias(match.entry, alias)
             if match.entry is not None or not candidates:
                 return self._answer(match, lease)
-        # The verification (up to ~20 ms per candidate for a 2048x2048 plan) runs outside the
+        # The verification (up to ~25 ms per candidate for 1 MiB images) runs outside the
         # lock, so other lookups and puts are not held up; entries are immutable, and the
         # chosen one is checked again under the lock before it is returned.
         rejected = match.rejected
