@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -59,6 +60,26 @@ class _Query:
     verification: np.ndarray | None
     revision: str
     alias_key: str
+    reusable: frozenset[tuple[int, int, int]] = frozenset()
+
+
+# Most grids one query may list as reusable (LookupQuery.reusable_grids): the gateway sends
+# a 10% size class, under 60 grids even for a 12 MP image at Qwen3-VL's budget.
+MAX_REUSABLE_GRIDS = 256
+
+
+def _reusable(
+    msgs: Sequence[tensor_pb2.GridTHW], field: str, merge: int
+) -> frozenset[tuple[int, int, int]]:
+    """The grids of ``LookupQuery.reusable_grids``, each checked like ``grid``."""
+    if len(msgs) > MAX_REUSABLE_GRIDS:
+        raise invalid_argument(
+            "TOO_MANY_REUSABLE_GRIDS",
+            f"{field} has {len(msgs)} grids; at most {MAX_REUSABLE_GRIDS}",
+            field=field,
+            limit=MAX_REUSABLE_GRIDS,
+        )
+    return frozenset(_grid(g, f"{field}[{j}]", merge) for j, g in enumerate(msgs))
 
 
 class _Leases:
@@ -195,12 +216,17 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         Entries returned with their embeddings are leased until the RPC is done (the
         response sent, or the call failed or was cancelled), so eviction cannot pick them.
         The queries are checked on the event loop and matched on a worker thread: a
-        similarity candidate's verification costs up to ~20 ms (2048x2048 plans), and 256
+        similarity candidate's verification costs up to ~25 ms (1 MiB images), and 256
         queries with 8 candidates each must not stall health checks and other calls. A
         cancelled call stops matching at the next query.
 
-        Raises (as status): INVALID_ARGUMENT for a bad key or alias key, grid, descriptor,
-        verification image (not UINT8 [h, w], or over 4 MiB), policy or too many queries.
+        A similarity hit may come from an entry whose grid is one of the query's
+        ``reusable_grids`` (then the result's embedding carries that grid); the exact tier
+        always needs the query's own grid.
+
+        Raises (as status): INVALID_ARGUMENT for a bad key or alias key, grid or reusable
+        grid (or more than 256 of them), descriptor, verification image (not UINT8 [h, w],
+        or over 4 MiB), policy or too many queries.
         """
         t0 = time.perf_counter()
         rpc_span = trace.get_current_span()
@@ -229,6 +255,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         _verification(query.verification, f"{field}.verification"),
                         query.revision,
                         _key(query.alias_key, field, name="alias_key", optional=True),
+                        _reusable(query.reusable_grids, f"{field}.reusable_grids", self.merge),
                     )
                 )
             # to_thread copies the context: the per-query spans stay under this RPC's span.
@@ -308,12 +335,17 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         revision=query.revision,
                         verification=query.verification,
                         alias=query.alias_key,
+                        reusable=query.reusable,
                     )
                 if match.entry is not None and lease:
                     leases.add(match.entry)
                 span.set_attribute("splitvl.cache.tier", match.tier)
                 span.set_attribute("splitvl.cache.similarity", match.similarity)
                 span.set_attribute("splitvl.cache.rejected_candidates", match.rejected)
+                if match.entry is not None and match.entry.grid != query.grid:
+                    # A similarity hit served with the stored entry's grid (docs/cache.md).
+                    span.set_attribute("splitvl.cache.served_grid", list(match.entry.grid))
+                    span.set_attribute("splitvl.cache.requested_grid", list(query.grid))
             matches.append(match)
         return matches
 

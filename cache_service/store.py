@@ -8,12 +8,14 @@
   similarity); exact (``IndexFlatIP``) below ``index_threshold`` entries, approximate HNSW
   with exact re-scoring above it, exact on a GPU when FAISS sees one (``cache_service.index``).
   A similarity hit needs cosine >= threshold (with a small tolerance for float rounding),
-  a stored ``image_grid_thw`` equal to the query's (embeddings of another grid would bind
-  the wrong number of placeholder tokens), an equal model revision, AND a passing
-  verification (:func:`vlcommon.verification.verify`: the two images compared block by
-  block at the resolution the ViT sees, so a changed digit, word or bar, or an image built
-  to share another's thumbnail, is refused). The ``search_k`` nearest candidates are tried
-  in order of score; the first that passes every check answers.
+  a stored ``image_grid_thw`` equal to the query's or one of the query's reusable grids
+  (its aspect class, :mod:`vlcommon.grid_reuse`: the hit then serves the stored grid, and
+  the caller binds that grid's placeholder count), an equal model revision, AND a passing
+  verification (:func:`vlcommon.verification.verify`: the two decoded images compared
+  block by block at their own resolution, whatever the plan, so a changed digit, word or
+  bar, or an image built to share another's thumbnail, is refused). The ``search_k``
+  nearest candidates are tried, equal grids first, then in order of score; the first that
+  passes every check answers.
 
 Capacity rules (``check_invariants`` verifies the bookkeeping they rely on):
 
@@ -52,7 +54,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -294,23 +296,27 @@ class EmbeddingStore:
         revision: str = "",
         verification: np.ndarray | None = None,
         alias: str = "",
+        reusable: Collection[tuple[int, int, int]] = (),
     ) -> Match:
         """Find ``key`` exactly (an entry's own key or one of its aliases, stored with an
         equal ``grid``: a key held with another grid is a miss; on an exact hit by the
         entry's own key, a non-empty ``alias`` becomes one of its aliases), else (when
-        ``similar``) the most similar entry with an equal
-        grid, an equal ``revision`` and a passing verification against ``verification``
-        (uint8 [h, w], :func:`vlcommon.verification.verification_image`; without one no
+        ``similar``) the most similar entry with an equal grid or one in ``reusable`` (the
+        query's aspect class, :mod:`vlcommon.grid_reuse`; equal grids are tried first), an
+        equal ``revision`` and a passing verification against ``verification`` (uint8
+        [h, w], :func:`vlcommon.verification.verification_image`; without one no
         similarity hit is possible). Scores are clamped to [-1, 1]; ``similarity`` reports
         the best candidate seen. Expired entries are never returned. With ``lease``, a
         returned entry stays leased (not evictable) until :meth:`release`."""
         with self._lock:
-            match, candidates = self._lookup(key, descriptor, grid, similar, self.clock(), revision)
+            match, candidates = self._lookup(
+                key, descriptor, grid, similar, self.clock(), revision, reusable
+            )
             if match.entry is not None and alias and match.entry.key == key:
                 self._add_alias(match.entry, alias)
             if match.entry is not None or not candidates:
                 return self._answer(match, lease)
-        # The verification (up to ~20 ms per candidate for a 2048x2048 plan) runs outside the
+        # The verification (up to ~25 ms per candidate for 1 MiB images) runs outside the
         # lock, so other lookups and puts are not held up; entries are immutable, and the
         # chosen one is checked again under the lock before it is returned.
         rejected = match.rejected
@@ -344,10 +350,12 @@ class EmbeddingStore:
         similar: bool,
         now: float,
         revision: str,
+        reusable: Collection[tuple[int, int, int]] = (),
     ) -> tuple[Match, list[tuple[float, Entry]]]:
         """The exact hit, or a miss with the similarity candidates still to verify: score
-        >= threshold, equal grid, equal revision, best first (``rejected`` counts those
-        refused for another revision)."""
+        >= threshold, an equal grid or one in ``reusable``, equal revision; equal grids
+        first, then best score first (``rejected`` counts those refused for another
+        revision)."""
         entry = self._entries.get(key)
         if entry is None and key in self._aliases:
             entry = self._entries[self._aliases[key]]
@@ -372,13 +380,15 @@ class EmbeddingStore:
                 continue
             s = float(np.clip(score, -1.0, 1.0))
             best = max(best, s)
-            if cand.grid != grid or s < self.threshold - SCORE_TOLERANCE:
+            if s < self.threshold - SCORE_TOLERANCE:
+                continue
+            if cand.grid != grid and cand.grid not in reusable:
                 continue
             if cand.revision != revision:  # another checkpoint's embeddings
                 rejected += 1
                 continue
             candidates.append((s, cand))
-        candidates.sort(key=lambda c: -c[0])
+        candidates.sort(key=lambda c: (c[1].grid != grid, -c[0]))
         return Match("miss", best, None, consulted_similar=True, rejected=rejected), candidates
 
     def _expired(self, entry: Entry, now: float) -> bool:

@@ -383,6 +383,9 @@ def _extension(first: pb.GenerateResponse, last: pb.GenerateResponse | None) -> 
                 "tier": TIERS.get(im.tier, "unspecified"),
                 "similarity": round(float(im.similarity), 6),
                 "grid": [im.grid.t, im.grid.h, im.grid.w],
+                # A similarity hit may serve the stored entry's grid (docs/cache.md).
+                "served_grid": [im.served_grid.t, im.served_grid.h, im.served_grid.w],
+                "requested_grid": [im.requested_grid.t, im.requested_grid.h, im.requested_grid.w],
                 "tokens": im.tokens,
                 "decoded": im.decoded,
             }

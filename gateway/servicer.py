@@ -65,6 +65,7 @@ from vlcommon.errors import (
     invalid_argument,
     resource_exhausted,
 )
+from vlcommon.grid_reuse import reusable_grids
 from vlcommon.imaging import (
     ImageHeader,
     ResizePlan,
@@ -131,8 +132,8 @@ class PreparedImage:
     decoded: bool
     pixels: np.ndarray | None = None  # uint8 [resized_height, resized_width, 3], upright RGB
     descriptor: np.ndarray | None = None  # float32 [DESCRIPTOR_DIM]
-    # uint8 [resized_height/2, resized_width/2]: the cache verifies similarity candidates
-    # on it (vlcommon.verification); built from ``pixels`` when there is a cache.
+    # uint8 [h, w]: the decoded image's luma, at most VERIFY_MAX_PIXELS: the cache verifies
+    # similarity candidates on it (vlcommon.verification); built when there is a cache.
     verification: np.ndarray | None = None
     # The encoded file's digest when its header's plan is the decoded image's plan: stored
     # as an alias of ``key`` so that the same file is found again without decoding.
@@ -140,6 +141,17 @@ class PreparedImage:
     tier: int = generation_pb2.CACHE_TIER_MISS
     similarity: float = 0.0
     embedding: tensor_pb2.ImageEmbedding | None = None
+    # Other grids a similarity hit may serve (the plan's aspect class, vlcommon.grid_reuse).
+    reusable: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def served_grid(self) -> tuple[int, int, int]:
+        """The grid of the embeddings the decoder gets: the plan's, unless a similarity hit
+        answered with an entry of another grid of the aspect class."""
+        if self.embedding is None or not self.embedding.HasField("grid"):
+            return self.plan.grid
+        g = self.embedding.grid
+        return (g.t, g.h, g.w)
 
 
 @dataclass
@@ -249,6 +261,10 @@ def _video_info(v: PreparedVideo) -> pb.VideoInfo:
 
 def _grid(plan: ResizePlan) -> tensor_pb2.GridTHW:
     return tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w)
+
+
+def _thw(grid: tuple[int, int, int]) -> tensor_pb2.GridTHW:
+    return tensor_pb2.GridTHW(t=grid[0], h=grid[1], w=grid[2])
 
 
 def _remaining(context: grpc.aio.ServicerContext | None, cap: float | None = None) -> float | None:
@@ -761,10 +777,23 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     resized = np.asarray(image, dtype=np.uint8)  # already the planned size
                 else:
                     resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
+                # From the decoded image, not the plan (vlcommon.verification), here on the
+                # preprocess thread (up to ~30 ms for 12 MP); only a cache can use it.
+                verification = verification_image(image) if self.down.cache is not None else None
+                # The stored grids a similarity hit may serve instead (about 1 ms).
+                reusable = (
+                    reusable_grids(
+                        image.height,
+                        image.width,
+                        self.spec,
+                        min_pixels=lo,
+                        max_pixels=hi,
+                        bound=self.settings.grid_reuse_scale,
+                    )[1:]
+                    if self.down.cache is not None
+                    else []
+                )
             del image
-            # Built here, on the preprocess thread, not in the event loop (up to ~6 ms at
-            # 2048x2048); only a cache can use it.
-            verification = verification_image(resized) if self.down.cache is not None else None
             prepared.append(
                 PreparedImage(
                     index=index,
@@ -774,6 +803,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     pixels=resized,
                     descriptor=descriptor,
                     verification=verification,
+                    reusable=reusable,
                     # Where the two plans disagree the pixel key alone stands for the image.
                     bytes_key=file.bytes_key if file is not None and file.plan == plan else "",
                 )
@@ -934,15 +964,21 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             (time.perf_counter() - started) * 1000,
         )
 
-    def _usable_hit(self, emb: tensor_pb2.ImageEmbedding, im: PreparedImage) -> bool:
+    def _usable_hit(
+        self, emb: tensor_pb2.ImageEmbedding, im: PreparedImage, *, similar: bool = False
+    ) -> bool:
         """Trust a cache hit only if its tensor fits this image and this model.
 
-        A bad entry (wrong rows for the grid, wrong width, bad byte count, NaN) would make
-        the decoder refuse the request; treated as a miss, the image is encoded instead.
+        Its grid must be the plan's, or (``similar``: a similarity hit) one of the plan's
+        aspect class (``im.reusable``); its rows must be that grid's token count. A bad
+        entry (wrong rows for the grid, wrong width, bad byte count, NaN) would make the
+        decoder refuse the request; treated as a miss, the image is encoded instead.
         """
         grid = (emb.grid.t, emb.grid.h, emb.grid.w)
+        if grid != im.plan.grid and not (similar and grid in im.reusable):
+            return False
         shape = list(emb.embeddings.shape)
-        if grid != im.plan.grid or shape != [im.plan.tokens, self.spec.embedding_width]:
+        if shape != [self.spec.tokens(*grid), self.spec.embedding_width]:
             return False
         try:
             data = tensors.validate(emb.embeddings, field="cache", dtypes=EMBEDDING_DTYPES)
@@ -1039,6 +1075,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 verification=_verification(im),
                 revision=self.revision,
                 alias_key=im.bytes_key,
+                reusable_grids=[_thw(g) for g in im.reusable],
             )
         with tracer.start_as_current_span("cache.lookup") as span:
             try:
@@ -1065,7 +1102,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     generation_pb2.CACHE_TIER_EXACT,
                     generation_pb2.CACHE_TIER_SIMILAR,
                 ):
-                    if not self._usable_hit(result.embedding, im):
+                    similar = result.tier == generation_pb2.CACHE_TIER_SIMILAR
+                    if not self._usable_hit(result.embedding, im, similar=similar):
                         CACHE_FAILURES.labels(op="bad_entry").inc()
                         log.warning("cache returned an unusable entry for %s", im.key[:16])
                         continue  # never bind embeddings that do not fit
@@ -1082,11 +1120,18 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                         "splitvl.image.index": im.index,
                         "splitvl.cache.tier": _tier(im.tier),
                         "splitvl.cache.similarity": im.similarity,
+                        # A similarity hit may serve the stored entry's grid (docs/cache.md).
+                        "splitvl.cache.requested_grid": list(im.plan.grid),
+                        "splitvl.cache.served_grid": list(im.served_grid),
+                        "splitvl.cache.grid_changed": im.served_grid != im.plan.grid,
                     },
                 )
             metrics.EMBEDDING_RECEIVED_BYTES.labels(source="cache").inc(received)
             span.set_attribute("splitvl.cache.tiers", [_tier(im.tier) for im in images])
             span.set_attribute("splitvl.cache.similarities", [im.similarity for im in images])
+            span.set_attribute(
+                "splitvl.cache.grid_changed", [im.served_grid != im.plan.grid for im in images]
+            )
             span.set_attribute("splitvl.embedding.bytes", received)
 
     async def _encode(self, misses: list[PreparedImage], context: grpc.aio.ServicerContext) -> None:
@@ -1264,14 +1309,20 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     index=i,
                     tier=im.tier,
                     similarity=im.similarity,
-                    grid=_grid(im.plan),
-                    tokens=im.plan.tokens,
+                    # What the language model got: the served grid and its token count.
+                    grid=_thw(im.served_grid),
+                    tokens=self.spec.tokens(*im.served_grid),
                     key=im.key,
                     decoded=im.decoded,
+                    served_grid=_thw(im.served_grid),
+                    requested_grid=_grid(im.plan),
                 )
                 for i, im in enumerate(images)
             ]
             video_infos = [_video_info(v) for v in videos]
+            request_span.set_attribute(
+                "splitvl.served_grids", [str(im.served_grid) for im in images]
+            )
 
             t_decode = time.perf_counter()
             with tracer.start_as_current_span("gateway.decode") as span:

@@ -26,6 +26,15 @@ class GatewaySettings(ServerSettings):
         120.0, gt=0, description="Longest wait for one Encode call, seconds."
     )
     default_cache_policy: str = Field("similar", pattern="^(exact_only|similar|off)$")
+    # The grid-change bound (vlcommon.grid_reuse, docs/cache.md): a similarity hit may serve
+    # a stored grid the request's image would get if resized by up to this much per side.
+    grid_reuse_scale: float = Field(
+        0.10,
+        ge=0,
+        le=0.25,
+        description="Relative resize per side within which a similarity hit may serve the "
+        "stored entry's grid; 0 = equal grids only.",
+    )
     max_images: int = Field(8, ge=1, description="Images per request.")
     max_image_bytes: int = Field(20 * MiB, ge=1, description="Encoded bytes of one image.")
     max_decoded_pixels: int = Field(

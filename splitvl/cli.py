@@ -157,6 +157,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
     )
+    # Unset (0) takes the model's default (GenerateRequest.pixel_budget).
+    request.pixel_budget.min_pixels = args.min_pixels or 0
+    request.pixel_budget.max_pixels = args.max_pixels or 0
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
     try:
         result = generate(args.address, request, timeout_s=args.timeout, on_text=on_text)
@@ -174,7 +177,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for im in result.images:
             print(
                 f"image {im['index']}: {im['tier']} (similarity {im['similarity']:.4f}, "
-                f"grid {im['grid']}, {im['tokens']} tokens)",
+                f"grid {im['grid']}, {im['tokens']} tokens"
+                + (
+                    f"; the stored grid, the request's was {im['requested_grid']})"
+                    if im["requested_grid"] != im["served_grid"]
+                    else ")"
+                ),
                 file=sys.stderr,
             )
         for v in result.videos:
@@ -296,10 +304,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--ignore-eos", action="store_true", help="keep generating past EOS until max tokens"
     )
     p.add_argument(
+        "--min-pixels",
+        type=positive_int,
+        default=None,
+        help="pixel_budget.min_pixels of the resize plan; unset = the model's",
+    )
+    p.add_argument(
+        "--max-pixels",
+        type=positive_int,
+        default=None,
+        help="pixel_budget.max_pixels (at most the model's); unset = the model's",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object (text, token_ids, images, videos, finish_reason, usage, "
-        "timings)",
+        help="print one JSON object (text, token_ids, images with their served and requested "
+        "grids, videos, finish_reason, usage, timings)",
     )
     p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_BASE_PORT}", help="the gateway")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="deadline, seconds")

@@ -1,30 +1,31 @@
-"""``splitvl cache-eval``: calibrate the similarity tier's threshold on labelled image pairs.
+"""``splitvl cache-eval``: calibrate the similarity tier on labelled image pairs.
 
 A similarity hit hands the decoder another image's embeddings, so a false hit silently
-answers about the wrong picture. This measures the descriptor
-(:func:`vlcommon.imaging.similarity_descriptor`) on two labelled sets, all offline:
+answers about the wrong picture. This measures the cache's whole rule on two labelled sets,
+all offline:
 
 * near duplicates (should hit): every bundled scikit-image photo against its own JPEG
-  re-encodes (quality 70-95), resizes (1-10%, down and up), crops (1-3%), brightness and
-  contrast shifts (3-5%), PNG<->JPEG round trips and two combinations; plus JPEG
-  re-encodes and small resizes of rendered text images;
+  re-encodes (quality 70-95), resizes (1-10%, down and up), crops (1-3%, reported apart),
+  brightness and contrast shifts (3-5%), PNG<->JPEG round trips and two combinations;
 * distinct pairs (must never hit): all pairs of the bundled photos (including the stereo
-  pair ``motorcycle_left``/``motorcycle_right``: the same scene from two viewpoints), and
-  rendered text images (Pillow ``ImageDraw``) that differ in one digit or one word.
+  pair ``motorcycle_left``/``motorcycle_right``), rendered text one digit or word apart, and
+  adversarial pairs built to share a thumbnail: receipt and invoice photos one digit
+  apart, photographed pages and screenshots one character apart at several text sizes, a
+  spreadsheet one cell apart, bar charts one bar apart, i.i.d. random-pixel images (vLLM's
+  benchmark images), and the 32x32-average poisoning construction.
 
 Every image goes through the gateway's own pipeline (encoded bytes -> ``decode_image`` ->
-``plan_resize`` -> ``similarity_descriptor``). The cache serves a similarity hit only when
-the cosine similarity is >= the threshold AND the stored ``image_grid_thw`` equals the new
-one (embeddings of another grid cannot fill the new image's placeholders), so two recalls
-are reported: the descriptor's (cosine alone) and the cache's (cosine and grid equality,
-with the default pixel budget of the geometry given). False hits are counted on the cosine
-alone, the stricter count: a distinct pair that happens to share a grid must not hit.
+``plan_resize``, ``similarity_descriptor``, ``reusable_grids`` and ``verification_image``),
+and a pair hits as the cache decides: cosine >= threshold, the stored grid equal to the
+query's or within its grid-change bound (:mod:`vlcommon.grid_reuse`), and the verification
+(:func:`vlcommon.verification.verification_residual` within the tolerance).
 
 Usage::
 
-    splitvl cache-eval                 # table over thresholds 0.80-0.99
-    splitvl cache-eval --json          # {"threshold", "false_hits", "distinct_pairs", ...}
-    splitvl cache-eval --model DIR     # the grid rule with that checkpoint's pixel budget
+    splitvl cache-eval                 # table over thresholds 0.80-0.99, tiny budget
+    splitvl cache-eval --min-pixels 65536 --max-pixels 16777216   # Qwen3-VL's budget
+    splitvl cache-eval --json          # {"false_hits", "recall_without_crops", ...}
+    splitvl cache-eval --model DIR     # that checkpoint's pixel budget
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 
 from splitvl.argtypes import cosine, positive_int
+from vlcommon.grid_reuse import DEFAULT_GRID_REUSE_SCALE, reusable_grids
 from vlcommon.imaging import (
     DESCRIPTOR_SIDE,
     cosine_similarity,
     decode_image,
     plan_resize,
-    resize_to_plan,
     similarity_descriptor,
 )
 from vlcommon.model_info import VisionSpec
@@ -245,6 +246,24 @@ UI_MESSAGES = (
     ("Status: online", "Status: offline"),
     ("Balance 1,250.00", "Balance 7,250.00"),
 )
+# One character apart (a digit of an amount, a letter of a code), for the photographed
+# pages and screenshots drawn at several text sizes.
+ONE_CHARACTER = (
+    ("Total due: 1,284.50 EUR", "Total due: 1,284.90 EUR"),
+    ("Order ref QX-4471-B", "Order ref QX-4477-B"),
+    ("Dose 2.5 mg at 08:00", "Dose 2.6 mg at 08:00"),
+    ("Seat 14C, gate A7", "Seat 14C, gate A1"),
+)
+TEXT_SIZES = (12, 16, 22, 30)  # px on the 800x600 page photo
+QUICK_TEXT_SIZES = (12, 22)
+SCREEN_SIZES = (11, 14, 18)  # px in the 400x300 screenshot
+QUICK_SCREEN_SIZES = (11,)
+# The invoice photo's total, one digit apart.
+INVOICE_TOTALS = (("2,413.57", "2,413.51"), ("744.11", "794.11"))
+# (row, col) of the one changed cell of the spreadsheet, and its two values.
+SPREADSHEET_EDITS = (((6, 3), "4,871.20", "4,871.29"), ((15, 6), "312.00", "372.00"))
+# vLLM's benchmark images: i.i.d. random pixels, (width, height).
+RANDOM_SIZES = ((512, 512), (1024, 768), (224, 224))
 # (victim, attacker's detail source): the attacker image has the victim's 32x32 box
 # averages (so the same descriptor) and the other image's detail.
 POISON_PAIRS = (
@@ -281,20 +300,85 @@ def receipt(total: str, *, seed: int, gradient: bool = True, noise: float = 6.0)
     return image
 
 
-def text_page_photo(text: str, *, seed: int) -> Image.Image:
-    """A phone photo of a text page: 22 px text at the top left of an 800x600 page on a
-    lighting gradient with sensor noise (not document-like). At small pixel budgets the
-    glyphs shrink to ~8 px, where one changed digit is within resampling noise: the known
-    limit of the verification (docs/cache.md)."""
+def text_page_photo(text: str, *, seed: int, size: int = 22) -> Image.Image:
+    """A phone photo of a text page: ``size`` px text at the top left of an 800x600 page on
+    a lighting gradient with sensor noise (not document-like). At the tiny checkpoint's
+    pixel budget 22 px glyphs shrink to ~8 px, where one changed digit is within resampling
+    noise at the plan's resolution; the verification image keeps the decoded 800x600."""
     rng = np.random.default_rng(seed)
     w, h = 800, 600
     bg = np.linspace(150, 235, h)[:, None] + np.linspace(-25, 10, w)[None, :]
     bg = (bg + rng.normal(0, 6, (h, w))).clip(0, 255)
     image = Image.fromarray(np.stack([bg, bg * 0.97, bg * 0.9], -1).astype(np.uint8))
     ImageDraw.Draw(image).multiline_text(
-        (20, 20), text, font=ImageFont.load_default(size=22), fill=(30, 30, 30), spacing=8
+        (20, 20), text, font=ImageFont.load_default(size=size), fill=(30, 30, 30), spacing=8
     )
     return image
+
+
+def invoice_photo(total: str, *, seed: int, size: tuple[int, int] = (1200, 1600)) -> Image.Image:
+    """A phone photo of an invoice page (a lighting gradient, sensor noise, a slight warm
+    tint): a header, six line items and ``TOTAL EUR {total}`` in 28 px type on a page of
+    ``size`` (width, height) pixels."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    bg = np.linspace(160, 238, h)[:, None] + np.linspace(-20, 12, w)[None, :]
+    bg = (bg + rng.normal(0, 5, (h, w))).clip(0, 255)
+    image = Image.fromarray(np.stack([bg, bg * 0.98, bg * 0.93], -1).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=28 * w // 1200)
+    lines = [
+        "INVOICE 2026-0417",
+        "Northwind Supplies GmbH",
+        "",
+        "Paper A4, 10 boxes        182.40",
+        "Toner cartridges x4       316.00",
+        "Desk lamps x2              89.90",
+        "Cable ties, 500           12.35",
+        "Shipping                   24.00",
+        "VAT 19%                   119.46",
+        "",
+        f"TOTAL EUR {total}",
+    ]
+    step = 48 * w // 1200
+    for i, line in enumerate(lines):
+        draw.text((60 * w // 1200, 80 * w // 1200 + i * step), line, fill=(25, 25, 35), font=font)
+    return image
+
+
+def spreadsheet(cells: dict[tuple[int, int], str], *, banded: bool = False) -> Image.Image:
+    """A 960x540 spreadsheet screenshot: a toolbar, a header row, 20 rows x 8 columns of
+    14 px numbers (filled from a fixed seed), gridlines; ``cells`` overrides (row, col).
+    ``banded``: rows alternate white and light blue (then it is not document-like, so the
+    similarity tier and its verification see it)."""
+    rng = np.random.default_rng(7)
+    image = Image.new("RGB", (960, 540), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((0, 0, 960, 44), fill=(33, 115, 70))
+    draw.rectangle((0, 44, 960, 68), fill=(242, 242, 242))
+    font = ImageFont.load_default(size=14)
+    col_w, row_h, top = 116, 22, 68
+    for c in range(8):
+        draw.text((40 + c * col_w + 6, 48), chr(65 + c), fill=(60, 60, 60), font=font)
+    for r in range(21):
+        y = top + r * row_h
+        if banded and r % 2:
+            draw.rectangle((0, y, 960, y + row_h), fill=(205, 222, 245))
+        draw.line((0, y, 960, y), fill=(210, 210, 210))
+        draw.text((8, y + 4), str(r + 1), fill=(90, 90, 90), font=font)
+        for c in range(8):
+            value = cells.get((r, c), f"{rng.integers(100, 99999) / 100:,.2f}")
+            draw.text((40 + c * col_w + 6, y + 4), value, fill=(20, 20, 20), font=font)
+    for c in range(9):
+        draw.line((40 + c * col_w, 44, 40 + c * col_w, 540), fill=(210, 210, 210))
+    return image
+
+
+def random_pixels(width: int, height: int, *, seed: int) -> Image.Image:
+    """i.i.d. uniform random RGB pixels, as vLLM's multimodal benchmark generates (its
+    ``random-mm`` dataset draws ``np.random.randint(0, 256, (h, w, 3))``)."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 def bar_chart(values: tuple[int, ...]) -> Image.Image:
@@ -308,8 +392,9 @@ def bar_chart(values: tuple[int, ...]) -> Image.Image:
     return image
 
 
-def ui_screen(message: str, *, dark: bool) -> Image.Image:
-    """A 400x300 app screenshot: title bar, side panel, a card with one line of text."""
+def ui_screen(message: str, *, dark: bool, size: int = 18) -> Image.Image:
+    """A 400x300 app screenshot: title bar, side panel, a card with one line of ``size`` px
+    text."""
     image = Image.new("RGB", (400, 300), (40, 44, 52) if dark else (245, 245, 245))
     draw = ImageDraw.Draw(image)
     draw.rectangle((0, 0, 400, 40), fill=(66, 133, 244))
@@ -319,7 +404,7 @@ def ui_screen(message: str, *, dark: bool) -> Image.Image:
         (120, 80),
         message,
         fill=(230, 230, 230) if dark else (0, 0, 0),
-        font=ImageFont.load_default(size=18),
+        font=ImageFont.load_default(size=size),
     )
     return image
 
@@ -354,6 +439,35 @@ def adversarial_pairs(quick: bool = False) -> list[tuple[str, Image.Image, Image
         out.append(("ui-dark", ui_screen(ma, dark=True), ui_screen(mb, dark=True)))
     for i, (ta, tb) in enumerate(TEXT_PAIRS[:1] if quick else TEXT_PAIRS[:4]):
         out.append(("text-page-photo", text_page_photo(ta, seed=i), text_page_photo(tb, seed=i)))
+    # One character changed, at several text sizes: photographed pages and screenshots.
+    for size in QUICK_TEXT_SIZES if quick else TEXT_SIZES:
+        ta, tb = ONE_CHARACTER[size % len(ONE_CHARACTER)]
+        out.append(
+            (
+                f"page-photo-{size}px",
+                text_page_photo(ta, seed=size, size=size),
+                text_page_photo(tb, seed=size, size=size),
+            )
+        )
+    for size in QUICK_SCREEN_SIZES if quick else SCREEN_SIZES:
+        ma, mb = ONE_CHARACTER[size % len(ONE_CHARACTER)]
+        for dark in (False, True):
+            out.append(
+                (
+                    f"screen-{'dark' if dark else 'light'}-{size}px",
+                    ui_screen(ma.split("\n")[0], dark=dark, size=size),
+                    ui_screen(mb.split("\n")[0], dark=dark, size=size),
+                )
+            )
+    for i, (ta, tb) in enumerate(INVOICE_TOTALS[:1] if quick else INVOICE_TOTALS):
+        out.append(("invoice-photo", invoice_photo(ta, seed=i), invoice_photo(tb, seed=i)))
+    for cell, old, new in SPREADSHEET_EDITS[:1] if quick else SPREADSHEET_EDITS:
+        out.append(("spreadsheet-one-cell", spreadsheet({cell: old}), spreadsheet({cell: new})))
+        banded = spreadsheet({cell: old}, banded=True), spreadsheet({cell: new}, banded=True)
+        out.append(("spreadsheet-banded-one-cell", *banded))
+    for i, (w, h) in enumerate(RANDOM_SIZES[:1] if quick else RANDOM_SIZES):
+        a, b = random_pixels(w, h, seed=2 * i), random_pixels(w, h, seed=2 * i + 1)
+        out.append(("random-pixels", a, b))
     root = _skimage_dir()
     for victim, source in QUICK_POISON_PAIRS if quick else POISON_PAIRS:
         v = _decode((root / victim).read_bytes()).resize((256, 256))
@@ -364,14 +478,17 @@ def adversarial_pairs(quick: bool = False) -> list[tuple[str, Image.Image, Image
 
 @dataclass
 class Item:
-    """One image as the gateway sees it: its descriptor, its grid, the descriptor's cost."""
+    """One image as the gateway sees it: its descriptor, its grid, the grids a similarity
+    hit may serve for it (:func:`vlcommon.grid_reuse.reusable_grids`), its verification
+    image and their costs."""
 
     name: str
     descriptor: np.ndarray
     grid: tuple[int, int, int]
     descriptor_ms: float
-    verification: np.ndarray | None = None  # uint8 [h/2, w/2], vlcommon.verification
+    verification: np.ndarray | None = None  # uint8 [h, w], vlcommon.verification
     verification_ms: float = 0.0
+    reusable: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def zero(self) -> bool:
@@ -381,6 +498,9 @@ class Item:
 
 @dataclass
 class Pair:
+    """Two images; ``a`` is the one stored first, ``b`` the query (for near duplicates the
+    original and its copy)."""
+
     kind: str  # "near" or "distinct"
     a: Item
     b: Item
@@ -390,25 +510,34 @@ class Pair:
 
     def __post_init__(self) -> None:
         self.cosine = cosine_similarity(self.a.descriptor, self.b.descriptor)
-        self.residual = (
-            verification_residual(self.a.verification, self.b.verification)
-            if self.a.verification is not None and self.b.verification is not None
-            else float("inf")
-        )
+        self.residual = verification_residual(self.a.verification, self.b.verification)
 
     @property
     def verified(self) -> bool:
         """The cache's verification (:func:`vlcommon.verification.verify`) passes."""
         return self.residual <= VERIFY_TOLERANCE
 
+    @property
+    def grid_ok(self) -> bool:
+        """The stored grid may serve the query: equal, or in the query's aspect class. For
+        a distinct pair either image may be the one stored, so either direction counts."""
+        forward = self.a.grid in self.b.reusable or self.a.grid == self.b.grid
+        if self.kind == "near":
+            return forward
+        return forward or self.b.grid in self.a.reusable
+
     def hit(self, threshold: float) -> bool:
-        """What the cache serves: cosine >= threshold and the verification passes (which
-        needs equal plan sizes, so in practice an equal grid too)."""
-        return self.cosine >= threshold and self.verified
+        """What the cache serves: cosine >= threshold, a stored grid the query may be
+        served with, and the verification passes."""
+        return self.cosine >= threshold and self.grid_ok and self.verified
 
     @property
     def same_grid(self) -> bool:
         return self.a.grid == self.b.grid
+
+    @property
+    def crop(self) -> bool:
+        return "crop" in self.transform
 
 
 def default_spec(
@@ -432,17 +561,24 @@ def default_spec(
 Describe = Callable[[Image.Image], np.ndarray]
 
 
-def _item(name: str, data: bytes, spec: VisionSpec, describe: Describe) -> Item:
+def _item(name: str, data: bytes, spec: VisionSpec, describe: Describe, grid_bound: float) -> Item:
     image = _decode(data)
     plan = plan_resize(image.height, image.width, spec, index=0)
+    reusable = reusable_grids(
+        image.height,
+        image.width,
+        spec,
+        min_pixels=spec.min_pixels,
+        max_pixels=spec.max_pixels,
+        bound=grid_bound,
+    )
     # CPU time of this thread: the machine is shared, wall time would measure the others.
     start = time.thread_time()
     descriptor = describe(image)
     ms = (time.thread_time() - start) * 1000
-    # The gateway's pixels for the encoder (the shared resize), then the verification image.
-    resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
+    # The gateway builds the verification image from the decoded image, not the plan.
     start = time.thread_time()
-    verification = verification_image(resized)
+    verification = verification_image(image)
     verify_ms = (time.thread_time() - start) * 1000
     return Item(
         name=name,
@@ -451,11 +587,16 @@ def _item(name: str, data: bytes, spec: VisionSpec, describe: Describe) -> Item:
         descriptor_ms=ms,
         verification=verification,
         verification_ms=verify_ms,
+        reusable=tuple(reusable),
     )
 
 
 def build_pairs(
-    spec: VisionSpec, *, quick: bool = False, describe: Describe = similarity_descriptor
+    spec: VisionSpec,
+    *,
+    quick: bool = False,
+    describe: Describe = similarity_descriptor,
+    grid_bound: float = DEFAULT_GRID_REUSE_SCALE,
 ) -> list[Pair]:
     """All labelled pairs, each image decoded (from encoded bytes) and described once.
 
@@ -469,28 +610,34 @@ def build_pairs(
     pairs: list[Pair] = []
     for name in photos:
         data = (root / name).read_bytes()
-        item = _item(name, data, spec, describe)
+        item = _item(name, data, spec, describe, grid_bound)
         originals.append(item)
         fmt = "JPEG" if name.endswith(".jpg") else "PNG"
         for transform, variant in near_duplicate_variants(_decode(data), fmt):
-            other = _item(f"{name}:{transform}", variant, spec, describe)
+            other = _item(f"{name}:{transform}", variant, spec, describe, grid_bound)
             pairs.append(Pair("near", item, other, transform))
     for a, b in itertools.combinations(originals, 2):
         pairs.append(Pair("distinct", a, b, "other photo"))
     for i, (ta, tb) in enumerate(QUICK_TEXT_PAIRS if quick else TEXT_PAIRS):
         for layout in TEXT_LAYOUTS:
             ia, ib = render_text(ta, layout), render_text(tb, layout)
-            a = _item(f"text{i}-{layout}-a", _encode(ia, "PNG"), spec, describe)
-            b = _item(f"text{i}-{layout}-b", _encode(ib, "PNG"), spec, describe)
+            a = _item(f"text{i}-{layout}-a", _encode(ia, "PNG"), spec, describe, grid_bound)
+            b = _item(f"text{i}-{layout}-b", _encode(ib, "PNG"), spec, describe, grid_bound)
             b_jpeg = _item(
-                f"text{i}-{layout}-b:jpeg-q80", _encode(ib, "JPEG", quality=80), spec, describe
+                f"text{i}-{layout}-b:jpeg-q80",
+                _encode(ib, "JPEG", quality=80),
+                spec,
+                describe,
+                grid_bound,
             )
             pairs.append(Pair("distinct", a, b, f"text-{layout}"))
             pairs.append(Pair("distinct", a, b_jpeg, f"text-{layout}-vs-jpeg"))
     for i, (kind, ia, ib) in enumerate(adversarial_pairs(quick)):
-        a = _item(f"adv{i}-{kind}-a", _encode(ia, "PNG"), spec, describe)
-        b = _item(f"adv{i}-{kind}-b", _encode(ib, "PNG"), spec, describe)
-        b_jpeg = _item(f"adv{i}-{kind}-b:jpeg-q90", _encode(ib, "JPEG", quality=90), spec, describe)
+        a = _item(f"adv{i}-{kind}-a", _encode(ia, "PNG"), spec, describe, grid_bound)
+        b = _item(f"adv{i}-{kind}-b", _encode(ib, "PNG"), spec, describe, grid_bound)
+        b_jpeg = _item(
+            f"adv{i}-{kind}-b:jpeg-q90", _encode(ib, "JPEG", quality=90), spec, describe, grid_bound
+        )
         pairs.append(Pair("distinct", a, b, f"adversarial-{kind}"))
         pairs.append(Pair("distinct", a, b_jpeg, f"adversarial-{kind}-vs-jpeg"))
     return pairs
@@ -511,57 +658,59 @@ def descriptor_cost(repeats: int = 20) -> dict[str, float]:
     return out
 
 
-def verification_cost(repeats: int = 20) -> dict[str, dict[str, float]]:
+def verification_cost(repeats: int = 10) -> dict[str, dict[str, float]]:
     """Median CPU ms of :func:`verification_image` (gateway) and
-    :func:`verification_residual` (cache, per candidate; worst case: an image against a
-    JPEG of itself, both directions computed) at resized (plan) sizes 448x448, 1024x1024
-    and 2048x2048, and the verification image's bytes."""
+    :func:`verification_residual` (cache, per candidate, both directions computed: the
+    worst case) against a JPEG of the same size and against a 5% smaller copy (the
+    resampling path), for decoded images of 448x448, 1024x1024, 2048x2048 and 4032x3024
+    (12 MP, over the cap), and the verification image's bytes (what one entry stores)."""
     image = _decode((_skimage_dir() / "astronaut.png").read_bytes())
     out = {}
-    for side in (448, 1024, 2048):
-        pixels = np.asarray(image.resize((side, side), Image.Resampling.BICUBIC))
-        other = np.asarray(_decode(_encode(Image.fromarray(pixels), "JPEG", quality=90)))
-        make, compare = [], []
+    for w, h in ((448, 448), (1024, 1024), (2048, 2048), (4032, 3024)):
+        sized = image.resize((w, h), Image.Resampling.BICUBIC)
+        jpeg = _decode(_encode(sized, "JPEG", quality=90))
+        smaller = _resize(sized, 0.95)
+        make, same, resampled = [], [], []
         for _ in range(repeats):
             start = time.thread_time()
-            a = verification_image(pixels)
+            a = verification_image(sized)
             make.append((time.thread_time() - start) * 1000)
-            b = verification_image(other)
+            b, c = verification_image(jpeg), verification_image(smaller)
             start = time.thread_time()
             verification_residual(a, b)
-            compare.append((time.thread_time() - start) * 1000)
-        out[f"{side}x{side}"] = {
+            same.append((time.thread_time() - start) * 1000)
+            start = time.thread_time()
+            verification_residual(a, c)
+            resampled.append((time.thread_time() - start) * 1000)
+        out[f"{w}x{h}"] = {
             "image_ms": round(float(np.median(make)), 3),
-            "residual_ms": round(float(np.median(compare)), 3),
+            "residual_ms": round(float(np.median(same)), 3),
+            "residual_resampled_ms": round(float(np.median(resampled)), 3),
             "bytes": int(a.nbytes),
         }
     return out
 
 
+def _share(flags: list[bool]) -> float:
+    return sum(flags) / len(flags) if flags else 1.0
+
+
 def _row(pairs: list[Pair], threshold: float) -> dict[str, Any]:
     near = [p for p in pairs if p.kind == "near"]
     distinct = [p for p in pairs if p.kind == "distinct"]
-    near_cos = [p.cosine >= threshold for p in near]
-    near_grid = [p.same_grid for p in near]
-    # What the cache serves: cosine, equal grid and the verification.
-    cache_hit = [p.hit(threshold) and p.same_grid for p in near]
+    hits = [p.hit(threshold) for p in near]
     false_hits = sum(p.hit(threshold) for p in distinct)
-    false_hits_grid = sum(p.hit(threshold) and p.same_grid for p in distinct)
-    tp = sum(cache_hit)
-    eligible = sum(near_grid)
+    tp = sum(hits)
     return {
         "threshold": threshold,
         "false_hits": false_hits,
-        "false_hits_same_grid": false_hits_grid,
         "false_hits_descriptor_only": sum(p.cosine >= threshold for p in distinct),
         "precision": tp / (tp + false_hits) if tp + false_hits else 1.0,
-        "descriptor_recall": sum(near_cos) / len(near) if near else 1.0,
-        "hit_recall": tp / len(near) if near else 1.0,
-        "recall_same_grid": (
-            sum(h for h, g in zip(cache_hit, near_grid, strict=True) if g) / eligible
-            if eligible
-            else 1.0
-        ),
+        "descriptor_recall": _share([p.cosine >= threshold for p in near]),
+        "near_duplicate_recall": _share(hits),
+        "recall_without_crops": _share([h for h, p in zip(hits, near, strict=True) if not p.crop]),
+        "crop_recall": _share([h for h, p in zip(hits, near, strict=True) if p.crop]),
+        "grid_changed_hits": sum(h and not p.same_grid for h, p in zip(hits, near, strict=True)),
     }
 
 
@@ -571,15 +720,15 @@ def evaluate(
     """The report for ``threshold`` plus the table over ``thresholds``.
 
     Returns:
-        ``threshold``; ``false_hits`` (distinct pairs with cosine >= threshold, grids
-        ignored) out of ``distinct_pairs``; ``near_duplicate_recall``, the descriptor's
-        recall (cosine >= threshold) over ``near_duplicate_pairs``; ``hit_recall``, the
-        cache's (cosine >= threshold and equal ``image_grid_thw``); ``recall_same_grid``,
-        the descriptor's recall over the ``near_duplicates_same_grid`` pairs whose grid
-        the cache can serve at all; ``document_like`` (images given the zero descriptor:
-        photos by name, rendered text as a count); the five lowest near-duplicate and
-        five highest distinct cosines; ``descriptor_ms`` over every image described;
-        ``table``, one row per threshold.
+        ``threshold``; ``false_hits`` (distinct pairs the cache would serve: cosine >=
+        threshold, a grid the query may be served with in either direction, a passing
+        verification) out of ``distinct_pairs``; ``near_duplicate_recall`` (all near
+        duplicates the cache would serve, the copy looked up against the stored original),
+        ``recall_without_crops`` and ``crop_recall`` (crops reported apart: a crop removes
+        content) over ``near_duplicate_pairs``; ``grid_changed_hits`` (hits served with the
+        stored, other grid); ``descriptor_recall`` (cosine alone); ``document_like``; the
+        lowest near-duplicate and highest distinct cosines and residuals; costs;
+        ``by_transform``, ``by_distinct_kind``; ``table``, one row per threshold.
     """
     near = [p for p in pairs if p.kind == "near"]
     distinct = [p for p in pairs if p.kind == "distinct"]
@@ -593,13 +742,15 @@ def evaluate(
         "threshold": threshold,
         "false_hits": row["false_hits"],
         "distinct_pairs": len(distinct),
-        "near_duplicate_recall": row["hit_recall"],
-        "descriptor_recall": row["descriptor_recall"],
+        "near_duplicate_recall": row["near_duplicate_recall"],
+        "recall_without_crops": row["recall_without_crops"],
+        "crop_recall": row["crop_recall"],
         "near_duplicate_pairs": len(near),
-        "hit_recall": row["hit_recall"],
-        "recall_same_grid": row["recall_same_grid"],
+        "crop_pairs": sum(p.crop for p in near),
+        "grid_changed_hits": row["grid_changed_hits"],
         "near_duplicates_same_grid": sum(p.same_grid for p in near),
-        "false_hits_same_grid": row["false_hits_same_grid"],
+        "near_duplicates_reusable_grid": sum(p.grid_ok for p in near),
+        "descriptor_recall": row["descriptor_recall"],
         "document_like": {
             "photos": sorted(i.name for i in photos if i.zero),
             "text_images": sum(i.zero for i in texts),
@@ -635,16 +786,29 @@ def evaluate(
             "p50": round(float(np.median([i.verification_ms for i in items.values()])), 3),
             "max": round(float(max(i.verification_ms for i in items.values())), 3),
         },
+        # The distinct pairs the verification has to refuse (cosine over the threshold and
+        # a servable grid), closest first; then the near duplicates it accepts, largest first.
         "lowest_distinct_residuals": [
             [f"{p.a.name} ~ {p.b.name}", round(p.residual, 2)]
-            for p in sorted(distinct, key=lambda p: p.residual)[:5]
+            for p in sorted(
+                (p for p in distinct if p.cosine >= threshold and p.grid_ok),
+                key=lambda p: p.residual,
+            )[:8]
         ],
         "highest_near_duplicate_residuals_kept": [
             [p.b.name, round(p.residual, 2)]
-            for p in sorted((p for p in near if p.verified), key=lambda p: -p.residual)[:5]
+            for p in sorted(
+                (p for p in near if p.verified and not p.crop), key=lambda p: -p.residual
+            )[:5]
+        ],
+        "near_duplicates_refused": [
+            [p.b.name, round(p.cosine, 4), round(p.residual, 2), p.grid_ok]
+            for p in near
+            if not p.crop and not p.hit(threshold)
         ],
         "verify_tolerance": VERIFY_TOLERANCE,
         "by_transform": _by_transform(near, threshold),
+        "by_distinct_kind": _by_distinct_kind(distinct, threshold),
         "table": [_row(pairs, t) for t in thresholds],
     }
 
@@ -663,7 +827,8 @@ def _family(transform: str) -> str:
 
 
 def _by_transform(near: list[Pair], threshold: float) -> dict[str, dict[str, float]]:
-    """Near duplicates grouped by transform: pairs, descriptor recall, hit recall."""
+    """Near duplicates grouped by transform: pairs, descriptor recall, hit recall, grid
+    changes among the hits."""
     groups: dict[str, list[Pair]] = {}
     for p in near:
         groups.setdefault(_family(p.transform), []).append(p)
@@ -671,10 +836,29 @@ def _by_transform(near: list[Pair], threshold: float) -> dict[str, dict[str, flo
         name: {
             "pairs": len(ps),
             "descriptor_recall": round(sum(p.cosine >= threshold for p in ps) / len(ps), 4),
-            "hit_recall": round(sum(p.hit(threshold) and p.same_grid for p in ps) / len(ps), 4),
+            "hit_recall": round(sum(p.hit(threshold) for p in ps) / len(ps), 4),
+            "grid_changed_hits": sum(p.hit(threshold) and not p.same_grid for p in ps),
         }
         for name, ps in groups.items()
     }
+
+
+def _by_distinct_kind(distinct: list[Pair], threshold: float) -> dict[str, dict[str, Any]]:
+    """Distinct pairs grouped by kind: pairs, over the threshold, false hits, the lowest
+    residual among those over the threshold (None when none is)."""
+    groups: dict[str, list[Pair]] = {}
+    for p in distinct:
+        groups.setdefault(p.transform.removesuffix("-vs-jpeg"), []).append(p)
+    out: dict[str, dict[str, Any]] = {}
+    for name, ps in groups.items():
+        over = [p for p in ps if p.cosine >= threshold and p.grid_ok]
+        out[name] = {
+            "pairs": len(ps),
+            "over_threshold": len(over),
+            "false_hits": sum(p.hit(threshold) for p in ps),
+            "lowest_residual": round(min(p.residual for p in over), 2) if over else None,
+        }
+    return out
 
 
 def _default_threshold() -> float:
@@ -687,17 +871,18 @@ def format_table(report: dict[str, Any]) -> str:
     """The table as Markdown (what docs/cache.md shows)."""
     lines = [
         "| threshold | false hits | false hits, descriptor alone | precision "
-        "| descriptor recall | hit recall (cosine + grid + verification) "
-        "| recall, same-grid pairs |",
-        "|---|---|---|---|---|---|---|",
+        "| descriptor recall | near-duplicate recall | recall without crops | crop recall "
+        "| hits with the stored grid |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["table"]:
         mark = " (default)" if abs(r["threshold"] - report["threshold"]) < 1e-9 else ""
         lines.append(
             f"| {r['threshold']:.2f}{mark} | {r['false_hits']} "
             f"| {r['false_hits_descriptor_only']} "
-            f"| {r['precision']:.4f} | {r['descriptor_recall']:.4f} | {r['hit_recall']:.4f} "
-            f"| {r['recall_same_grid']:.4f} |"
+            f"| {r['precision']:.4f} | {r['descriptor_recall']:.4f} "
+            f"| {r['near_duplicate_recall']:.4f} | {r['recall_without_crops']:.4f} "
+            f"| {r['crop_recall']:.4f} | {r['grid_changed_hits']} |"
         )
     return "\n".join(lines)
 
@@ -711,39 +896,53 @@ def main(args: argparse.Namespace) -> int:
         spec = default_spec(args.min_pixels, args.max_pixels)
     threshold = args.threshold if args.threshold is not None else _default_threshold()
     start = time.perf_counter()
-    pairs = build_pairs(spec, quick=args.quick)
+    pairs = build_pairs(spec, quick=args.quick, grid_bound=args.grid_reuse_scale)
     report = evaluate(pairs, threshold)
-    report["descriptor_ms_by_size"] = descriptor_cost()
-    report["verification_cost_by_plan_size"] = verification_cost()
+    report["descriptor_ms_by_size"] = descriptor_cost(5 if args.quick else 20)
+    report["verification_cost_by_size"] = verification_cost(3 if args.quick else 10)
     report["pixel_budget"] = [spec.min_pixels, spec.max_pixels]
+    report["grid_reuse_scale"] = args.grid_reuse_scale
     report["seconds"] = round(time.perf_counter() - start, 1)
     if args.json:
         print(json.dumps(report))
         return 0
     print(
-        f"{report['near_duplicate_pairs']} near-duplicate pairs "
-        f"({report['near_duplicates_same_grid']} with an equal grid at pixel budget "
+        f"{report['near_duplicate_pairs']} near-duplicate pairs ({report['crop_pairs']} crops; "
+        f"{report['near_duplicates_same_grid']} with an equal grid and "
+        f"{report['near_duplicates_reusable_grid']} with a servable one at pixel budget "
         f"{spec.min_pixels}-{spec.max_pixels}), {report['distinct_pairs']} distinct pairs, "
         f"{report['seconds']} s"
     )
     print(format_table(report))
     print(
         f"at {threshold:.2f}: {report['false_hits']} false hits of {report['distinct_pairs']}, "
-        f"descriptor recall {report['descriptor_recall']:.4f}, "
-        f"hit recall (cosine + grid + verification) {report['hit_recall']:.4f}"
+        f"near-duplicate recall {report['near_duplicate_recall']:.4f}, "
+        f"without crops {report['recall_without_crops']:.4f}, "
+        f"crops {report['crop_recall']:.4f}, "
+        f"{report['grid_changed_hits']} hits served with the stored grid"
     )
-    print("by transform (pairs, descriptor recall, hit recall incl. grid):")
+    print("by transform (pairs, descriptor recall, hit recall, hits with the stored grid):")
     for name, g in report["by_transform"].items():
-        print(f"  {name:24s} {g['pairs']:4d}  {g['descriptor_recall']:.4f}  {g['hit_recall']:.4f}")
+        print(
+            f"  {name:24s} {g['pairs']:4d}  {g['descriptor_recall']:.4f}  "
+            f"{g['hit_recall']:.4f}  {g['grid_changed_hits']}"
+        )
+    print("distinct kinds (pairs, over threshold, servable grid; false hits; lowest residual):")
+    for name, g in report["by_distinct_kind"].items():
+        print(
+            f"  {name:32s} {g['pairs']:4d}  {g['over_threshold']:4d}  {g['false_hits']}  "
+            f"{g['lowest_residual']}"
+        )
     print("document-like (zero descriptor):", report["document_like"])
     print("lowest near duplicates:", report["lowest_near_duplicates"])
     print("highest distinct pairs:", report["highest_distinct"])
     print("descriptor ms:", report["descriptor_ms"], report["descriptor_ms_by_size"])
     print("verification ms:", report["verification_ms"], "tolerance", VERIFY_TOLERANCE)
-    print("verification cost by plan size:", report["verification_cost_by_plan_size"])
+    print("verification cost by decoded size:", report["verification_cost_by_size"])
     print("lowest distinct residuals:", report["lowest_distinct_residuals"])
     print("false hits:", report["false_hit_pairs"])
     print("highest near-duplicate residuals kept:", report["highest_near_duplicate_residuals_kept"])
+    print("near duplicates refused (not crops):", report["near_duplicates_refused"])
     return 0
 
 
@@ -755,6 +954,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", help="read the pixel budget from this checkpoint instead")
     p.add_argument("--min-pixels", type=positive_int, default=DEFAULT_MIN_PIXELS)
     p.add_argument("--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS)
+    p.add_argument(
+        "--grid-reuse-scale",
+        type=float,
+        default=DEFAULT_GRID_REUSE_SCALE,
+        help="the grid-change bound (relative resize per side; 0: equal grids only)",
+    )
     p.add_argument("--quick", action="store_true", help="9 photos and 6 text pairs only")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)

@@ -84,6 +84,7 @@ SERVICE_FIXTURES = {
     "soak_cluster",
     "drain_cluster",
     "slow_encoder_gateway",
+    "qwen_budget_cluster",
     "up",
 }
 # Modules whose tests start services without one of those fixtures.
