@@ -132,7 +132,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for im in result.images:
             print(
                 f"image {im['index']}: {im['tier']} (similarity {im['similarity']:.4f}, "
-                f"grid {im['grid']}, {im['tokens']} tokens)",
+                f"grid {im['grid']}, {im['tokens']} tokens"
+                f"{'' if im['decoded'] else ', not decoded: found by its file digest'})",
                 file=sys.stderr,
             )
     return 0

@@ -114,6 +114,8 @@ def consume(responses: Any, on_text: Callable[[str], None] | None = None) -> Res
                     "grid": [im.grid.t, im.grid.h, im.grid.w],
                     "tokens": im.tokens,
                     "key": im.key,
+                    # False: answered by the file's digest, its pixels never decoded.
+                    "decoded": im.decoded,
                 }
                 for im in chunk.images
             ]

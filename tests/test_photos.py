@@ -161,3 +161,21 @@ def test_decode_image_returns_an_upright_rgb_file_without_a_copy(monkeypatch) ->
     # Still usable after decode_image returned (its file is not closed under it).
     assert np.asarray(upright).shape == (1512, 2016, 3)
 
+
+def test_generate_json_says_which_images_were_decoded() -> None:
+    """``splitvl generate --json`` (splitvl.client.consume): ``decoded`` per image."""
+    from qwenvl.common.v1 import generation_pb2
+    from qwenvl.gateway.v1 import gateway_service_pb2 as pb
+
+    from splitvl.client import consume
+
+    first = pb.GenerateResponse()
+    first.images.add(index=0, tier=generation_pb2.CACHE_TIER_EXACT, decoded=False, key="a" * 64)
+    first.images.add(index=1, tier=generation_pb2.CACHE_TIER_MISS, decoded=True, key="b" * 64)
+    last = pb.GenerateResponse(token_ids=[5, 6], text="hi")
+    result = consume(iter([first, last])).as_dict()
+    assert [(im["tier"], im["decoded"]) for im in result["images"]] == [
+        ("exact", False),
+        ("miss", True),
+    ]
+    assert result["token_ids"] == [5, 6]
