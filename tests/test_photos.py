@@ -179,3 +179,42 @@ def test_generate_json_says_which_images_were_decoded() -> None:
         ("miss", True),
     ]
     assert result["token_ids"] == [5, 6]
+
+
+def test_the_photos_benchmark_sends_phone_files_and_exact_repeats(tiny_model, tmp_path) -> None:
+    """splitvl_tools.photos: what `splitvl bench --photos` sends (no engine started)."""
+    import json
+    import shutil
+
+    from splitvl_tools.photos import PHOTOS_MAX_PIXELS, SCENARIOS, build_workloads, photos_model
+    from vlcommon.imaging import read_header
+
+    work, files = build_workloads(requests=4, requests_conc1=2, reps=1, seed=3)
+    assert len(files) == 3 + 3  # per scenario: half warm-up files, half new ones
+    kinds = [kind for _, kind in files]
+    assert kinds[:3] == ["jpeg-o1-q85", "jpeg-o6-q90", "png-1920x1080"]
+    for data, kind in files:
+        header = read_header(data)
+        assert header is not None
+        if kind.startswith("jpeg"):
+            assert header.format == "JPEG" and header.orientation == int(kind[6])
+            assert (header.stored_width, header.stored_height) == (4032, 3024)
+            assert len(data) > 500_000  # grain: compresses like a photo, not like a gradient
+        else:
+            assert header.format == "PNG" and f"{header.width}x{header.height}" in kind
+    for scenario in SCENARIOS:
+        (w,) = work[scenario]
+        warm = {r.images[0] for r in w["warmup"]}
+        repeats = [r for r in w["requests"] if r.kinds[0].startswith("exact")]
+        assert len(repeats) * 2 == len(w["requests"])
+        assert {r.images[0] for r in repeats} == warm  # byte-identical, each once
+        new = [r.images[0] for r in w["requests"] if r.kinds[0].startswith("unique")]
+        assert not warm & set(new) and len(set(new)) == len(new)
+    # The checkpoint copy with the deployment guides' budget.
+    base = tmp_path / "bench"
+    shutil.copytree(tiny_model, base)
+    model = photos_model(base)
+    config = json.loads((model / "processor_config.json").read_text())
+    assert config["image_processor"]["size"]["longest_edge"] == PHOTOS_MAX_PIXELS
+    assert (model / "model.safetensors").stat().st_ino == (base / "model.safetensors").stat().st_ino
+    assert photos_model(base) == model  # made once
