@@ -769,14 +769,21 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 span.set_attribute("splitvl.image.resized_height", plan.resized_height)
                 span.set_attribute("splitvl.image.grid_thw", list(plan.grid))
                 span.set_attribute("splitvl.image.tokens", plan.tokens)
-                key = exact_key(image, plan, self.revision)
-                self._check_live(stop, deadline)
-                descriptor = similarity_descriptor(image)
-                self._check_live(stop, deadline)
-                if (image.height, image.width) == (plan.resized_height, plan.resized_width):
-                    resized = np.asarray(image, dtype=np.uint8)  # already the planned size
+                # The full-size pixels are read after the decode (and EXIF transpose) out
+                # of Pillow (np.asarray), by the resize, and by the verification image's
+                # capped downscale below (vlcommon.verification: it must not depend on the
+                # plan). The key and the descriptor's thumbnail are computed from the
+                # resized pixels (exactly what the ViT sees), a ninth of a 12 MP photo; the
+                # document test looks at the full image, every k-th pixel.
+                pixels = np.asarray(image, dtype=np.uint8)
+                if pixels.shape[:2] == (plan.resized_height, plan.resized_width):
+                    resized = pixels  # already the planned size
                 else:
-                    resized = resize_to_plan(image, plan).permute(1, 2, 0).contiguous().numpy()
+                    resized = resize_to_plan(pixels, plan).permute(1, 2, 0).contiguous().numpy()
+                del pixels
+                self._check_live(stop, deadline)
+                key = exact_key(resized, plan, self.revision)
+                descriptor = similarity_descriptor(image, resized)
                 # From the decoded image, not the plan (vlcommon.verification), here on the
                 # preprocess thread (up to ~30 ms for 12 MP); only a cache can use it.
                 verification = verification_image(image) if self.down.cache is not None else None

@@ -179,10 +179,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"image {im['index']}: {im['tier']} (similarity {im['similarity']:.4f}, "
                 f"grid {im['grid']}, {im['tokens']} tokens"
                 + (
-                    f"; the stored grid, the request's was {im['requested_grid']})"
+                    f"; the stored grid, the request's was {im['requested_grid']}"
                     if im["requested_grid"] != im["served_grid"]
-                    else ")"
-                ),
+                    else ""
+                )
+                + f"{'' if im['decoded'] else ', not decoded: found by its file digest'})",
                 file=sys.stderr,
             )
         for v in result.videos:

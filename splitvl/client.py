@@ -147,6 +147,8 @@ def consume(responses: Any, on_text: Callable[[str], None] | None = None) -> Res
                     ],
                     "tokens": im.tokens,
                     "key": im.key,
+                    # False: answered by the file's digest, its pixels never decoded.
+                    "decoded": im.decoded,
                 }
                 for im in chunk.images
             ]

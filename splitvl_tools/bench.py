@@ -733,6 +733,13 @@ def main(args: argparse.Namespace) -> int:
         from splitvl_tools.video_bench import run as run_video
 
         return run_video(args)
+    if args.photos:
+        # Its own process: splitvl_tools.photos builds on this module's parts, so importing
+        # it here would make an import circle.
+        import subprocess
+
+        photos = [sys.executable, "-m", "splitvl_tools.photos", *sys.argv[2:]]
+        return subprocess.call(photos)
     import torch
 
     from decoder_service.engine import default_block_size
@@ -900,6 +907,12 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="instead: vLLM's benchmark client against `vllm serve` and splitvl's "
         "OpenAI-compatible front (splitvl_tools/openai_bench.py)",
+    )
+    p.add_argument(
+        "--photos",
+        action="store_true",
+        help="instead: the photos scenario (12 MP phone JPEGs, PNG screenshots, half "
+        "byte-identical repeats, max_pixels 1280*32*32; splitvl_tools/photos.py)",
     )
     p.add_argument(
         "--openai-concurrency", default="1,8,32", help="with --openai: concurrencies to run"

@@ -1,6 +1,7 @@
 """The exact tier's key cases (issue 4): shape, EXIF orientation, alpha; and the
-similarity descriptor's document rule. No services: the gateway keys what
-``decode_image`` returns, so the key cases are cases of decode + ``exact_key``."""
+similarity descriptor's document rule. No services: the gateway keys the resized pixels
+of what ``decode_image`` returns, so the key cases are cases of decode, resize and
+``exact_key``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from vlcommon.imaging import (
     exact_key,
     is_document_like,
     plan_resize,
+    resize_to_plan,
     similarity_descriptor,
 )
 from vlcommon.model_info import VisionSpec
@@ -47,9 +49,10 @@ def plan(image: Image.Image) -> ResizePlan:
 
 
 def key(data: bytes) -> str:
-    """What the gateway computes for one uploaded file."""
+    """What the gateway computes for one uploaded file: the digest of its resized pixels."""
     image = decode(data)
-    return exact_key(image, plan(image), REVISION)
+    p = plan(image)
+    return exact_key(resize_to_plan(image, p).permute(1, 2, 0).contiguous().numpy(), p, REVISION)
 
 
 def test_same_pixel_bytes_with_another_shape_get_another_key() -> None:
@@ -148,7 +151,10 @@ def test_rgba_keys_like_its_composite_on_the_alpha_background() -> None:
 
 
 def test_one_changed_pixel_changes_the_key() -> None:
-    image = rgb("chelsea.png")
+    # Already of a planned size (320x192), so the pixel reaches the ViT unchanged; in a
+    # downscaled image the key changes exactly when the resized pixels do.
+    image = rgb("chelsea.png").crop((0, 0, 320, 192))
+    assert (plan(image).resized_width, plan(image).resized_height) == image.size
     changed = image.copy()
     r, g, b = changed.getpixel((100, 100))
     changed.putpixel((100, 100), (r ^ 1, g, b))

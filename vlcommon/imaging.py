@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,10 @@ from vlcommon.model_info import VisionSpec
 
 if TYPE_CHECKING:
     import torch
+
+# torch.from_numpy warns (once per process) that a read-only array stays read-only;
+# resize_to_plan hands it read-only pixels on purpose and only reads them (see there).
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 # smart_resize (transformers and qwen-vl-utils alike) refuses aspect ratios above 200.
 MAX_ASPECT_RATIO = 200.0
@@ -147,25 +152,37 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
             f"{field} could not be decoded: the image data is empty",
             field=field,
         )
+    im: Image.Image | None = None
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            width, height = im.size
-            if width * height > max_decoded_pixels:
-                raise resource_exhausted(
-                    "IMAGE_TOO_LARGE",
-                    f"{field} is {width}x{height} = {width * height} pixels; the limit is "
-                    f"{max_decoded_pixels} decoded pixels",
-                    field=field,
-                    limit=max_decoded_pixels,
-                )
-            if getattr(im, "is_animated", False):
-                im.seek(0)
-            im.load()
-            upright = ImageOps.exif_transpose(im)
-            return _to_rgb(upright if upright is not None else im)
+        im = Image.open(io.BytesIO(data))
+        width, height = im.size
+        if width * height > max_decoded_pixels:
+            raise resource_exhausted(
+                "IMAGE_TOO_LARGE",
+                f"{field} is {width}x{height} = {width * height} pixels; the limit is "
+                f"{max_decoded_pixels} decoded pixels",
+                field=field,
+                limit=max_decoded_pixels,
+            )
+        if getattr(im, "is_animated", False):
+            im.seek(0)
+        im.load()
+        # In place: an upright file (orientation 1) is not copied (exif_transpose returns a
+        # copy otherwise), and a sideways one is transposed once, as before.
+        ImageOps.exif_transpose(im, in_place=True)
+        rgb = _to_rgb(im)
+        if rgb is not im:
+            im.close()
+        # Not closed when it is the result (close() destroys the pixels); its file is a
+        # BytesIO over ``data``, nothing to release but memory.
+        return rgb
     except (ServiceError, MemoryError):
+        if im is not None:
+            im.close()
         raise
     except Image.DecompressionBombError as exc:
+        if im is not None:
+            im.close()
         # Pillow's own guard fires first for headers past 2x its MAX_IMAGE_PIXELS: report it
         # with our limit, the same way as the check above.
         raise resource_exhausted(
@@ -176,6 +193,8 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
             limit=max_decoded_pixels,
         ) from exc
     except Exception as exc:  # noqa: BLE001
+        if im is not None:
+            im.close()
         # Pillow's decoders raise more than OSError/ValueError on hostile files (seen:
         # NotImplementedError for DDS, IndexError for a fuzzed GIF, AttributeError for a
         # fuzzed SPIDER file). Whatever a decoder raises, the input is what is wrong.
@@ -230,7 +249,9 @@ def _to_rgb(im: Image.Image) -> Image.Image:
         rgba = im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (*ALPHA_BACKGROUND, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    return im.convert("RGB")
+    # Pillow's convert() copies an image already in the target mode: 36 MB for a 12 MP
+    # JPEG (which libjpeg decodes to RGB), for nothing.
+    return im if im.mode == "RGB" else im.convert("RGB")
 
 
 def plan_resize(
@@ -413,30 +434,39 @@ def bytes_key(
     return h.hexdigest()
 
 
-def exact_key(image: Image.Image, plan: ResizePlan, revision: str) -> str:
-    """The exact-tier cache key of one decoded image.
+def exact_key(image: Image.Image | np.ndarray, plan: ResizePlan, revision: str) -> str:
+    """The exact-tier cache key of one image: a digest of the pixels the ViT sees.
 
-    A full SHA-256 (64 hex digits, no truncation) over a version tag, the decoded upright
-    image's mode, width and height, the resize plan (resized size and ``image_grid_thw``),
-    the model revision, and the raw pixel bytes. The shape is hashed before the bytes, so
-    equal bytes with a different shape (64x64 vs 32x128) never collide, and the image is
-    the one :func:`decode_image` returns: EXIF orientation already applied and alpha
-    already composited on :data:`ALPHA_BACKGROUND`, so an EXIF-rotated JPEG keys like the
-    same pixels stored upright and an RGBA image keys like its RGB composite.
+    A full SHA-256 (64 hex digits, no truncation) over a version tag, the pixels' width
+    and height, the resize plan (resized size and ``image_grid_thw``), the model revision,
+    and the raw RGB bytes. The shape is hashed before the bytes, so equal bytes with a
+    different shape (64x64 vs 32x128) never collide.
+
+    The gateway passes the **resized** pixels (:func:`resize_to_plan`'s output, exactly
+    what the encoder patches), not the full-size decode: the embeddings are a function of
+    those pixels, the plan and the model alone, so two files whose resized pixels agree
+    have the same embeddings and may share an entry, and hashing 3.8 MB instead of a 12 MP
+    photo's 36 MB takes one full-size pass (about 20 ms) out of every miss (issue 19).
+    The pixels come from :func:`decode_image` (EXIF orientation applied, alpha composited
+    on :data:`ALPHA_BACKGROUND`), so an EXIF-rotated JPEG keys like the same pixels stored
+    upright and an RGBA image keys like its RGB composite.
 
     Args:
-        image: The decoded image (mode ``RGB`` from :func:`decode_image`).
-        plan: Its resize plan (:func:`plan_resize`); another pixel budget is another key.
+        image: RGB pixels: uint8 [height, width, 3], or a PIL image in mode ``RGB`` (its
+            pixels, as ``np.asarray`` gives them: the same key as the array).
+        plan: The resize plan (:func:`plan_resize`); another pixel budget is another key.
         revision: The model revision (:func:`vlcommon.model_info.model_revision`).
 
     Returns:
         64 lowercase hex characters.
     """
+    pixels = np.ascontiguousarray(image, dtype=np.uint8)
+    height, width = pixels.shape[:2]
     h = hashlib.sha256()
-    h.update(b"splitvl-exact-v1\0")
-    h.update(f"{image.mode}\0{image.width}x{image.height}\0".encode())
+    h.update(b"splitvl-exact-v2\0")
+    h.update(f"{width}x{height}x{pixels.shape[2:]}\0".encode())
     h.update(f"{plan.resized_height}x{plan.resized_width}\0{plan.grid}\0{revision}\0".encode())
-    h.update(image.tobytes())
+    h.update(pixels.data)  # no copy: a C-contiguous uint8 buffer
     return h.hexdigest()
 
 
@@ -478,7 +508,7 @@ def is_document_like(image: Image.Image) -> bool:
     return _is_document_like(_sample_luma(image))
 
 
-def similarity_descriptor(image: Image.Image) -> np.ndarray:
+def similarity_descriptor(image: Image.Image, resized: np.ndarray | None = None) -> np.ndarray:
     """A cheap descriptor for near-duplicate search, computed before any ViT work.
 
     What: the image is area-averaged (box filter) to a 32x32 RGB thumbnail (aspect ratio
@@ -505,12 +535,23 @@ def similarity_descriptor(image: Image.Image) -> np.ndarray:
     against 213-231 ms for the bench checkpoint's ViT on one 448x448 image
     (docs/benchmarks.md).
 
+    Args:
+        image: The decoded image (full size): the document test samples it, so thin
+            strokes keep their contrast whatever the resize does to them.
+        resized: Optional: the same image's resized pixels, uint8 [height, width, 3]
+            (:func:`resize_to_plan`); the thumbnail is then averaged from them instead of
+            from ``image``: the gateway passes them, so a 12 MP photo's descriptor costs
+            one pass over 1.3 MP instead of one over 12 MP (issue 19). A cell of the
+            thumbnail averages ~1,200 resized pixels either way; the cosine between the
+            two versions of one photo is >= 0.999 (tests/test_imaging.py).
+
     Returns:
         float32 [DESCRIPTOR_DIM] (3,072), unit L2 norm, or all zeros.
     """
     if is_document_like(image):
         return np.zeros(DESCRIPTOR_DIM, dtype=np.float32)
-    thumb = image.resize((DESCRIPTOR_SIDE, DESCRIPTOR_SIDE), Image.Resampling.BOX)
+    source = image if resized is None else Image.fromarray(np.ascontiguousarray(resized), "RGB")
+    thumb = source.resize((DESCRIPTOR_SIDE, DESCRIPTOR_SIDE), Image.Resampling.BOX)
     arr = np.asarray(thumb, dtype=np.float32).reshape(-1, 3)
     arr = arr - arr.mean(axis=0, keepdims=True)
     vec = arr.reshape(-1)
@@ -532,8 +573,10 @@ def resize_to_plan(pixels: np.ndarray | Image.Image, plan: ResizePlan) -> torch.
     from torchvision.transforms.v2 import functional as F
 
     arr = np.asarray(pixels, dtype=np.uint8)
-    # A private copy: the pixels often arrive as a read-only view of a protobuf buffer.
-    chw = torch.from_numpy(np.array(arr, copy=True)).permute(2, 0, 1)
+    # No private copy (a full-size pass): the pixels are often read-only (a protobuf
+    # buffer's view, Pillow's bytes), but resize only reads its input, and the no-resize
+    # case below returns a new tensor (contiguous() of the permuted view).
+    chw = torch.from_numpy(arr).permute(2, 0, 1)
     if chw.shape[1] == plan.resized_height and chw.shape[2] == plan.resized_width:
         return chw.contiguous()
     return F.resize(
