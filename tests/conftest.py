@@ -85,6 +85,7 @@ SERVICE_FIXTURES = {
     "drain_cluster",
     "slow_encoder_gateway",
     "up",
+    "wide_cluster",
 }
 # Modules whose tests start services without one of those fixtures.
 SERVICE_MODULES = {"test_c12_exporter"}

@@ -28,8 +28,10 @@ def main() -> None:
         max_model_len=4096,
         seed=0,
         enable_mm_embeds=True,
-        # A non-zero image count: with 0 the engine drops deepstack (FACTS.md).
-        limit_mm_per_prompt={"image": 4, "video": 0},
+        # As the decoder service sets them (decoder_service.__main__): a non-zero image
+        # count (with 0 the engine drops deepstack, FACTS.md) and its CPU block size.
+        limit_mm_per_prompt={"image": 8, "video": 0},
+        block_size=32,
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [
