@@ -1,6 +1,6 @@
 """The ``splitvl`` command.
 
-splitvl make-tiny-model DIR           build the tiny random-weight Qwen3-VL checkpoint
+splitvl make-tiny-model DIR [--like M]   a random-weight Qwen3-VL checkpoint (tiny, or M's config)
 splitvl up [--model PATH_OR_HUB_ID] [--decoder-arg=ARG ...]
                                       run the four services on loopback until SIGINT/SIGTERM
 splitvl generate --image FILE|URL... --video FILE|URL... --prompt TEXT [--json]   stream an answer
@@ -44,6 +44,7 @@ from splitvl.launcher import (
     StartInterrupted,
     Supervisor,
 )
+from splitvl.tiny_model import LIKE
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -59,7 +60,7 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from splitvl.tiny_model import make_tiny_model
 
-    print(make_tiny_model(args.dir, seed=args.seed, bench=args.bench))
+    print(make_tiny_model(args.dir, seed=args.seed, bench=args.bench, like=args.like))
     return 0
 
 
@@ -212,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bench", action="store_true", help="the bench-sized checkpoint instead")
+    p.add_argument(
+        "--like",
+        choices=sorted(LIKE),
+        help="that model's exact configuration with random weights, in bf16 (wide: "
+        "Qwen3-VL-2B's embedding width with a shallow ViT and language model)",
+    )
     p.set_defaults(func=cmd_make_tiny_model)
 
     for name, func, text in (

@@ -53,6 +53,48 @@ DEFAULT_HTTP_PORT = 8000
 # ``splitvl up --decoder-arg`` or ``SPLITVL_DECODER_ARGS`` (vLLM's argparse keeps the last
 # value of a repeated flag, so appended arguments win).
 DECODER_DEFAULT_ARGS = ("--dtype", "float32", "--max-model-len", "4096", "--seed", "0")
+#: Checkpoint dtypes (``config.json``) that the encoder and vLLM both run as given.
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def checkpoint_dtype(model: str) -> str | None:
+    """The dtype a checkpoint was saved in, from its ``config.json``; None if unknown.
+
+    transformers 5 writes ``dtype``, 4.x wrote ``torch_dtype`` (and Qwen3-VL's published
+    configs put it in ``text_config`` too). Only a local directory is read: a hub id
+    is not resolved here (that may download), so it keeps ``DECODER_DEFAULT_ARGS``.
+    """
+    import json
+
+    path = Path(model).expanduser() / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") or {}
+    for value in (
+        config.get("dtype"),
+        config.get("torch_dtype"),
+        text.get("dtype"),
+        text.get("torch_dtype"),
+    ):
+        if isinstance(value, str) and value in SERVED_DTYPES:
+            return value
+    return None
+
+
+def decoder_default_args(model: str) -> tuple[str, ...]:
+    """``DECODER_DEFAULT_ARGS`` with ``--dtype`` set to the checkpoint's own dtype.
+
+    The defaults say float32 because the tiny checkpoint's equality tests need it (and it
+    is saved in float32); a bf16 checkpoint (``make-tiny-model --like``) is served in bf16,
+    as ``vllm serve`` would (its ``--dtype auto`` takes the config's dtype).
+    """
+    dtype = checkpoint_dtype(model)
+    args = list(DECODER_DEFAULT_ARGS)
+    if dtype is not None:
+        args[args.index("--dtype") + 1] = dtype
+    return tuple(args)
 
 
 class ServiceStartError(RuntimeError):
@@ -272,7 +314,9 @@ class Cluster:
         log_dir: Where each service's log goes (``<name>.log``).
         env: Extra environment for the children (e.g. OTEL_* settings).
         decoder_args: Extra vLLM engine arguments for the decoder, after
-            ``DECODER_DEFAULT_ARGS`` and ``SPLITVL_DECODER_ARGS`` (so they override both).
+            ``DECODER_DEFAULT_ARGS`` (``--dtype`` there is the checkpoint's own,
+            :func:`decoder_default_args`) and ``SPLITVL_DECODER_ARGS`` (so they override
+            both). The encoder runs the vision tower in the checkpoint's dtype too.
     """
 
     model: str
@@ -312,13 +356,15 @@ class Cluster:
                 str(self.ports.http),
             ]
         if name == "encoder":
-            return [*base, "--model", self.model]
+            # An operator's ENCODER_DTYPE wins over the checkpoint's dtype.
+            dtype = None if self._env().get("ENCODER_DTYPE") else checkpoint_dtype(self.model)
+            return [*base, "--model", self.model, *(("--dtype", dtype) if dtype else ())]
         if name == "decoder":
             return [
                 *base,
                 "--model",
                 self.model,
-                *DECODER_DEFAULT_ARGS,
+                *decoder_default_args(self.model),
                 *split_args(self._env().get("SPLITVL_DECODER_ARGS", ""), "SPLITVL_DECODER_ARGS"),
                 *self.decoder_args,
             ]

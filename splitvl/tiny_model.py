@@ -233,6 +233,7 @@ def tiny_config(tokenizer: Any, **overrides: Any) -> Any:
     }
     text.update(overrides.pop("text", {}))
     vision.update(overrides.pop("vision", {}))
+    overrides.setdefault("tie_word_embeddings", False)
     return Qwen3VLConfig(
         text_config=text,
         vision_config=vision,
@@ -240,7 +241,6 @@ def tiny_config(tokenizer: Any, **overrides: Any) -> Any:
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
         **overrides,
     )
 
@@ -252,8 +252,14 @@ def build_processor(
     merge_size: int = 2,
     min_pixels: int = 4096,
     max_pixels: int = 65536,
+    video_min_pixels: int | None = None,
+    video_max_pixels: int | None = None,
 ) -> Any:
-    """Qwen3VLProcessor with the fast (torchvision) image processor and mean/std 0.5."""
+    """Qwen3VLProcessor with the fast (torchvision) image processor and mean/std 0.5.
+
+    The video budget defaults to ``min_pixels`` .. ``4 * max_pixels`` (the tiny and bench
+    checkpoints); ``video_min_pixels``/``video_max_pixels`` set it explicitly.
+    """
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -269,7 +275,11 @@ def build_processor(
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, **common
     )
     video_processor = Qwen3VLVideoProcessor(
-        size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 4}, **common
+        size={
+            "shortest_edge": min_pixels if video_min_pixels is None else video_min_pixels,
+            "longest_edge": max_pixels * 4 if video_max_pixels is None else video_max_pixels,
+        },
+        **common,
     )
     return Qwen3VLProcessor(
         image_processor=image_processor,
@@ -310,32 +320,150 @@ BENCH_OVERRIDES: dict[str, Any] = {
 BENCH_MAX_PIXELS = 448 * 448
 
 
-def make_tiny_model(out_dir: str | Path, *, seed: int = SEED, bench: bool = False) -> Path:
+# Qwen/Qwen3-VL-2B-Instruct's published configuration (config.json, 1.51 kB, and
+# preprocessor_config.json / video_preprocessor_config.json of
+# https://huggingface.co/Qwen/Qwen3-VL-2B-Instruct, transformers 4.57.0.dev0 format).
+# No hub access here: the numbers were read from third-party copies of that config.json
+# (OpenVINO GenAI's Qwen3-VL config test, and a Rust model-resolver test, which agree
+# field by field) and cross-checked against the published 4B config (same vision tower,
+# deepstack [5, 11, 17], mrope [24, 20, 20], rope_theta 5e6; 2B differs in text widths,
+# out_hidden_size 2048 and tied embeddings). Token ids are not copied: the tokenizer is
+# the tiny one (Qwen's vocabulary cannot be had offline), so the specials get its ids and
+# the embedding matrix keeps the real 151,936 rows.
+QWEN3_VL_2B_INSTRUCT: dict[str, Any] = {
+    "text": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+    },
+    "vision": {
+        "depth": 24,
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_heads": 16,
+        "in_channels": 3,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 2048,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [5, 11, 17],
+        "hidden_act": "gelu_pytorch_tanh",
+    },
+    "tie_word_embeddings": True,
+}
+# The real model's processor budget: images 65,536 .. 16,777,216 pixels (256x256 ..
+# 4096x4096), videos 4,096 .. 25,165,824 pixels in all.
+QWEN3_VL_PROCESSOR_BUDGET = {
+    "min_pixels": 65536,
+    "max_pixels": 16777216,
+    "video_min_pixels": 4096,
+    "video_max_pixels": 25165824,
+}
+
+# The "wide" checkpoint (issue 14's bench): Qwen3-VL-2B's embedding width (out_hidden 2048
+# with 3 deepstack levels: 8,192 values per image token, 16 MiB of bf16 for 1,024 tokens)
+# but a 4-block ViT and a 2-layer language model, so that moving embeddings, not the
+# models, dominates a request's time. The language model's hidden size must equal
+# out_hidden_size (image tokens enter its residual stream), so it keeps 2B's width.
+WIDE_OVERRIDES: dict[str, Any] = {
+    "text": {
+        "vocab_size": VOCAB_PADDED,
+        "hidden_size": 2048,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rope_parameters": dict(QWEN3_VL_2B_INSTRUCT["text"]["rope_parameters"]),
+    },
+    "vision": {
+        "depth": 4,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_heads": 4,
+        "out_hidden_size": 2048,
+        "deepstack_visual_indexes": [1, 2, 3],
+    },
+}
+
+#: ``make-tiny-model --like NAME``: (config overrides, processor budget, torch dtype).
+LIKE: dict[str, tuple[dict[str, Any], dict[str, int], str]] = {
+    "Qwen/Qwen3-VL-2B-Instruct": (QWEN3_VL_2B_INSTRUCT, QWEN3_VL_PROCESSOR_BUDGET, "bfloat16"),
+    "wide": (WIDE_OVERRIDES, QWEN3_VL_PROCESSOR_BUDGET, "bfloat16"),
+}
+
+
+def make_tiny_model(
+    out_dir: str | Path, *, seed: int = SEED, bench: bool = False, like: str | None = None
+) -> Path:
     """Write the tiny (or, with ``bench``, the bench-sized) checkpoint to ``out_dir``.
 
     Args:
         out_dir: Target directory (created).
         seed: Seed of torch's generator for the random weights.
         bench: Build the bench checkpoint (BENCH_OVERRIDES, images up to 448x448).
+        like: A name in :data:`LIKE`: that configuration instead (``Qwen/Qwen3-VL-2B-Instruct``:
+            every dimension of the real model, 2.1 B parameters, 4.3 GB in bf16; ``wide``:
+            its embedding width with a shallow ViT and language model), with the real
+            model's processor budget and weights in bf16.
+
+    Raises:
+        ValueError: ``like`` is not a known name, or given with ``bench``.
     """
     import torch
     from transformers import Qwen3VLForConditionalGeneration
 
+    if like is not None and like not in LIKE:
+        raise ValueError(f"--like {like!r}: known are {', '.join(LIKE)}")
+    if like is not None and bench:
+        raise ValueError("--like and --bench are exclusive")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    overrides = json.loads(json.dumps(BENCH_OVERRIDES)) if bench else {}
+    budget: dict[str, int] = {}
+    dtype = torch.float32
+    if like is not None:
+        template, budget, dtype_name = LIKE[like]
+        overrides = json.loads(json.dumps(template))
+        dtype = getattr(torch, dtype_name)
+    else:
+        overrides = json.loads(json.dumps(BENCH_OVERRIDES)) if bench else {}
     config = tiny_config(tokenizer, **overrides)
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()  # type: ignore[arg-type]
+    # Initialised in its own dtype: a 2 B-parameter model built in float32 first would need
+    # 8.5 GB here before the cast. The same seed and dtype give the same weights.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Qwen3VLForConditionalGeneration(config).eval()  # type: ignore[arg-type]
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to(dtype)
     model.save_pretrained(out)
-    processor = (
-        build_processor(tokenizer, max_pixels=BENCH_MAX_PIXELS)
-        if bench
-        else build_processor(tokenizer)
-    )
+    if like is not None:
+        processor = build_processor(tokenizer, **budget)
+    elif bench:
+        processor = build_processor(tokenizer, max_pixels=BENCH_MAX_PIXELS)
+    else:
+        processor = build_processor(tokenizer)
     processor.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    kind = "bench" if bench else "tiny"
+    kind = f"like {like}" if like else ("bench" if bench else "tiny")
     (out / "SPLITVL_TINY_MODEL").write_text(f"kind={kind}\nseed={seed}\n")
     return out

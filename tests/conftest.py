@@ -86,6 +86,7 @@ SERVICE_FIXTURES = {
     "slow_encoder_gateway",
     "qwen_budget_cluster",
     "up",
+    "wide_cluster",
 }
 # Modules whose tests start services without one of those fixtures.
 SERVICE_MODULES = {"test_c12_exporter"}
