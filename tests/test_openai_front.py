@@ -791,6 +791,8 @@ def test_tls_and_mutual_tls_on_the_http_port(tmp_path: Any) -> None:
         ours.load_cert_chain(str(pki.client_cert), str(pki.client_key))
         with httpx.Client(verify=ours) as http:
             assert http.get(url + "/models", timeout=5).json()["data"][0]["id"] == MODEL
+
+
 def test_a_video_url_part_becomes_a_video_file_in_order() -> None:
     content = [
         {"type": "video_url", "video_url": {"url": "https://h/clip.mp4"}},
