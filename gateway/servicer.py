@@ -525,6 +525,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                         request=v.overrides,
                         revision=self.revision,
                         check=live_check(stop, deadline, v.index),
+                        max_tokens=self.settings.max_video_tokens - tokens,
                     )
                 else:
                     images = []
@@ -545,6 +546,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                         config=self.video_config,
                         request=v.overrides,
                         revision=self.revision,
+                        max_tokens=self.settings.max_video_tokens - tokens,
                     )
                 seconds = time.perf_counter() - t0
                 span.set_attribute("splitvl.video.container", decoded.container or "frames")

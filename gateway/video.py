@@ -302,6 +302,18 @@ def _key(digest: hashlib._Hash, sampling: SamplingPlan, plan: ResizePlan, revisi
     return digest.hexdigest()
 
 
+def _check_tokens(plan: ResizePlan, max_tokens: int | None, index: int) -> None:
+    if max_tokens is not None and plan.tokens > max_tokens:
+        raise resource_exhausted(
+            "VIDEO_TOKENS_TOO_MANY",
+            f"{_field(index)} needs {plan.tokens} video tokens (grid {list(plan.grid)}); the "
+            f"request has {max_tokens} left of GATEWAY_MAX_VIDEO_TOKENS: lower sample_fps, "
+            "max_frames or max_pixels",
+            field=_field(index),
+            limit=max_tokens,
+        )
+
+
 def _rotate(rgb: np.ndarray, rotation: float) -> np.ndarray:
     """Turn a frame as its display matrix says (FFmpeg's ``av_display_rotation_get``: degrees
     counterclockwise), the way ffmpeg's autorotate and players show it (case C15)."""
@@ -322,6 +334,7 @@ def decode_video(
     request: VideoRequest,
     revision: str,
     check: Check | None = None,
+    max_tokens: int | None = None,
 ) -> DecodedVideo:
     """Demux, sample, decode (only the kept frames), rotate upright and resize one file.
 
@@ -329,6 +342,8 @@ def decode_video(
         data: The encoded file.
         index: The video's position among the request's videos (for messages).
         check: Called between frames; raises to stop (a cancelled or expired request).
+        max_tokens: Video tokens this video may have (what the request's budget has left);
+            checked once the first kept frame gives the plan, before the others decode.
 
     Raises:
         ServiceError: INVALID_ARGUMENT ``VIDEO_UNDECODABLE`` (not a container FFmpeg reads),
@@ -465,6 +480,7 @@ def decode_video(
                         index=index,
                         max_pixels=request.max_pixels,
                     )
+                    _check_tokens(plan, max_tokens, index)
                     digest.update(f"{rgb.shape[0]}x{rgb.shape[1]}\0".encode())
                 elif rgb.shape[:2] != first_shape:
                     raise invalid_argument(
@@ -502,6 +518,7 @@ def frames_video(
     config: VideoConfig,
     request: VideoRequest,
     revision: str,
+    max_tokens: int | None = None,
 ) -> DecodedVideo:
     """A video given as decoded frames (VideoInput.frames): all kept, padded to 2.
 
@@ -530,6 +547,7 @@ def frames_video(
     indices, stamps = _pad(kept, [i / rate for i in kept], spec.temporal_patch_size)
     sampling = SamplingPlan(len(images), rate, tuple(indices), tuple(stamps))
     plan = plan_video(h, w, len(indices), spec, config, index=index, max_pixels=request.max_pixels)
+    _check_tokens(plan, max_tokens, index)
     digest = hashlib.sha256(KEY_VERSION)
     digest.update(f"{h}x{w}\0".encode())
     out = np.empty((len(indices), plan.resized_height, plan.resized_width, 3), np.uint8)

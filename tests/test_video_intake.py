@@ -338,3 +338,33 @@ def test_only_the_gops_of_kept_frames_are_decoded(spec, config) -> None:  # type
     assert video.frames_decoded <= 4 * 5
     every = decode(data, spec, config, VideoRequest(max_frames=60, sample_fps=10))
     assert every.frames_decoded == 60  # one pass, no seek back
+
+
+def test_a_video_over_the_token_budget_stops_at_its_first_frame(spec, config) -> None:  # type: ignore[no-untyped-def]
+    data = pan_clip("astronaut.png", seconds=6.0, fps=10, size=(64, 64), gop=5)
+    full = decode(data, spec, config)
+    with pytest.raises(ServiceError) as info:
+        decode_video(
+            data,
+            index=1,
+            spec=spec,
+            config=config,
+            limits=LIMITS,
+            request=VideoRequest(),
+            revision="r",
+            max_tokens=full.plan.tokens - 1,
+        )
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.reason == "VIDEO_TOKENS_TOO_MANY"
+    assert f"videos[1] needs {full.plan.tokens} video tokens" in str(info.value)
+    exact = decode_video(
+        data,
+        index=1,
+        spec=spec,
+        config=config,
+        limits=LIMITS,
+        request=VideoRequest(),
+        revision="r",
+        max_tokens=full.plan.tokens,
+    )
+    assert exact.key == full.key

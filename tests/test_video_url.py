@@ -54,3 +54,24 @@ async def test_video_urls_follow_the_switch(tiny_model) -> None:
         err = await status(stub, request(part, text("what happens?")))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "videos[0].url" in err.details() and "GATEWAY_ALLOW_URLS" in err.details()
+
+
+async def test_request_video_limits_name_field_and_limit(tiny_model, server) -> None:  # type: ignore[no-untyped-def]
+    from tests.test_intake import error_info
+
+    part = gpb.ContentPart(video=gpb.VideoInput(file=gpb.VideoFile(data=server.body)))
+    async with gateway(tiny_model, max_video_tokens=4, max_videos=1) as stub:
+        err = await status(stub, request(part, text("what happens?")))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+        assert error_info(err).reason == "VIDEO_TOKENS_TOO_MANY"
+        assert error_info(err).metadata["limit"] == "4"  # 8 tokens: grid [2, 4, 4]
+        err = await status(stub, request(part, part, text("what happens?")))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error_info(err).reason == "TOO_MANY_VIDEOS"
+        assert "GATEWAY_MAX_VIDEOS" in err.details()
+        big = gpb.ContentPart(
+            video=gpb.VideoInput(file=gpb.VideoFile(data=server.body), max_frames=769)
+        )
+        err = await status(stub, request(big, text("what happens?")))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "messages[0].parts[0].video.max_frames is 769" in err.details()
