@@ -1208,8 +1208,12 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             except grpc.aio.AioRpcError as err:
                 CACHE_FAILURES.labels(op="put").inc()
                 log.warning("cache put failed (%s)", err.code().name)
+        seconds = time.perf_counter() - t0
+        # Observed here, once the put has run: it ends after the stream, which used to
+        # record the put stage as 0 whenever the decode finished first.
+        metrics.STAGE_SECONDS.labels(stage="put").observe(seconds)
         if timings is not None:
-            timings.put_ms = (time.perf_counter() - t0) * 1000
+            timings.put_ms = seconds * 1000
 
     # -- the RPC ------------------------------------------------------------------------
     async def Generate(
@@ -1371,7 +1375,15 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                         yield response
                 except grpc.aio.AioRpcError as err:
                     raise from_rpc_error(err, dependency="decoder") from err
-            for name in ("preprocess", "lookup", "encode", "put", "decode"):
+            # Only the stages that ran: a 0 for an encode that every hit skipped (or a
+            # lookup with the cache off) would dilute the histogram; the put observes
+            # itself when it ends (_put).
+            ran = ["preprocess"]
+            if images and self.down.cache is not None and policy != generation_pb2.CACHE_POLICY_OFF:
+                ran.append("lookup")
+            if misses:
+                ran.append("encode")
+            for name in (*ran, "decode"):
                 seconds = getattr(timings, f"{name}_ms") / 1000
                 metrics.STAGE_SECONDS.labels(stage=name).observe(seconds)
         finally:

@@ -13,7 +13,11 @@ eos ignored), one system at a time so an idle vLLM worker never steals the other
 Scenarios: ``repeat0`` and ``repeat50`` (closed loop at ``--concurrency``),
 ``repeat0_conc1`` and ``repeat50_conc1`` (one at a time), ``repeat100`` (every image a
 repeat of a warmed-up set). Every figure is the median over ``--reps`` repetitions, each
-on a fresh workload, with min-max. Ratios are splitvl over vLLM alone.
+on a fresh workload, with min-max. Ratios are splitvl over vLLM alone. Scenario ``wide``
+(``splitvl_tools/wide_bench.py``; ``--wide-only`` runs it alone, ``--skip-wide`` leaves it
+out): 1,024-token images at Qwen3-VL-2B's embedding width, one at a time, both systems up
+at once and alternating run by run; ``ratios.ttft_delta_ms_wide_conc1`` is splitvl's mean
+TTFT minus vLLM alone's, median over pairs.
 """
 
 from __future__ import annotations
@@ -213,7 +217,12 @@ class VllmAlone:
     """vLLM's AsyncLLM in this process (its engine core in a child process)."""
 
     def __init__(
-        self, model: str, max_tokens: int, images_per_request: int, block_size: int | None = None
+        self,
+        model: str,
+        max_tokens: int,
+        images_per_request: int,
+        block_size: int | None = None,
+        dtype: str = "float32",
     ) -> None:
         from transformers import AutoProcessor
         from vllm import AsyncEngineArgs, SamplingParams
@@ -224,7 +233,7 @@ class VllmAlone:
         self.llm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=model,
-                dtype="float32",
+                dtype=dtype,  # type: ignore[arg-type]  # "auto": the checkpoint's (wide: bf16)
                 enforce_eager=True,
                 max_model_len=4096,
                 seed=0,
@@ -753,6 +762,8 @@ def main(args: argparse.Namespace) -> int:
     # vLLM logs to stdout by default; the in-process engine (and its engine-core process,
     # which inherits the environment) would put its log lines before --json's document.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if args.wide_only:
+        return wide_main(args, log)
     model = args.model or str(bench_model())
     plan = Plan(
         concurrency=args.concurrency,
@@ -793,6 +804,7 @@ def main(args: argparse.Namespace) -> int:
     nocache = build_workloads(plan, seed_offset=500)
     runs |= bench_split(model, plan, workloads, nocache, splitvl_home() / "bench-logs", log)
     table = summarise(runs)
+    wide = None if args.skip_wide else run_wide_scenario(args, log)
 
     # vLLM's in-engine ViT (with its image preprocessing) per image: mean TTFT on the raw
     # images minus mean TTFT on precomputed embeddings of the same requests, one at a time.
@@ -813,8 +825,11 @@ def main(args: argparse.Namespace) -> int:
         "encoder": encoder,
         "vllm_vit_ms_per_image": vit_vllm,
         "ratios": ratios(table, encoder, vit_vllm),
+        "wide": wide,
         "seconds": time.perf_counter() - t_start,
     }
+    if wide is not None:
+        result["ratios"]["ttft_delta_ms_wide_conc1"] = wide["ttft_delta_ms"]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_cdf(runs, out_dir / "latency_cdf.png")
@@ -831,12 +846,56 @@ def main(args: argparse.Namespace) -> int:
                 f"{e['images_per_s_dynamic']['median']:.2f} img/s "
                 f"(x{e['speedup']:.2f}); ViT {e['vit_ms_per_image']:.0f} ms/image"
             )
+        if wide is not None:
+            from splitvl_tools.wide_bench import print_wide
+
+            print_wide(wide, sys.stdout)
         for k, v in result["ratios"].items():
             print(f"{k}: {'n/a' if v is None else f'{v:.3f}'}")
         print(
             f"plot: {out_dir / 'latency_cdf.png'}; raw: {out_dir / 'bench.json'}; "
             f"{result['seconds']:.0f} s"
         )
+    return 0
+
+
+def run_wide_scenario(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    """The ``wide`` scenario (splitvl_tools/wide_bench.py) with this command's flags."""
+    from splitvl.home import splitvl_home
+    from splitvl_tools.wide_bench import run_wide
+
+    return run_wide(
+        pairs=args.wide_pairs,
+        per_run=args.wide_requests,
+        max_tokens=args.wide_max_tokens,
+        seed=args.seed,
+        log_dir=splitvl_home() / "bench-logs-wide",
+        log=log,
+        vllm_alone=VllmAlone,
+    )
+
+
+def wide_main(args: argparse.Namespace, log: Any) -> int:
+    """``splitvl bench --wide-only``: the ``wide`` scenario alone."""
+    from splitvl_tools.wide_bench import print_wide
+
+    t_start = time.perf_counter()
+    wide = run_wide_scenario(args, log)
+    result = {
+        "command": " ".join(["splitvl", "bench", *sys.argv[2:]]),
+        "machine": machine(),
+        "wide": wide,
+        "ratios": {"ttft_delta_ms_wide_conc1": wide["ttft_delta_ms"]},
+        "seconds": time.perf_counter() - t_start,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench-wide.json").write_text(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_wide(wide, sys.stdout)
+        print(f"raw: {out_dir / 'bench-wide.json'}; {result['seconds']:.0f} s")
     return 0
 
 
@@ -900,6 +959,22 @@ def add_parser(sub: Any) -> None:
         " vLLM's own on GPU; on CPU a positive multiple of 32)",
     )
     p.add_argument("--skip-encoder", action="store_true")
+    p.add_argument(
+        "--skip-wide", action="store_true", help="leave out the wide scenario (wide_bench.py)"
+    )
+    p.add_argument(
+        "--wide-only",
+        action="store_true",
+        help="run only the wide scenario: 1,024-token images at Qwen3-VL-2B's embedding width",
+    )
+    p.add_argument(
+        "--wide-pairs",
+        type=positive_int,
+        default=5,
+        help="wide: pairs of runs (splitvl, vLLM alone; alternating who goes first)",
+    )
+    p.add_argument("--wide-requests", type=positive_int, default=2, help="wide: requests per run")
+    p.add_argument("--wide-max-tokens", type=positive_int, default=4)
     p.add_argument("--out", default="bench-out")
     p.add_argument("--json", action="store_true")
     p.add_argument(
