@@ -3,9 +3,11 @@
 Photos come from scikit-image's bundled data (astronaut, chelsea, coffee). The astronaut
 is asked about again (an exact cache hit: no ViT) and once more as a JPEG re-encode of the
 same picture (a similarity hit when its cosine similarity clears the threshold and its
-grid is equal). Each answer is printed with its token ids, cache tier and stage timings.
-Last, the astronaut goes once more through the OpenAI-compatible HTTP front with the
-official ``openai`` client (an exact hit again), unless ``--http-port 0``.
+grid is equal). Then a 3-second MP4 panning over the coffee photo (made with PyAV,
+:mod:`splitvl.video_clips`) is asked about twice: the gateway samples it at 2 fps and the
+second ask is an exact hit (no ViT). Each answer is printed with its token ids, cache tier
+and stage timings. Last, the astronaut goes once more through the OpenAI-compatible HTTP
+front with the official ``openai`` client (an exact hit again), unless ``--http-port 0``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import grpc
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
+from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 
 from splitvl.client import build_request, generate
 from vlcommon.tls import sync_channel
@@ -42,14 +45,22 @@ def jpeg_copy(data: bytes, quality: int = 95) -> bytes:
     return buf.getvalue()
 
 
-def workload() -> list[tuple[str, bytes]]:
+def workload() -> list[tuple[str, bytes | pb.VideoInput]]:
+    """What the demo asks about, in order: photos, then a video twice."""
+    from splitvl.video_clips import pan_clip
+
     astronaut = photo_bytes("astronaut.png")
+    clip = pb.VideoInput(
+        file=pb.VideoFile(data=pan_clip("coffee.png", seconds=3, fps=10, size=(128, 160)))
+    )
     return [
         ("astronaut.png", astronaut),
         ("chelsea.png", photo_bytes("chelsea.png")),
         ("coffee.png", photo_bytes("coffee.png")),
         ("astronaut.png (again)", astronaut),
         ("astronaut.png as JPEG q95", jpeg_copy(astronaut)),
+        ("pan over coffee.png, 3 s MP4", clip),
+        ("pan over coffee.png, 3 s MP4 (again)", clip),
     ]
 
 
@@ -102,14 +113,16 @@ def run_demo(args: argparse.Namespace) -> int:
     results, ok = [], 0
     with cluster:
         say(f"all four SERVING; gateway at {cluster.ports.address('gateway')}")
-        say(f"prompt {PROMPT!r}, {args.max_tokens} greedy tokens per image")
+        say(f"prompt {PROMPT!r}, {args.max_tokens} greedy tokens per image or video")
         if not args.model:
             say("(the tiny checkpoint's weights are random: its answers are not words; the")
             say(" cache tier, the token ids and the stage times are what the demo shows)")
         say("")
         for name, data in workload():
-            request = build_request([data], PROMPT, max_tokens=args.max_tokens, ignore_eos=True)
-            entry: dict[str, object] = {"image": name, "prompt": PROMPT}
+            kind = "video" if isinstance(data, pb.VideoInput) else "image"
+            prompt = f"Describe this {kind}."
+            request = build_request([data], prompt, max_tokens=args.max_tokens, ignore_eos=True)
+            entry: dict[str, object] = {kind: name, "prompt": prompt}
             try:
                 r = generate(
                     cluster.ports.address("gateway"),
@@ -126,20 +139,29 @@ def run_demo(args: argparse.Namespace) -> int:
                 results.append(entry)
                 continue
             ok += 1
-            image = r.images[0]
-            entry.update(
-                tier=image["tier"],
-                similarity=image["similarity"],
-                grid=image["grid"],
-                text=r.text,
-                token_ids=r.token_ids,
-                timings=r.timings,
-            )
+            entry.update(text=r.text, token_ids=r.token_ids, timings=r.timings)
+            if r.videos:
+                video = r.videos[0]
+                entry.update(
+                    tier=video["tier"],
+                    grid=video["grid"],
+                    frames=video["frames"],
+                    timestamps=video["timestamps"],
+                )
+                stamps = ", ".join(f"{t:.1f}" for t in video["timestamps"])
+                say(
+                    f"[{name}] tier={video['tier']} grid={video['grid']} "
+                    f"({video['tokens']} video tokens; {video['frames']} frames kept at "
+                    f"{stamps} s)"
+                )
+            else:
+                image = r.images[0]
+                entry.update(tier=image["tier"], similarity=image["similarity"], grid=image["grid"])
+                say(
+                    f"[{name}] tier={image['tier']} similarity={image['similarity']:.6f} "
+                    f"grid={image['grid']} ({image['tokens']} image tokens)"
+                )
             results.append(entry)
-            say(
-                f"[{name}] tier={image['tier']} similarity={image['similarity']:.6f} "
-                f"grid={image['grid']} ({image['tokens']} image tokens)"
-            )
             say(f"  answer:    {r.text!r}")
             say(f"  token ids: {r.token_ids}")
             say(

@@ -1,7 +1,7 @@
 """``splitvl bench --video``: videos through splitvl against vLLM alone on the same files.
 
 Workload: 10-second clips (pans and zooms over scikit-image's photos, 10 fps, made with
-PyAV: ``splitvl_tools.video_clips``), sampled at 2 fps, ``--concurrency`` (8) at a time in
+PyAV: ``splitvl.video_clips``), sampled at 2 fps, ``--concurrency`` (8) at a time in
 a closed loop; ``video_repeat0`` has every clip distinct, ``video_repeat50`` repeats an
 earlier clip in every other request. Greedy, eos ignored, ``--max-tokens`` tokens.
 
@@ -60,7 +60,7 @@ class Stream:
 
 def make_clips(n: int, seed: int, size: tuple[int, int]) -> list[bytes]:
     """``n`` distinct 10-second clips: photo, motion and crop band vary with the index."""
-    from splitvl_tools.video_clips import encode_clip, pan_frames, zoom_frames
+    from splitvl.video_clips import encode_clip, pan_frames, zoom_frames
 
     clips = []
     for i in range(n):

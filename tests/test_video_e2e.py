@@ -21,7 +21,7 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
 
 from gateway.video import VideoLimits, VideoRequest, decode_video, load_video_config
 from splitvl.client import build_request, generate
-from splitvl_tools.video_clips import pan_clip, zoom_clip
+from splitvl.video_clips import pan_clip, zoom_clip
 from tests.conftest import case_file, photo, rgb
 from tests.test_e2e import metric
 from vlcommon.imaging import plan_resize, resize_to_plan
@@ -274,7 +274,7 @@ def test_cli_generate_video_json(cluster, tmp_path) -> None:
 def test_a_video_given_as_frames_is_padded_and_answered(cluster, tiny_model) -> None:
     """C14 through the services: three frames (odd, under min_frames) are all kept, the
     last repeated to the temporal patch size, at i / fps, and answered."""
-    from splitvl_tools.video_clips import pan_frames
+    from splitvl.video_clips import pan_frames
     from tests.conftest import png_bytes
 
     frames = pan_frames("astronaut.png", 3, (64, 96))

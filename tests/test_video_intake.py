@@ -24,7 +24,7 @@ from gateway.video import (
     frames_video,
     load_video_config,
 )
-from splitvl_tools.video_clips import encode_clip, pan_clip, pan_frames, zoom_clip
+from splitvl.video_clips import encode_clip, pan_clip, pan_frames, zoom_clip
 from tests.conftest import case_file as case
 from vlcommon.errors import ServiceError
 from vlcommon.model_info import load_vision_spec

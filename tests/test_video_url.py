@@ -9,7 +9,7 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
 
 from gateway.fetch import UrlFetcher
 from gateway.settings import GatewaySettings
-from splitvl_tools.video_clips import pan_clip
+from splitvl.video_clips import pan_clip
 from tests.test_intake import gateway, request, status, text
 from tests.test_url_fetch import ImageServer
 from vlcommon.errors import ServiceError

@@ -1,4 +1,5 @@
-"""Deterministic test and benchmark clips: pans and zooms over scikit-image's photos.
+"""Deterministic clips for the demo, the tests and the benchmarks: pans and zooms over
+scikit-image's photos.
 
 Usage::
 
