@@ -283,7 +283,8 @@ class UrlFetcher:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "IMAGE_URLS_DISABLED",
-                f"{field}: image URLs are disabled on this server (GATEWAY_ALLOW_URLS); "
+                f"{field}: {self.noun[:-1]} URLs are disabled on this server "
+                "(GATEWAY_ALLOW_URLS); "
                 "send the bytes or a data URL",
                 {"field": field},
             )

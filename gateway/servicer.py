@@ -1203,7 +1203,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             metrics.EMBEDDING_SENT_BYTES.labels(destination="cache").inc(sent)
             try:
                 await self.down.cache.Put(
-                    request, timeout=_remaining(context, self.settings.cache_timeout_s)
+                    request, timeout=_remaining(context, self.settings.cache_put_timeout_s)
                 )
             except grpc.aio.AioRpcError as err:
                 CACHE_FAILURES.labels(op="put").inc()

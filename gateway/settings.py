@@ -17,7 +17,13 @@ class GatewaySettings(ServerSettings):
     cache_address: str = Field("127.0.0.1:50053", description="Empty disables the cache.")
     decoder_address: str = Field("127.0.0.1:50054")
     cache_timeout_s: float = Field(
-        1.0, gt=0, description="Lookup/put deadline; past it the request encodes instead."
+        1.0, gt=0, description="Lookup deadline; past it the request encodes instead."
+    )
+    # The put runs beside or after the decode, off the request's critical path; at real
+    # widths it carries 16 MiB per 1,024-token image (Qwen3-VL-2B, bf16), which a loaded
+    # host does not always move within the lookup's 1 s (docs/benchmarks.md, "wide").
+    cache_put_timeout_s: float = Field(
+        10.0, gt=0, description="Put deadline, seconds; past it the entry is not stored."
     )
     # A hung (not dead) encoder must not hang requests whose client set no deadline: the
     # encode call always has one. Streams to the decoder are bounded by the client's deadline
