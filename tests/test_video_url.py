@@ -54,6 +54,7 @@ async def test_video_urls_follow_the_switch(tiny_model) -> None:
         err = await status(stub, request(part, text("what happens?")))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "videos[0].url" in err.details() and "GATEWAY_ALLOW_URLS" in err.details()
+        assert "video URLs are disabled" in err.details()  # it said "image URLs"
 
 
 async def test_request_video_limits_name_field_and_limit(tiny_model, server) -> None:  # type: ignore[no-untyped-def]
