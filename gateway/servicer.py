@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import dataclasses
 import functools
@@ -312,6 +313,13 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.fetcher = UrlFetcher(settings)
         self._preprocess = ThreadPoolExecutor(
             max_workers=settings.preprocess_threads, thread_name_prefix="preprocess"
+        )
+        # Headers and file digests (about 2 ms for a 12 MP JPEG) get threads of their own:
+        # behind the decode threads, a byte-identical repeat waited for other requests'
+        # 12 MP decodes (up to ~470 ms at 32 in flight, docs/benchmarks.md, photos) only
+        # to learn it needed none. hashlib and Pillow release the GIL on large buffers.
+        self._headers = ThreadPoolExecutor(
+            max_workers=settings.preprocess_threads, thread_name_prefix="headers"
         )
         # Requests submitted to the preprocess threads and not finished there (running or
         # queued); updated from the worker threads too, hence the lock.
@@ -837,15 +845,32 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         return self._decode_images(datas, list(range(len(datas))), files, lo, hi, stop, deadline)
 
     async def _run_preprocess(
-        self, work: Callable[..., T], *args: object, context: grpc.aio.ServicerContext
+        self,
+        work: Callable[..., T],
+        *args: object,
+        context: grpc.aio.ServicerContext,
+        headers_only: bool = False,
     ) -> T:
         """Run ``work(*args, stop, deadline)`` on a preprocess thread, bounded and cancellable.
+
+        ``headers_only`` work (no pixel decoded: :meth:`_read_files`) runs on the header
+        threads, not counted against ``preprocess_threads + preprocess_queue`` (it holds no
+        decoded pixels; the gRPC admission bound limits how many requests reach it).
 
         Raises:
             ServiceError: RESOURCE_EXHAUSTED ``PREPROCESS_BUSY`` (with a retry hint) when
                 ``preprocess_threads + preprocess_queue`` requests are already there; what
                 ``work`` raises.
         """
+        left = _remaining(context)
+        deadline = None if left is None else time.monotonic() + left
+        stop = threading.Event()
+        # In the thread, under the current span: image.decode/image.resize are its children.
+        call = functools.partial(work, *args, stop, deadline)
+        if headers_only:
+            return await self._await_thread(
+                self._headers.submit(contextvars.copy_context().run, call), stop
+            )
         s = self.settings
         capacity = s.preprocess_threads + s.preprocess_queue
         with self._preprocess_lock:
@@ -865,13 +890,12 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             with self._preprocess_lock:
                 self.preprocess_pending -= 1
 
-        left = _remaining(context)
-        deadline = None if left is None else time.monotonic() + left
-        stop = threading.Event()
-        # In the thread, under the current span: image.decode/image.resize are its children.
-        call = functools.partial(work, *args, stop, deadline)
         future = self._preprocess.submit(contextvars.copy_context().run, call)
         future.add_done_callback(finished)
+        return await self._await_thread(future, stop)
+
+    @staticmethod
+    async def _await_thread(future: concurrent.futures.Future[T], stop: threading.Event) -> T:
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -911,7 +935,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 self._prepare_images, datas, lo, hi, context=context
             )
             return images, 0.0, False
-        files = await self._run_preprocess(self._read_files, datas, lo, hi, True, context=context)
+        files = await self._run_preprocess(
+            self._read_files, datas, lo, hi, True, context=context, headers_only=True
+        )
         t = time.perf_counter()
         hits = await self._lookup_files(files, context)
         lookup_ms = (time.perf_counter() - t) * 1000

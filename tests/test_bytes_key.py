@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import struct
 import time
@@ -265,6 +266,30 @@ async def test_a_repeated_file_is_answered_by_its_digest_without_decoding(
     assert by_digest.key == first.key and decoded_total() == before + 2
     assert len(store) == 1  # one entry for the three: nothing stored twice
     store.check_invariants()
+
+
+async def test_a_repeat_is_answered_while_every_decode_thread_is_busy(gateway_and_cache) -> None:
+    """Headers and digests have threads of their own: a byte-identical repeat used to wait
+    behind other requests' decodes (12 MP each) only to learn it needed none."""
+    import threading
+
+    servicer, _ = gateway_and_cache
+    jpeg = stored_file(8, "JPEG")
+    first = await prepare(servicer, jpeg)
+    assert first.decoded
+    release = threading.Event()
+    busy = [
+        servicer._preprocess.submit(release.wait, 30)
+        for _ in range(servicer.settings.preprocess_threads)
+    ]
+    try:
+        before = decoded_total()
+        again = await asyncio.wait_for(prepare(servicer, jpeg), 10)
+        assert not again.decoded and again.tier == generation_pb2.CACHE_TIER_EXACT
+        assert again.key == first.key and decoded_total() == before
+        assert not any(f.done() for f in busy)  # the decode threads were busy throughout
+    finally:
+        release.set()
 
 
 async def test_a_file_whose_header_plan_differs_is_decoded_every_time(gateway_and_cache) -> None:
