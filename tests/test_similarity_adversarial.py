@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import skimage.data
-from PIL import Image, ImageDraw, ImageFont, ImageOps
+from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageFont, ImageOps
 
 from cache_service.servicer import MAX_REUSABLE_GRIDS, _reusable
 from splitvl_tools.cache_eval import default_spec
@@ -254,3 +254,65 @@ def test_duplicate_and_huge_reusable_grids_are_accepted_as_a_set() -> None:
     dupes = [(1, 16, 16)] * (MAX_REUSABLE_GRIDS + 1)
     with pytest.raises(ServiceError):
         _reusable(_grid_msgs(dupes), "q", 2)  # type: ignore[arg-type]
+
+
+# --- contrast: the photometric normalisation's gain -------------------------------------
+
+
+def _faint(image: Image.Image, gain: float, blur: float) -> Image.Image:
+    """``image`` blurred (Gaussian, ``blur`` px) with its contrast scaled by ``gain``."""
+    pixels = np.asarray(image.filter(ImageFilter.GaussianBlur(blur))).astype(np.float64)
+    return Image.fromarray(
+        ((pixels - pixels.mean()) * gain + 128).round().clip(0, 255).astype(np.uint8)
+    )
+
+
+@pytest.mark.parametrize("gain, blur", [(0.05, 4), (0.1, 0), (0.1, 4)])
+def test_faint_copy_of_another_page_is_not_served_the_stored_one(gain: float, blur: float) -> None:
+    """Found 2026-12-01 and fixed (``MAX_PHOTOMETRIC_GAIN``): the gain was unbounded, so a
+    query with a tenth of the contrast (15-22 levels: visible, but its own text blurred or
+    faint) was predicted from the stored image within a tenth of their difference. Another
+    user's faint, blurred copy of their own invoice (total 9999.99) was served the stored
+    invoice's embeddings (1284.50): the model reads out a total the requester never sent."""
+    victim = _page_photo("1284.50", 1000, 750, 28)
+    query = _faint(_page_photo("9999.99", 1000, 750, 28), gain, blur)
+    decision = _served(victim, query, TINY)
+    assert decision.cosine >= THRESHOLD and decision.grid_ok  # the thumbnail cannot tell
+    assert decision.residual == float("inf")
+    assert not decision.hit
+
+
+@pytest.mark.parametrize("gain", [0.01, 0.1])
+def test_near_flat_copy_of_a_photo_is_not_served_the_photo(gain: float) -> None:
+    """A near-uniform grey image (2 levels of contrast at 0.01) is not the photo."""
+    photo = _photo("astronaut")
+    decision = _served(photo, _faint(photo, gain, 0), QWEN)
+    assert not decision.hit
+
+
+@pytest.mark.parametrize("factor", [0.95, 1.05, 1.2])
+def test_contrast_change_of_a_photo_still_verifies(factor: float) -> None:
+    """The near duplicates the normalisation is for (cache-eval: contrast +-5%) pass."""
+    photo = _photo("coffee")
+    decision = _served(photo, ImageEnhance.Contrast(photo).enhance(factor), QWEN)
+    assert decision.hit, decision
+
+
+# --- crops through the grid-reuse bound ---------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["coffee", "chelsea", "astronaut"])
+@pytest.mark.parametrize("frac", [0.02, 0.035])
+def test_one_sided_crop_is_refused(name: str, frac: float) -> None:
+    """A crop of one side (content removed) is a miss at both budgets. Note: the grid
+    bound alone admits some (astronaut cropped 2-3.5% at Qwen3-VL's budget: its plan is in
+    the crop's class, although vlcommon/grid_reuse.py says a crop to another aspect ratio
+    never is); the verification's stretch onto one size is what refuses them."""
+    photo = _photo(name)
+    crop = photo.crop((0, 0, round(photo.width * (1 - frac)), photo.height))
+    for spec in (TINY, QWEN):
+        decision = _served(photo, crop, spec)
+        assert decision.residual > 4 * VERIFY_TOLERANCE
+        assert not decision.hit
+    if name == "astronaut":
+        assert _served(photo, crop, QWEN).grid_ok
