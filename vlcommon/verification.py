@@ -19,7 +19,8 @@ Two verification images pass (:func:`verify`) when:
 * at the smaller one's resolution (the larger resampled onto it with Pillow's Lanczos
   filter), both 2x2 box-averaged, after a global photometric normalisation (mean and
   standard deviation of one matched to the other's over the pixels unsaturated in both, the
-  prediction clipped to [0, 255]: brightness and contrast changes, clipped highlights), the
+  prediction clipped to [0, 255]: brightness and contrast changes, clipped highlights; a
+  gain beyond :data:`MAX_PHOTOMETRIC_GAIN` either way fails), the
   mean absolute luma difference of every 4x4 block (8x8 pixels of the compared resolution)
   stays within :data:`VERIFY_TOLERANCE`, in the better direction.
 
@@ -48,6 +49,12 @@ VERIFY_BLOCK = 4
 # Largest mean |luma difference| of one block, 8-bit levels, after photometric matching.
 # Calibrated with `splitvl cache-eval` (docs/cache.md).
 VERIFY_TOLERANCE = 8.0
+# Largest contrast gain the photometric normalisation may apply (either way). Near
+# duplicates change contrast by a few percent (cache-eval: +-5%); without a bound, a query
+# with a tenth of the contrast (a faint, blurred copy of another page) is predicted from any
+# stored image of a similar layout within a tenth of the stored image's differences, so
+# its residual stays under the tolerance whatever the detail (tests/test_similarity_adversarial.py).
+MAX_PHOTOMETRIC_GAIN = 1.5
 # Sizes compared: each side of the smaller image at least this share of the larger's (a
 # 10% resize rounded), aspect ratios within this relative difference.
 MAX_SIDE_RATIO = 1.12
@@ -139,14 +146,16 @@ def verification_residual(a: np.ndarray | None, b: np.ndarray | None) -> float:
         a, b: uint8 [h, w] from :func:`verification_image`.
 
     Returns:
-        8-bit luma levels (0 for identical images); ``inf`` when either is missing or empty
-        or the two are not :func:`comparable`.
+        8-bit luma levels (0 for identical images); ``inf`` when either is missing or empty,
+        the two are not :func:`comparable`, or their contrasts differ by more than
+        :data:`MAX_PHOTOMETRIC_GAIN` in both directions.
     """
     return min(_residuals(a, b)) if comparable(a, b) else float("inf")  # type: ignore[arg-type]
 
 
 def _residual(fa: np.ndarray, fb: np.ndarray) -> float:
-    """Largest block mean |clip(gain * (a - mean_a) + mean_b) - b|."""
+    """Largest block mean |clip(gain * (a - mean_a) + mean_b) - b|; ``inf`` when the gain
+    is outside [1 / MAX_PHOTOMETRIC_GAIN, MAX_PHOTOMETRIC_GAIN]."""
     unsaturated = (fa >= 2) & (fa <= 253) & (fb >= 2) & (fb <= 253)
     if np.count_nonzero(unsaturated) < unsaturated.size // 2:
         unsaturated = np.ones_like(unsaturated)
@@ -154,6 +163,8 @@ def _residual(fa: np.ndarray, fb: np.ndarray) -> float:
     ma, mb = float(xa.mean()), float(xb.mean())
     sa, sb = float(xa.std()), float(xb.std())
     gain = sb / sa if sa > 1e-3 and sb > 1e-3 else 1.0
+    if not 1 / MAX_PHOTOMETRIC_GAIN <= gain <= MAX_PHOTOMETRIC_GAIN:
+        return float("inf")  # not the same picture with another contrast
     diff = np.abs(np.clip((fa - ma) * gain + mb, 0.0, 255.0) - fb)
     return float(_block_means(diff).max())
 
