@@ -159,11 +159,7 @@ def test_decoder_args_append_to_the_tiny_defaults_env_then_flags(tmp_path, monke
     monkeypatch.setenv("SPLITVL_DECODER_ARGS", "--max-model-len 8192 --dtype bfloat16")
     args = cli.build_parser().parse_args(
         [
-            "up",
-            "--model",
-            str(tmp_path),
-            "--log-dir",
-            str(tmp_path / "logs"),
+            *_up_argv(tmp_path, tmp_path / "logs"),
             "--decoder-arg=--max-model-len=32768",
             "--decoder-arg",
             "--mm-processor-cache-gb 0",
@@ -185,6 +181,9 @@ def test_decoder_args_append_to_the_tiny_defaults_env_then_flags(tmp_path, monke
 
 def test_each_base_port_has_its_own_default_log_folder(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPLITVL_HOME", str(tmp_path))
+    # The default ports by name, whether or not an instance (a demo) holds them now: the
+    # port check has tests of its own (test_launcher.py).
+    monkeypatch.setattr("splitvl.home.check_ports", lambda ports: None)
     dirs = [
         cluster_from_args(
             cli.build_parser().parse_args(["up", "--model", "m", "--http-port", "0", *extra])
@@ -452,7 +451,8 @@ def test_up_with_unbalanced_quotes_in_decoder_args_is_one_line_and_starts_nothin
     """shlex.split's ValueError used to end `up` in a traceback."""
     bad = "--block-size '16"
     log_dir = tmp_path / "logs"
-    argv = ["up", "--model", str(tiny_model), "--log-dir", str(log_dir)]
+    # Free ports: on the default ones a running instance (a demo) is refused first.
+    argv = _up_argv(tiny_model, log_dir)
     if source == "--decoder-arg":
         out = _splitvl(*argv, f"--decoder-arg={bad}")
     else:
