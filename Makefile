@@ -1,5 +1,5 @@
 # Two commands for a fresh machine:
-#   make demo   create .venv, install everything, run the demo on real photos
+#   make demo   create .venv, install everything, run the demo on real photos and a video
 #   make test   create .venv when missing, run the test suite
 # While working: make test-fast (no test that starts services).
 PYTHON ?= python3

@@ -4,8 +4,9 @@ splitvl make-tiny-model DIR [--like M]   a random-weight Qwen3-VL checkpoint (ti
 splitvl up [--model PATH_OR_HUB_ID] [--decoder-arg=ARG ...]
                                       run the four services on loopback until SIGINT/SIGTERM
 splitvl generate --image FILE|URL... --video FILE|URL... --prompt TEXT [--json]   stream an answer
-splitvl demo [--json]                 start the services, ask about real photos, stop
+splitvl demo [--json]                 start the services, ask about real photos and a video, stop
 splitvl bench [--quick] [--json]      splitvl against vLLM alone: TTFT, ITL, throughput
+                                      (--photos, --video, --wide-only, --openai: other scenarios)
 splitvl cache-bench [--sizes N,...] [--json]   similarity index latency/memory/recall by size
 splitvl cache-eval [--quick] [--json]   similarity threshold: false hits and recall by threshold
 splitvl load [--concurrency N --duration S --json]   concurrent streams; statuses, latency
@@ -177,7 +178,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print()
         for im in result.images:
             print(
-                f"image {im['index']}: {im['tier']} (similarity {im['similarity']:.4f}, "
+                # On a miss the score is the nearest stored image's, which was refused
+                # (another grid, or the verification): not a similarity of what was served.
+                f"image {im['index']}: {im['tier']} "
+                f"({'nearest' if im['tier'] == 'miss' else 'similarity'} {im['similarity']:.4f}, "
                 f"grid {im['grid']}, {im['tokens']} tokens"
                 + (
                     f"; the stored grid, the request's was {im['requested_grid']}"
@@ -223,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, text in (
         ("up", cmd_up, "run the four services"),
-        ("demo", cmd_demo, "run the demo on real photos"),
+        ("demo", cmd_demo, "run the demo on real photos and a video"),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument(

@@ -113,7 +113,7 @@ def run_demo(args: argparse.Namespace) -> int:
     results, ok = [], 0
     with cluster:
         say(f"all four SERVING; gateway at {cluster.ports.address('gateway')}")
-        say(f"prompt {PROMPT!r}, {args.max_tokens} greedy tokens per image or video")
+        say(f"prompts {PROMPT!r} / 'Describe this video.', {args.max_tokens} greedy tokens each")
         if not args.model:
             say("(the tiny checkpoint's weights are random: its answers are not words; the")
             say(" cache tier, the token ids and the stage times are what the demo shows)")
