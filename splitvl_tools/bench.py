@@ -962,7 +962,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--skip-wide", action="store_true", help="leave out the wide scenario (wide_bench.py)"
     )
-    p.add_argument(
+    # One scenario instead of the default run: at most one of these (they used to be picked
+    # silently in the order openai, video, photos).
+    instead = p.add_mutually_exclusive_group()
+    instead.add_argument(
         "--wide-only",
         action="store_true",
         help="run only the wide scenario: 1,024-token images at Qwen3-VL-2B's embedding width",
@@ -977,13 +980,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--wide-max-tokens", type=positive_int, default=4)
     p.add_argument("--out", default="bench-out")
     p.add_argument("--json", action="store_true")
-    p.add_argument(
+    instead.add_argument(
         "--openai",
         action="store_true",
         help="instead: vLLM's benchmark client against `vllm serve` and splitvl's "
         "OpenAI-compatible front (splitvl_tools/openai_bench.py)",
     )
-    p.add_argument(
+    instead.add_argument(
         "--photos",
         action="store_true",
         help="instead: the photos scenario (12 MP phone JPEGs, PNG screenshots, half "
@@ -992,7 +995,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--openai-concurrency", default="1,8,32", help="with --openai: concurrencies to run"
     )
-    p.add_argument(
+    instead.add_argument(
         "--video",
         action="store_true",
         help="instead: the video scenario, 10-second clips at 2 fps, half repeats "

@@ -303,6 +303,8 @@ def test_cache_bench_measures_recall_and_sweeps_search_settings_on_one_graph() -
         ["bench", "--rate", "nan"],
         ["bench", "--requests", "-5"],
         ["bench", "--block-size", "0"],
+        ["bench", "--openai", "--video"],  # two "instead" scenarios: one was picked silently
+        ["bench", "--photos", "--wide-only"],
         ["load", "--concurrency", "0"],
         ["load", "--repeat-fraction", "1.5"],
         ["load", "--duration", "0"],
