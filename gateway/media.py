@@ -32,6 +32,49 @@ class ImageUrl:
     url: str
 
 
+def _data_url_bytes(
+    url: str, field: str, noun: str, max_bytes: int, mimes: tuple[str, ...], expected: str
+) -> bytes:
+    """The bytes of a base64 data URL (``<field>.data_url``) of an image or a video.
+
+    Raises:
+        ServiceError: RESOURCE_EXHAUSTED ``<NOUN>_BYTES_TOO_LARGE`` when the URL alone is
+            too long for ``max_bytes`` (checked before decoding); INVALID_ARGUMENT
+            ``DATA_URL_INVALID`` for a malformed URL, a media type not starting with one of
+            ``mimes``, or invalid base64.
+    """
+    # base64 inflates by 4/3: refuse before decoding when the result must be too large.
+    if len(url) > max_bytes * 4 // 3 + 1024:
+        raise resource_exhausted(
+            f"{noun.upper()}_BYTES_TOO_LARGE",
+            f"{field}.data_url is {len(url)} characters; the {noun} limit is {max_bytes} bytes",
+            field=f"{field}.data_url",
+            limit=max_bytes,
+        )
+    match = _DATA_URL.match(url)
+    if match is None or ";base64" not in (match.group("params") or "").lower():
+        raise invalid_argument(
+            "DATA_URL_INVALID",
+            f"{field}.data_url is not a base64 data URL (expected 'data:{noun}/...;base64,...')",
+            field=f"{field}.data_url",
+        )
+    mime = (match.group("mime") or "").lower()
+    if mime and not mime.startswith(mimes):
+        raise invalid_argument(
+            "DATA_URL_INVALID",
+            f"{field}.data_url has media type {mime!r}; expected {expected}",
+            field=f"{field}.data_url",
+        )
+    try:
+        return base64.b64decode(match.group("data"), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise invalid_argument(
+            "DATA_URL_INVALID",
+            f"{field}.data_url has invalid base64: {exc}",
+            field=f"{field}.data_url",
+        ) from exc
+
+
 def image_bytes(image: pb.ImageInput, *, index: int, max_bytes: int) -> bytes | ImageUrl:
     """The encoded bytes of one image input, or the URL to fetch them from.
 
@@ -46,37 +89,7 @@ def image_bytes(image: pb.ImageInput, *, index: int, max_bytes: int) -> bytes | 
     if kind == "data":
         data = image.data
     elif kind == "data_url":
-        url = image.data_url
-        # base64 inflates by 4/3: refuse before decoding when the result must be too large.
-        if len(url) > max_bytes * 4 // 3 + 1024:
-            raise resource_exhausted(
-                "IMAGE_BYTES_TOO_LARGE",
-                f"{field}.data_url is {len(url)} characters; the image limit is {max_bytes} bytes",
-                field=f"{field}.data_url",
-                limit=max_bytes,
-            )
-        match = _DATA_URL.match(url)
-        if match is None or ";base64" not in (match.group("params") or "").lower():
-            raise invalid_argument(
-                "DATA_URL_INVALID",
-                f"{field}.data_url is not a base64 data URL (expected 'data:image/...;base64,...')",
-                field=f"{field}.data_url",
-            )
-        mime = (match.group("mime") or "").lower()
-        if mime and not mime.startswith("image/"):
-            raise invalid_argument(
-                "DATA_URL_INVALID",
-                f"{field}.data_url has media type {mime!r}; expected image/*",
-                field=f"{field}.data_url",
-            )
-        try:
-            data = base64.b64decode(match.group("data"), validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise invalid_argument(
-                "DATA_URL_INVALID",
-                f"{field}.data_url has invalid base64: {exc}",
-                field=f"{field}.data_url",
-            ) from exc
+        data = _data_url_bytes(image.data_url, field, "image", max_bytes, ("image/",), "image/*")
     else:
         raise invalid_argument(
             "IMAGE_SOURCE_MISSING", f"{field} has none of data, data_url, url", field=field
@@ -106,36 +119,15 @@ def video_file_bytes(video: pb.VideoFile, *, index: int, max_bytes: int) -> byte
     if kind == "data":
         data = video.data
     elif kind == "data_url":
-        url = video.data_url
-        if len(url) > max_bytes * 4 // 3 + 1024:
-            raise resource_exhausted(
-                "VIDEO_BYTES_TOO_LARGE",
-                f"{field}.data_url is {len(url)} characters; the video limit is {max_bytes} bytes",
-                field=f"{field}.data_url",
-                limit=max_bytes,
-            )
-        match = _DATA_URL.match(url)
-        if match is None or ";base64" not in (match.group("params") or "").lower():
-            raise invalid_argument(
-                "DATA_URL_INVALID",
-                f"{field}.data_url is not a base64 data URL (expected 'data:video/...;base64,...')",
-                field=f"{field}.data_url",
-            )
-        mime = (match.group("mime") or "").lower()
-        if mime and not mime.startswith(("video/", "image/", "application/octet-stream")):
-            raise invalid_argument(
-                "DATA_URL_INVALID",
-                f"{field}.data_url has media type {mime!r}; expected video/*",
-                field=f"{field}.data_url",
-            )
-        try:
-            data = base64.b64decode(match.group("data"), validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise invalid_argument(
-                "DATA_URL_INVALID",
-                f"{field}.data_url has invalid base64: {exc}",
-                field=f"{field}.data_url",
-            ) from exc
+        # An animated GIF is a video too; octet-stream is what many uploaders send.
+        data = _data_url_bytes(
+            video.data_url,
+            field,
+            "video",
+            max_bytes,
+            ("video/", "image/", "application/octet-stream"),
+            "video/*",
+        )
     else:
         raise invalid_argument(
             "VIDEO_SOURCE_MISSING", f"{field}.file has none of data, data_url, url", field=field
