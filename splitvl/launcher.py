@@ -19,6 +19,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -133,20 +134,70 @@ def split_args(text: str, source: str) -> list[str]:
         raise LaunchConfigError(f"{source}: {err} in {text!r}") from None
 
 
+# Linux's default ip_local_port_range; macOS and Windows use 49152-65535 (IANA's range).
+_DEFAULT_EPHEMERAL = (32768, 60999)
+# Chosen ports come from here: above the registered well-known services, below every
+# common ephemeral range.
+_CHOSEN_LOW = 20000
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The host's ephemeral port range ``(low, high)``, inclusive: the ports the kernel
+    gives to outgoing connections (``/proc/sys/net/ipv4/ip_local_port_range``; Linux's
+    default where it cannot be read)."""
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+
+
+def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
+    """``n`` distinct free loopback ports, all held open while chosen (one ``free_port``
+    after another could hand out the same port twice); ``consecutive``: ``n`` ports in a
+    row, as ``--base-port`` binds them.
+
+    The ports lie below the host's ephemeral range. A port the OS picks (``bind(0)``) is
+    in that range, so any outgoing connection on the host may take it as its local port
+    between the choice and the service's bind, or hold it after a service stopped; that
+    is what made a CI run's ``check_ports`` fail with no listener in sight.
+
+    Raises:
+        RuntimeError: no such ports were found in 1,000 tries.
+    """
+    low = _CHOSEN_LOW
+    high = min(ephemeral_range()[0], 49152) - n  # last first port whose run fits below
+    if high <= low:  # an unusual range that starts low: take what the OS gives
+        low, high = 1024, 65535 - n
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        wanted = (
+            list(range(start := rng.randint(low, high), start + n))
+            if consecutive
+            else sorted(set(rng.randint(low, high) for _ in range(n)))
+        )
+        if len(wanted) != n:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in wanted:
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return wanted
+    raise RuntimeError(f"no {n} free loopback ports found between {low} and {high + n}")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """One free loopback port below the ephemeral range (see :func:`free_ports`)."""
+    return free_ports(1)[0]
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all held open while chosen: one ``free_port``
-    after another can hand out the same port twice)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
+def free_base(span: int = 30) -> int:
+    """A ``--base-port`` for a whole instance: ``span`` consecutive free ports from it,
+    enough for ``Ports.from_base(base, base + 10, base + 20)`` and its HTTP port."""
+    return free_ports(span, consecutive=True)[0]
 
 
 @dataclass
@@ -216,16 +267,18 @@ def _port_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def port_owner(port: int) -> str:
-    """Who listens on ``port``, as far as this user may see: ``"another splitvl (pid N:
-    python -m gateway)"``, ``"pid N (cmd)"`` or ``""`` when it cannot be told."""
+    """Who holds ``port``, as far as this user may see: ``"another splitvl (pid N:
+    python -m gateway)"``, ``"pid N (cmd)"``, ``"a connection, not a listener (...)"``
+    when only a connection uses it as its local port, or ``""`` when it cannot be told."""
     import psutil
 
     try:
         conns = psutil.net_connections(kind="tcp")
     except (psutil.AccessDenied, OSError):
         return ""
-    for conn in conns:
-        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+    mine = [c for c in conns if c.laddr and c.laddr.port == port]
+    for conn in mine:
+        if conn.status == psutil.CONN_LISTEN:
             if conn.pid is None:
                 return ""
             try:
@@ -236,6 +289,17 @@ def port_owner(port: int) -> str:
             shown = shlex.join(words[:3])
             ours = any(w in PACKAGES.values() or w.startswith("splitvl") for w in cmdline[1:4])
             return f"{'another splitvl ' if ours else ''}(pid {conn.pid}: {shown})"
+    if mine:
+        # No listener: the local end of a connection. The kernel hands the ephemeral range
+        # to outgoing connections, so a port in it can be taken by any client on the host.
+        low, high = ephemeral_range()
+        hint = (
+            f"; this host gives ports {low}-{high} to outgoing connections, "
+            f"a port below {low} avoids that"
+            if low <= port <= high
+            else ""
+        )
+        return f"a connection, not a listener ({mine[0].status}{hint})"
     return ""
 
 

@@ -16,7 +16,7 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 from splitvl import cli
 from splitvl.client import build_request, image_input
 from splitvl.home import cluster_from_args
-from splitvl.launcher import DECODER_DEFAULT_ARGS, Cluster, Ports, free_port
+from splitvl.launcher import DECODER_DEFAULT_ARGS, Cluster, Ports, free_base, free_port
 from splitvl_tools.cluster import keep_or_remove_logs
 
 PNG_1X1 = base64.b64decode(
@@ -62,7 +62,7 @@ def _splitvl(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 def _up_argv(model: Path, log_dir: Path) -> list[str]:
     """`splitvl up` on free ports, Prometheus off, logs in ``log_dir``."""
     return [
-        *("up", "--model", str(model), "--base-port", str(free_port())),
+        *("up", "--model", str(model), "--base-port", str(free_base())),
         *("--metrics-base-port", "0", "--http-port", "0", "--log-dir", str(log_dir)),
     ]
 

@@ -10,15 +10,13 @@ import time
 
 import pytest
 
-from splitvl.launcher import SERVICES, free_port, health_status
+from splitvl.launcher import SERVICES, free_base, health_status
 
 pytestmark = pytest.mark.e2e
 
 
 def test_up_serves_then_stops_cleanly_on_sigint(tiny_model, tmp_path) -> None:
-    base = free_port()
-    while any(_busy(base + i) for i in range(4)):
-        base = free_port()
+    base = free_base()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -32,7 +30,7 @@ def test_up_serves_then_stops_cleanly_on_sigint(tiny_model, tmp_path) -> None:
             "--metrics-base-port",
             "0",
             "--http-port",
-            str(free_port()),
+            str(base + 20),
             "--log-dir",
             str(tmp_path / "logs"),
         ],
@@ -67,10 +65,3 @@ def test_up_serves_then_stops_cleanly_on_sigint(tiny_model, tmp_path) -> None:
     assert elapsed < 60
     for i in range(4):
         assert health_status(f"127.0.0.1:{base + i}") == "UNREACHABLE"
-
-
-def _busy(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0

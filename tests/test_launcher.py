@@ -24,6 +24,8 @@ from splitvl.launcher import (
     Ports,
     Supervisor,
     check_ports,
+    ephemeral_range,
+    free_base,
     free_port,
 )
 
@@ -56,6 +58,36 @@ def test_a_busy_metrics_port_names_the_metrics_flag() -> None:
         ports.metrics["decoder"] = held.getsockname()[1]
         with pytest.raises(PortInUseError, match=r"decoder metrics.*--metrics-base-port \(0 turns"):
             check_ports(ports)
+
+
+def test_a_port_held_by_a_connection_is_named_so_with_the_range_that_causes_it() -> None:
+    """CI once refused a port after every process of a killed ``up`` was gone: no
+    listener, but an outgoing connection had the port as its local end (the kernel gives
+    the ephemeral range to clients). The message says so, not a bare "in use"."""
+    with _listener() as server, socket.socket() as client:
+        client.bind(("127.0.0.1", 0))  # the kernel's pick: from the ephemeral range
+        client.connect(server.getsockname())
+        port = client.getsockname()[1]
+        ports = Ports.free()
+        ports.grpc["decoder"] = port
+        with pytest.raises(PortInUseError) as err:
+            check_ports(ports)
+    low, high = ephemeral_range()
+    assert low <= port <= high
+    message = str(err.value)
+    assert f"port {port} (decoder gRPC) is already in use by a connection, not a" in message
+    assert f"this host gives ports {low}-{high} to outgoing connections" in message
+    assert f"pid {os.getpid()}" not in message  # a connection is not a holder to stop
+
+
+def test_chosen_ports_lie_below_the_ephemeral_range() -> None:
+    low = ephemeral_range()[0]
+    for _ in range(20):
+        ports = Ports.free()
+        assert max([*ports.grpc.values(), *ports.metrics.values(), ports.http]) < low
+        base = free_base()
+        assert base + 30 <= low
+        check_ports(Ports.from_base(base, base + 10, base + 20))
 
 
 def test_free_ports_pass_and_a_port_given_twice_is_refused() -> None:

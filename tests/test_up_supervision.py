@@ -24,23 +24,13 @@ import pytest
 from PIL import Image
 
 from splitvl.client import build_request, generate
-from splitvl.launcher import SERVICES, Ports, check_ports, free_port
+from splitvl.launcher import SERVICES, Ports, check_ports, free_base
 
 pytestmark = pytest.mark.e2e
 
 # A restart is a cold start of the service (the decoder's vLLM engine: 25-50 s on this CPU)
 # plus the launcher's 1 s backoff; the margin covers a slower, shared CI host.
 RESTART_LIMIT_S = 90
-
-
-def _free_base() -> int:
-    while True:
-        base = free_port()
-        try:
-            check_ports(Ports.from_base(base, base + 10, base + 20))
-            return base
-        except ValueError:
-            continue
 
 
 class Up:
@@ -70,7 +60,7 @@ class Up:
 
 @pytest.fixture(scope="module")
 def up(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    base = _free_base()
+    base = free_base()
     log_dir = tmp_path_factory.mktemp("up-logs")
     proc = subprocess.Popen(
         [
