@@ -15,14 +15,25 @@ LOOKUPS = Counter(
 )  # tier = exact | similar | miss
 HITS = Counter("splitvl_cache_hits_total", "Lookups answered, by tier.", ["tier"])
 MISSES = Counter("splitvl_cache_misses_total", "Lookups a tier could not answer.", ["tier"])
+# Every known label exported from the start (as 0): a rate() over a series that appears
+# only at its first increment misses that increment, and dashboards see no series at all.
+for _tier in ("exact", "similar", "miss"):
+    LOOKUPS.labels(tier=_tier)
+for _tier in ("exact", "similar"):
+    HITS.labels(tier=_tier)
+    MISSES.labels(tier=_tier)
 HIT_RATIO = Gauge("splitvl_cache_hit_ratio", "Hits / lookups since start (both tiers).")
 PUTS = Counter("splitvl_cache_puts_total", "Entries stored (new or refreshed).")
 PUTS_REFUSED = Counter(
     "splitvl_cache_puts_refused_total", "Entries refused by Put, by reason.", ["reason"]
 )  # reason = too_large | leased
+for _reason in ("too_large", "leased"):
+    PUTS_REFUSED.labels(reason=_reason)
 EVICTIONS = Counter(
     "splitvl_cache_evictions_total", "Entries removed, by reason.", ["reason"]
 )  # reason = lru (byte budget) | ttl (expired)
+for _reason in ("lru", "ttl"):
+    EVICTIONS.labels(reason=_reason)
 ENTRIES = Gauge("splitvl_cache_entries", "Entries held.")
 BYTES = Gauge("splitvl_cache_stored_bytes", "Embedding bytes held.")
 CAPACITY_BYTES = Gauge("splitvl_cache_capacity_bytes", "Byte budget of stored embeddings.")

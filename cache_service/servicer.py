@@ -25,7 +25,12 @@ from cache_service.store import (
 )
 from vlcommon import tensors
 from vlcommon.errors import invalid_argument, resource_exhausted
-from vlcommon.verification import MAX_VERIFICATION_BYTES
+from vlcommon.verification import (
+    CHROMA_SCALE,
+    MAX_VERIFICATION_BYTES,
+    VerificationImage,
+    chroma_shape,
+)
 
 tracer = trace.get_tracer("splitvl.cache")
 TIERS = {
@@ -57,7 +62,7 @@ class _Query:
     key: str
     grid: tuple[int, int, int]
     descriptor: np.ndarray | None
-    verification: np.ndarray | None
+    verification: VerificationImage | None
     revision: str
     alias_key: str
     reusable: frozenset[tuple[int, int, int]] = frozenset()
@@ -149,20 +154,43 @@ def _descriptor(msg: tensor_pb2.Tensor, dim: int, field: str) -> np.ndarray | No
     return tensors.to_numpy(msg, data)
 
 
-def _verification(msg: tensor_pb2.Tensor, field: str) -> np.ndarray | None:
-    """uint8 [h, w], or None when the field is unset (then no similarity hit)."""
-    if not msg.shape and not msg.data:
+def _verification(
+    luma: tensor_pb2.Tensor, chroma: tensor_pb2.Tensor, field: str, chroma_field: str
+) -> VerificationImage | None:
+    """The verification image (vlcommon.verification) from its luma, UINT8 [h, w], and
+    chroma, UINT8 [ceil(h / 4), ceil(w / 4), 2]; None when the luma is unset, or sent
+    without chroma (older gateways): then no similarity hit.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the field when a shape or dtype is wrong or
+            the luma holds more than MAX_VERIFICATION_BYTES.
+    """
+    if not luma.shape and not luma.data:
         return None
-    data = tensors.validate(msg, field=field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=2)
-    if min(msg.shape) <= 0 or len(data) > MAX_VERIFICATION_BYTES:
+    data = tensors.validate(luma, field=field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=2)
+    if min(luma.shape) <= 0 or len(data) > MAX_VERIFICATION_BYTES:
         raise invalid_argument(
             "VERIFICATION_SHAPE_INVALID",
-            f"{field}.shape is {list(msg.shape)}; both sides must be > 0 and the image at "
+            f"{field}.shape is {list(luma.shape)}; both sides must be > 0 and the image at "
             f"most {MAX_VERIFICATION_BYTES} bytes",
             field=f"{field}.shape",
             limit=MAX_VERIFICATION_BYTES,
         )
-    return tensors.to_numpy(msg, data)
+    if not chroma.shape and not chroma.data:
+        return None
+    expected = list(chroma_shape(*luma.shape))
+    chroma_data = tensors.validate(
+        chroma, field=chroma_field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=3
+    )
+    if list(chroma.shape) != expected:
+        raise invalid_argument(
+            "VERIFICATION_SHAPE_INVALID",
+            f"{chroma_field}.shape is {list(chroma.shape)}; for {field}.shape "
+            f"{list(luma.shape)} it must be {expected} (ceil(h / {CHROMA_SCALE}), "
+            f"ceil(w / {CHROMA_SCALE}), 2)",
+            field=f"{chroma_field}.shape",
+        )
+    return VerificationImage(tensors.to_numpy(luma, data), tensors.to_numpy(chroma, chroma_data))
 
 
 def _embedding_proto(entry: Entry) -> tensor_pb2.ImageEmbedding:
@@ -216,7 +244,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         Entries returned with their embeddings are leased until the RPC is done (the
         response sent, or the call failed or was cancelled), so eviction cannot pick them.
         The queries are checked on the event loop and matched on a worker thread: a
-        similarity candidate's verification costs up to ~25 ms (1 MiB images), and 256
+        similarity candidate's verification costs up to ~50 ms (2 MP images), and 256
         queries with 8 candidates each must not stall health checks and other calls. A
         cancelled call stops matching at the next query.
 
@@ -225,8 +253,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         always needs the query's own grid.
 
         Raises (as status): INVALID_ARGUMENT for a bad key or alias key, grid or reusable
-        grid (or more than 256 of them), descriptor, verification image (not UINT8 [h, w],
-        or over 4 MiB), policy or too many queries.
+        grid (or more than 256 of them), descriptor, verification image (luma not UINT8
+        [h, w] or over 4 MiB, chroma not UINT8 [ceil(h / 4), ceil(w / 4), 2]), policy or
+        too many queries.
         """
         t0 = time.perf_counter()
         rpc_span = trace.get_current_span()
@@ -252,7 +281,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         _key(query.key, field),
                         _grid(query.grid, f"{field}.grid", self.merge),
                         _descriptor(query.descriptor, self.store.dim, f"{field}.descriptor"),
-                        _verification(query.verification, f"{field}.verification"),
+                        _verification(
+                            query.verification,
+                            query.verification_chroma,
+                            f"{field}.verification",
+                            f"{field}.verification_chroma",
+                        ),
                         query.revision,
                         _key(query.alias_key, field, name="alias_key", optional=True),
                         _reusable(query.reusable_grids, f"{field}.reusable_grids", self.merge),
@@ -392,7 +426,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             alias_key = _key(entry.alias_key, field, name="alias_key", optional=True)
             grid = _grid(entry.embedding.grid, f"{field}.embedding.grid", self.merge)
             descriptor = _descriptor(entry.descriptor, self.store.dim, f"{field}.descriptor")
-            verification = _verification(entry.verification, f"{field}.verification")
+            verification = _verification(
+                entry.verification,
+                entry.verification_chroma,
+                f"{field}.verification",
+                f"{field}.verification_chroma",
+            )
             emb = entry.embedding.embeddings
             data = tensors.validate(
                 emb,

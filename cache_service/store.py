@@ -61,7 +61,7 @@ import numpy as np
 
 from cache_service import metrics
 from cache_service.index import IndexParams, VectorIndex, build_index, choose_kind, gpu_count
-from vlcommon.verification import verify
+from vlcommon.verification import VerificationImage, verify
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,8 @@ class Entry:
         shape: ``[tokens, width]``.
         data: Raw embedding bytes.
         index_id: The entry's id in the FAISS index (-1 when it has no descriptor).
-        verification: uint8 [h, w] verification image, or None (never a similarity hit).
+        verification: the verification image (luma and chroma), or None (never a
+            similarity hit).
         revision: Model revision of the embeddings ("" when the writer sent none).
         expires_at: Clock time (seconds) after which it is never served; inf without TTL.
         leases: Lookups in flight that hold it (never evicted while > 0).
@@ -140,7 +141,7 @@ class Entry:
     index_id: int
     expires_at: float = math.inf
     leases: int = 0
-    verification: np.ndarray | None = None
+    verification: VerificationImage | None = None
     revision: str = ""
     aliases: list[str] = field(default_factory=list)
 
@@ -294,7 +295,7 @@ class EmbeddingStore:
         similar: bool,
         lease: bool = False,
         revision: str = "",
-        verification: np.ndarray | None = None,
+        verification: VerificationImage | None = None,
         alias: str = "",
         reusable: Collection[tuple[int, int, int]] = (),
     ) -> Match:
@@ -303,8 +304,8 @@ class EmbeddingStore:
         entry's own key, a non-empty ``alias`` becomes one of its aliases), else (when
         ``similar``) the most similar entry with an equal grid or one in ``reusable`` (the
         query's aspect class, :mod:`vlcommon.grid_reuse`; equal grids are tried first), an
-        equal ``revision`` and a passing verification against ``verification`` (uint8
-        [h, w], :func:`vlcommon.verification.verification_image`; without one no
+        equal ``revision`` and a passing verification against ``verification``
+        (:func:`vlcommon.verification.verification_image`; without one no
         similarity hit is possible). Scores are clamped to [-1, 1]; ``similarity`` reports
         the best candidate seen. Expired entries are never returned. With ``lease``, a
         returned entry stays leased (not evictable) until :meth:`release`."""
@@ -316,7 +317,7 @@ class EmbeddingStore:
                 self._add_alias(match.entry, alias)
             if match.entry is not None or not candidates:
                 return self._answer(match, lease)
-        # The verification (up to ~25 ms per candidate for 1 MiB images) runs outside the
+        # The verification (up to ~50 ms per candidate for 2 MP images) runs outside the
         # lock, so other lookups and puts are not held up; entries are immutable, and the
         # chosen one is checked again under the lock before it is returned.
         rejected = match.rejected
@@ -421,14 +422,14 @@ class EmbeddingStore:
         shape: tuple[int, ...],
         data: bytes,
         *,
-        verification: np.ndarray | None = None,
+        verification: VerificationImage | None = None,
         revision: str = "",
         alias: str = "",
     ) -> int:
         """Store an entry, evicting unleased LRU entries to fit. Returns evictions.
 
-        ``verification`` (uint8 [h, w]) and ``revision`` are what a later similarity lookup
-        is checked against; the verification image's bytes count in the budget. A key
+        ``verification`` (luma and chroma) and ``revision`` are what a later similarity
+        lookup is checked against; the verification image's bytes count in the budget. A key
         already held is refreshed (LRU position and TTL) and not replaced: the key is a
         digest of the content and model revision, so its embeddings are the same. A
         non-empty ``alias`` (another key for the same content) then finds the entry too,
@@ -442,7 +443,7 @@ class EmbeddingStore:
                 evicted.
         """
         if verification is not None:
-            verification = np.array(verification, dtype=np.uint8, copy=True)  # own it
+            verification = verification.copy()  # own it
         size = len(data) + (0 if verification is None else int(verification.nbytes))
         if size > self.capacity_bytes:
             raise EntryTooLargeError(

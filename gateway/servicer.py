@@ -81,7 +81,7 @@ from vlcommon.imaging import (
 from vlcommon.model_info import VisionSpec, resolve_model_dir
 from vlcommon.request_rules import check_message_counts, check_no_control_tokens, check_role
 from vlcommon.sampling import check_sampling_ranges
-from vlcommon.verification import verification_image
+from vlcommon.verification import VerificationImage, verifiable, verification_image
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.gateway")
@@ -133,9 +133,10 @@ class PreparedImage:
     decoded: bool
     pixels: np.ndarray | None = None  # uint8 [resized_height, resized_width, 3], upright RGB
     descriptor: np.ndarray | None = None  # float32 [DESCRIPTOR_DIM]
-    # uint8 [h, w]: the decoded image's luma, at most VERIFY_MAX_PIXELS: the cache verifies
-    # similarity candidates on it (vlcommon.verification); built when there is a cache.
-    verification: np.ndarray | None = None
+    # The decoded image's luma (at most VERIFY_MAX_PIXELS) and chroma: the cache verifies
+    # similarity candidates on it (vlcommon.verification); built when there is a cache
+    # and the image is verifiable (else it only ever hits exactly).
+    verification: VerificationImage | None = None
     # The encoded file's digest when its header's plan is the decoded image's plan: stored
     # as an alias of ``key`` so that the same file is found again without decoding.
     bytes_key: str = ""
@@ -227,15 +228,17 @@ def _warm_up_files() -> list[bytes]:
     return [jpeg.getvalue(), png.getvalue()]
 
 
-def _verification(im: PreparedImage) -> tensor_pb2.Tensor:
-    """The image's verification image as a UINT8 tensor (for a Lookup query or Put entry).
+def _verification(im: PreparedImage) -> tuple[tensor_pb2.Tensor, tensor_pb2.Tensor]:
+    """The image's verification image as UINT8 tensors, (luma, chroma), for a Lookup
+    query's or Put entry's ``verification`` and ``verification_chroma``.
 
-    ``_prepare_images`` builds it whenever the gateway has a cache, and only then are there
-    lookups and puts; an empty tensor (never a similarity hit) if it is missing anyway.
+    ``_prepare_images`` builds it whenever the gateway has a cache and the image is
+    verifiable, and only then are there lookups and puts; empty tensors (never a
+    similarity hit) when it is missing.
     """
     if im.verification is None:
-        return tensor_pb2.Tensor()
-    return tensors.from_numpy(im.verification)
+        return tensor_pb2.Tensor(), tensor_pb2.Tensor()
+    return tensors.from_numpy(im.verification.luma), tensors.from_numpy(im.verification.chroma)
 
 
 def _tier(tier: int) -> str:
@@ -796,7 +799,14 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 descriptor = similarity_descriptor(image, resized)
                 # From the decoded image, not the plan (vlcommon.verification), here on the
                 # preprocess thread (up to ~30 ms for 12 MP); only a cache can use it.
-                verification = verification_image(image) if self.down.cache is not None else None
+                verification = (
+                    verification_image(image)
+                    if self.down.cache is not None
+                    and verifiable(
+                        image.width, image.height, plan.resized_height * plan.resized_width
+                    )
+                    else None
+                )
                 # The stored grids a similarity hit may serve instead (about 1 ms).
                 reusable = (
                     reusable_grids(
@@ -1103,11 +1113,13 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             return
         request = cache_service_pb2.LookupRequest(policy=policy, include_embeddings=True)
         for im in images:
+            luma, chroma = _verification(im)
             request.queries.add(
                 key=im.key,
                 descriptor=_descriptor(im),
                 grid=_grid(im.plan),
-                verification=_verification(im),
+                verification=luma,
+                verification_chroma=chroma,
                 revision=self.revision,
                 alias_key=im.bytes_key,
                 reusable_grids=[_thw(g) for g in im.reusable],
@@ -1211,11 +1223,13 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             return
         request = cache_service_pb2.PutRequest()
         for im in fresh:
+            luma, chroma = _verification(im)
             request.entries.add(
                 key=im.key,
                 descriptor=_descriptor(im),
                 embedding=im.embedding,
-                verification=_verification(im),
+                verification=luma,
+                verification_chroma=chroma,
                 revision=self.revision,
                 alias_key=im.bytes_key,
             )

@@ -53,7 +53,13 @@ from vlcommon.imaging import (
     similarity_descriptor,
 )
 from vlcommon.model_info import VisionSpec
-from vlcommon.verification import VERIFY_TOLERANCE, verification_image, verification_residual
+from vlcommon.verification import (
+    VERIFY_TOLERANCE,
+    VerificationImage,
+    verifiable,
+    verification_image,
+    verification_residual,
+)
 
 # The scikit-image images that ship inside the wheel (skimage.data loads them without the
 # network; astronaut, brick, camera, cell, chelsea (cat), checkerboard, clock, coffee,
@@ -486,7 +492,7 @@ class Item:
     descriptor: np.ndarray
     grid: tuple[int, int, int]
     descriptor_ms: float
-    verification: np.ndarray | None = None  # uint8 [h, w], vlcommon.verification
+    verification: VerificationImage | None = None  # vlcommon.verification; None: exact only
     verification_ms: float = 0.0
     reusable: tuple[tuple[int, int, int], ...] = ()
 
@@ -576,9 +582,13 @@ def _item(name: str, data: bytes, spec: VisionSpec, describe: Describe, grid_bou
     start = time.thread_time()
     descriptor = describe(image)
     ms = (time.thread_time() - start) * 1000
-    # The gateway builds the verification image from the decoded image, not the plan.
+    # The gateway builds the verification image from the decoded image, not the plan,
+    # and none when the plan holds more pixels than it (an exact hit only).
     start = time.thread_time()
-    verification = verification_image(image)
+    plan_pixels = plan.resized_height * plan.resized_width
+    verification = (
+        verification_image(image) if verifiable(image.width, image.height, plan_pixels) else None
+    )
     verify_ms = (time.thread_time() - start) * 1000
     return Item(
         name=name,

@@ -17,7 +17,7 @@ from qwenvl.common.v1 import generation_pb2, tensor_pb2
 from cache_service.servicer import MAX_KEY_CHARS, CacheServicer
 from cache_service.store import MAX_ALIASES_PER_ENTRY, EmbeddingStore
 from tests.conftest import in_process_server
-from tests.test_cache_store import DIM, VT, Clock, V, near, put, unit
+from tests.test_cache_store import DIM, VT, VTC, Clock, V, near, put, unit
 from vlcommon import tensors
 
 GRID = (1, 4, 4)
@@ -175,6 +175,7 @@ def _entry(key: str, alias: str) -> pb.PutEntry:
             key=key,
         ),
         verification=VT,
+        verification_chroma=VTC,
     )
 
 
@@ -200,7 +201,11 @@ async def test_servicer_bytes_key_lookup_counts_each_image_once(cache_stub) -> N
     assert (stats.exact_hits, stats.similar_hits, stats.misses) == (1, 0, 0)
     # A bytes-key query never reaches the similarity tier, whatever the policy says.
     near_query = pb.LookupQuery(
-        key="near", grid=grid, descriptor=tensors.from_numpy(unit(5)), verification=VT
+        key="near",
+        grid=grid,
+        descriptor=tensors.from_numpy(unit(5)),
+        verification=VT,
+        verification_chroma=VTC,
     )
     similar = await cache_stub.Lookup(
         pb.LookupRequest(

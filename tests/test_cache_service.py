@@ -25,6 +25,7 @@ from cache_service.servicer import CacheServicer
 from cache_service.store import EmbeddingStore
 from tests.conftest import in_process_server
 from vlcommon import tensors
+from vlcommon.verification import VerificationImage
 
 DIM = 64
 GRID = (1, 4, 4)  # 4 rows after the 2x2 merge
@@ -32,8 +33,8 @@ WIDTH = 6
 N_KEYS = 240
 # Every entry and query carries this verification image: equal images pass the cache's
 # verification (vlcommon.verification); tests/test_cache_verification.py covers it.
-VERIFY = np.full((2, 2), 128, np.uint8)
-ENTRY_BYTES = 4 * WIDTH * 4 + VERIFY.nbytes  # embeddings + verification image: 100
+VERIFY = VerificationImage(np.full((2, 2), 128, np.uint8), np.full((1, 1, 2), 128, np.uint8))
+ENTRY_BYTES = 4 * WIDTH * 4 + VERIFY.nbytes  # embeddings + verification image: 102
 
 
 def vectors(n: int, seed: int) -> np.ndarray:
@@ -171,7 +172,8 @@ def put_entry(i: int) -> pb.PutEntry:
             grid=tensor_pb2.GridTHW(t=t, h=h, w=w),
             key=f"k{i}",
         ),
-        verification=tensors.from_numpy(VERIFY),
+        verification=tensors.from_numpy(VERIFY.luma),
+        verification_chroma=tensors.from_numpy(VERIFY.chroma),
     )
 
 
@@ -184,7 +186,8 @@ def lookup_request(ids: list[int], seed: int, include: bool = True) -> pb.Lookup
                 key=f"q{i}",
                 descriptor=tensors.from_numpy(query_of(i, seed)),
                 grid=tensor_pb2.GridTHW(t=t, h=h, w=w),
-                verification=tensors.from_numpy(VERIFY),
+                verification=tensors.from_numpy(VERIFY.luma),
+                verification_chroma=tensors.from_numpy(VERIFY.chroma),
             )
             for i in ids
         ],
@@ -246,7 +249,7 @@ async def test_put_refused_while_leases_hold_the_budget(served) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await stub.Put(pb.PutRequest(entries=[put_entry(60)]))
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "entries[0] needs 100 bytes but 6000 of the 6000-byte budget" in exc.value.details()
+    assert "entries[0] needs 102 bytes but 6120 of the 6120-byte budget" in exc.value.details()
     assert (
         REGISTRY.get_sample_value("splitvl_cache_puts_refused_total", {"reason": "leased"})
         == refused + 1
@@ -483,7 +486,7 @@ async def test_entry_larger_than_the_budget_is_resource_exhausted() -> None:
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert exc.value.details() == (
         "entries[0].embedding.embeddings holds 96 bytes; the cache's byte budget "
-        "(capacity_bytes) is 64; with its verification image the entry needs 100 bytes"
+        "(capacity_bytes) is 64; with its verification image the entry needs 102 bytes"
     )
     assert len(store) == 0
 

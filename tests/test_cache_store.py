@@ -14,6 +14,7 @@ from cache_service.servicer import CacheServicer
 from cache_service.store import CacheFullError, EmbeddingStore, EntryTooLargeError
 from tests.conftest import in_process_server
 from vlcommon import tensors
+from vlcommon.verification import VerificationImage
 
 DIM = 16
 
@@ -34,8 +35,11 @@ def near(v: np.ndarray, cos: float, seed: int = 99) -> np.ndarray:
 # Every entry and query carries this verification image: equal images pass the cache's
 # verification (vlcommon.verification), so these tests exercise the descriptor, grid, index
 # and budget rules; tests/test_cache_verification.py covers the verification itself.
-V = np.full((1, 4), 128, np.uint8)
-VT = tensors.from_numpy(V)
+# A verification image (vlcommon.verification) that passes against itself: a flat grey
+# 1x4 luma with its 1x1 neutral chroma; VT and VTC as a Lookup query or Put entry sends them.
+V = VerificationImage(np.full((1, 4), 128, np.uint8), np.full((1, 1, 2), 128, np.uint8))
+VT = tensors.from_numpy(V.luma)
+VTC = tensors.from_numpy(V.chroma)
 
 
 def put(store: EmbeddingStore, key: str, desc: np.ndarray, grid=(1, 4, 4), nbytes=100) -> int:
@@ -128,7 +132,8 @@ def _entry(key: str, desc: np.ndarray, rows: int = 4) -> pb.PutEntry:
         embedding=tensor_pb2.ImageEmbedding(
             embeddings=tensors.from_numpy(emb), grid=tensor_pb2.GridTHW(t=1, h=4, w=4), key=key
         ),
-        verification=tensors.from_numpy(V),
+        verification=VT,
+        verification_chroma=VTC,
     )
 
 
@@ -142,16 +147,25 @@ async def test_servicer_put_lookup_and_errors(cache_stub) -> None:
             include_embeddings=True,
             queries=[
                 pb.LookupQuery(
-                    key="a", descriptor=tensors.from_numpy(a), grid=grid, verification=VT
+                    key="a",
+                    descriptor=tensors.from_numpy(a),
+                    grid=grid,
+                    verification=VT,
+                    verification_chroma=VTC,
                 ),
                 pb.LookupQuery(
                     key="b",
                     descriptor=tensors.from_numpy(near(a, 0.95)),
                     grid=grid,
                     verification=VT,
+                    verification_chroma=VTC,
                 ),
                 pb.LookupQuery(
-                    key="c", descriptor=tensors.from_numpy(unit(6)), grid=grid, verification=VT
+                    key="c",
+                    descriptor=tensors.from_numpy(unit(6)),
+                    grid=grid,
+                    verification=VT,
+                    verification_chroma=VTC,
                 ),
             ],
         )
@@ -173,6 +187,7 @@ async def test_servicer_put_lookup_and_errors(cache_stub) -> None:
                     descriptor=tensors.from_numpy(near(a, 0.95)),
                     grid=grid,
                     verification=VT,
+                    verification_chroma=VTC,
                 )
             ],
         )

@@ -39,10 +39,15 @@ from vlcommon.imaging import (
 )
 from vlcommon.model_info import VisionSpec
 from vlcommon.verification import (
+    VERIFY_MARGIN,
     VERIFY_MAX_PIXELS,
     VERIFY_TOLERANCE,
+    VerificationImage,
+    chroma_shape,
+    verifiable,
     verification_image,
     verification_residual,
+    verification_size,
     verify,
 )
 
@@ -61,7 +66,7 @@ class Prepared:
     descriptor: np.ndarray
     grid: tuple[int, int, int]
     tokens: int
-    verification: np.ndarray
+    verification: VerificationImage
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **kw: object) -> bytes:
@@ -95,7 +100,8 @@ def put_entry(p: Prepared, revision: str = REV, with_verification: bool = True) 
         revision=revision,
     )
     if with_verification:
-        entry.verification.CopyFrom(tensors.from_numpy(p.verification))
+        entry.verification.CopyFrom(tensors.from_numpy(p.verification.luma))
+        entry.verification_chroma.CopyFrom(tensors.from_numpy(p.verification.chroma))
     return entry
 
 
@@ -108,7 +114,8 @@ def query(p: Prepared, revision: str = REV, with_verification: bool = True) -> p
         revision=revision,
     )
     if with_verification:
-        q.verification.CopyFrom(tensors.from_numpy(p.verification))
+        q.verification.CopyFrom(tensors.from_numpy(p.verification.luma))
+        q.verification_chroma.CopyFrom(tensors.from_numpy(p.verification.chroma))
     return q
 
 
@@ -129,36 +136,68 @@ async def lookup(stub: pb_grpc.CacheServiceStub, *queries: pb.LookupQuery) -> li
     return list(resp.results)
 
 
+def _gray(luma: np.ndarray) -> VerificationImage:
+    """The verification image of a grey picture: ``luma`` with neutral chroma (128)."""
+    return VerificationImage(luma, np.full(chroma_shape(*luma.shape), 128, np.uint8))
+
+
 def test_verification_image_and_residual() -> None:
     pixels = np.zeros((64, 96, 3), np.uint8)
-    pixels[:, :, 0] = 255  # pure red: luma 76 (ITU-R 601)
+    pixels[:, :, 0] = 255  # pure red: luma 76 (ITU-R 601), Cr far above neutral
     v = verification_image(pixels)
-    # The decoded image's own size: no plan in it.
-    assert v.dtype == np.uint8 and v.shape == (64, 96) and int(v[0, 0]) == 76
-    assert verification_image(Image.fromarray(pixels)).tolist() == v.tolist()
+    # The decoded image's own size: no plan in it; chroma at a quarter per side.
+    assert v.luma.dtype == np.uint8 and v.luma.shape == (64, 96) and int(v.luma[0, 0]) == 76
+    assert v.chroma.dtype == np.uint8 and v.chroma.shape == (16, 24, 2)
+    assert int(v.chroma[0, 0, 1]) > 200 and int(v.chroma[0, 0, 0]) < 128  # Cr high, Cb low
+    same = verification_image(Image.fromarray(pixels))
+    assert same.luma.tolist() == v.luma.tolist() and same.chroma.tolist() == v.chroma.tolist()
+    assert v.nbytes == 64 * 96 + 16 * 24 * 2
     # Over VERIFY_MAX_PIXELS: area-averaged to fit, aspect kept.
     big = verification_image(Image.new("RGB", (4032, 3024), (255, 0, 0)))
-    assert big.size <= VERIFY_MAX_PIXELS and big.shape == (886, 1182) and int(big[5, 5]) == 76
+    assert big.luma.size <= VERIFY_MAX_PIXELS and big.luma.shape == (1254, 1672)
+    assert big.chroma.shape == (314, 418, 2) and int(big.luma[5, 5]) == 76
     rng = np.random.default_rng(0)
-    a = rng.integers(0, 200, (64, 96), dtype=np.uint8)
+    a = _gray(rng.integers(0, 200, (64, 96), dtype=np.uint8))
     assert verification_residual(a, a) == 0.0
     # A global gain and offset (contrast and brightness) is normalised away.
-    b = np.clip(a.astype(np.float32) * 1.05 + 6, 0, 255).round().astype(np.uint8)
+    b = _gray(np.clip(a.luma.astype(np.float32) * 1.05 + 6, 0, 255).round().astype(np.uint8))
     assert verification_residual(a, b) < 1.0 and verify(a, b)
     # One 8x8 area (one 4x4 block after the 2x2 reduction) changed by 40 levels.
-    c = a.copy()
+    c = a.luma.copy()
     c[16:24, 16:24] = np.clip(c[16:24, 16:24].astype(np.int16) + 40, 0, 255).astype(np.uint8)
-    assert verification_residual(a, c) > 30 and not verify(a, c)
-    # Another aspect ratio, a size more than 12% apart or a missing image never passes.
-    assert verification_residual(a, a[:, :80]) == float("inf")
-    half = np.asarray(Image.fromarray(a).resize((48, 32), Image.Resampling.BOX))
-    assert verification_residual(a, half) == float("inf")
+    assert verification_residual(a, _gray(c)) > 30 and not verify(a, _gray(c))
+    # The same luma with another colour in one 16x16 area (chroma only) fails too.
+    d = VerificationImage(a.luma, a.chroma.copy())
+    d.chroma[4:8, 4:8, 1] = 200
+    assert verification_residual(a, d) > VERIFY_TOLERANCE and not verify(a, d)
+    # Another aspect ratio, a size more than 12% apart or a missing image never passes;
+    # nor does a chroma image of the wrong shape.
+    assert verification_residual(a, _gray(a.luma[:, :80])) == float("inf")
+    half = np.asarray(Image.fromarray(a.luma).resize((48, 32), Image.Resampling.BOX))
+    assert verification_residual(a, _gray(half)) == float("inf")
     assert not verify(a, None) and not verify(None, a)
+    bad = VerificationImage(a.luma, a.chroma[:, :-1])
+    assert not verify(bad, bad) and verification_residual(a, bad) == float("inf")
     # A smooth image and a 5% smaller copy of it are compared at the smaller's size.
     y, x = np.mgrid[0:200, 0:300]
     smooth = (100 + 60 * np.sin(x / 23.0) * np.cos(y / 17.0)).astype(np.uint8)
     smaller = np.asarray(Image.fromarray(smooth).resize((285, 190), Image.Resampling.BICUBIC))
-    assert verification_residual(smooth, smaller) < 2.0 and verify(smaller, smooth)
+    assert verification_residual(_gray(smooth), _gray(smaller)) < 2.0
+    assert verify(_gray(smaller), _gray(smooth))
+
+
+def test_verifiable_only_when_the_verification_sees_what_the_plan_keeps() -> None:
+    """An image over the cap whose plan keeps more than 1/VERIFY_MARGIN of the
+    verification image's resolution per side would let the model read detail the
+    verification does not resolve: such an image is exact-only."""
+    assert verifiable(1000, 750, 65536)  # the plan shrinks it: the verification sees more
+    assert verifiable(1000, 750, 2_000_000)  # the whole image is verified: nothing is lost
+    w, h = verification_size(4032, 3024)
+    assert verifiable(4032, 3024, int(w * h / VERIFY_MARGIN**2))
+    assert not verifiable(4032, 3024, int(w * h / VERIFY_MARGIN**2) + 100)
+    assert not verifiable(4032, 3024, 1280 * 32 * 32)  # the photos budget: exact-only
+    assert not verifiable(4032, 3024, 4032 * 3024)  # Qwen3-VL's budget keeps ~12 MP
+    assert verifiable(4032, 3024, 65536)  # the tiny checkpoint's budget
 
 
 async def test_adversarial_pairs_never_hit_through_the_cache(cache) -> None:
@@ -211,8 +250,8 @@ def test_small_text_on_a_photographed_page_is_verified_at_every_budget() -> None
         )
         tiny_a, qwen_a = prepare(a), prepare(a, spec=big)
         assert tiny_a.grid != qwen_a.grid  # two plans, one verification image
-        assert tiny_a.verification.tolist() == qwen_a.verification.tolist()
-        assert tiny_a.verification.shape == (600, 800)
+        assert tiny_a.verification.luma.tolist() == qwen_a.verification.luma.tolist()
+        assert tiny_a.verification.luma.shape == (600, 800)
         residual = verification_residual(tiny_a.verification, prepare(b).verification)
         assert residual > 1.3 * VERIFY_TOLERANCE, size
 
@@ -291,7 +330,7 @@ async def test_verification_counts_in_the_budget_and_bad_ones_are_invalid(cache)
     assert store.bytes == p.tokens * WIDTH * 4 + p.verification.nbytes
     store.check_invariants()
     bad = put_entry(prepare(photo("rocket.jpg")))
-    bad.verification.CopyFrom(tensors.from_numpy(p.verification.astype(np.float32)))
+    bad.verification.CopyFrom(tensors.from_numpy(p.verification.luma.astype(np.float32)))
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await stub.Put(pb.PutRequest(entries=[bad]))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -302,6 +341,46 @@ async def test_verification_counts_in_the_budget_and_bad_ones_are_invalid(cache)
         await lookup(stub, q)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "queries[0].verification" in exc.value.details()
+    # A chroma image that does not fit its luma names both shapes.
+    q = query(p)
+    h, w = p.verification.luma.shape
+    q.verification_chroma.CopyFrom(tensors.from_numpy(np.zeros((h // 4 + 1, w // 4, 2), np.uint8)))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await lookup(stub, q)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details() == (
+        f"queries[0].verification_chroma.shape is [{h // 4 + 1}, {w // 4}, 2]; for "
+        f"queries[0].verification.shape [{h}, {w}] it must be {[-(-h // 4), -(-w // 4), 2]} "
+        "(ceil(h / 4), ceil(w / 4), 2)"
+    )
+
+
+async def test_luma_without_chroma_is_exact_only(cache) -> None:
+    """An older gateway sends the luma alone: accepted, but luma cannot tell a grayscale
+    copy from the colour photo, so neither such an entry nor such a query is ever a
+    similarity hit (the same image still hits exactly)."""
+    stub, store = cache
+
+    def jpeg_of(name: str) -> Prepared:
+        image = decode_image(photo(name), index=0, max_decoded_pixels=10**8)
+        return prepare(encode(image, "JPEG", quality=90))
+
+    old = put_entry(prepare(photo("coffee.png")))
+    old.ClearField("verification_chroma")
+    await stub.Put(pb.PutRequest(entries=[old]))
+    assert store.bytes == len(old.embedding.embeddings.data)  # no verification stored
+    (result,) = await lookup(stub, query(jpeg_of("coffee.png")))
+    assert result.tier == MISS  # the entry is not verifiable
+    (result,) = await lookup(stub, query(prepare(photo("coffee.png"))))
+    assert result.tier == generation_pb2.CACHE_TIER_EXACT
+    # A verifiable entry: the near copy hits with chroma, never without.
+    await stub.Put(pb.PutRequest(entries=[put_entry(prepare(photo("rocket.jpg")))]))
+    bare = query(jpeg_of("rocket.jpg"))
+    bare.ClearField("verification_chroma")
+    (result,) = await lookup(stub, bare)
+    assert result.tier == MISS
+    (result,) = await lookup(stub, query(jpeg_of("rocket.jpg")))
+    assert result.tier == SIMILAR
 
 
 def with_reusable(q: pb.LookupQuery, data: bytes, spec: VisionSpec) -> pb.LookupQuery:
