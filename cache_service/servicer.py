@@ -158,7 +158,7 @@ def _verification(
     luma: tensor_pb2.Tensor, chroma: tensor_pb2.Tensor, field: str, chroma_field: str
 ) -> VerificationImage | None:
     """The verification image (vlcommon.verification) from its luma, UINT8 [h, w], and
-    chroma, UINT8 [ceil(h / 4), ceil(w / 4), 2]; None when the luma is unset, or sent
+    chroma, UINT8 [ceil(h / 2), ceil(w / 2), 2]; None when the luma is unset, or sent
     without chroma (older gateways): then no similarity hit.
 
     Raises:
@@ -254,7 +254,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
         Raises (as status): INVALID_ARGUMENT for a bad key or alias key, grid or reusable
         grid (or more than 256 of them), descriptor, verification image (luma not UINT8
-        [h, w] or over 4 MiB, chroma not UINT8 [ceil(h / 4), ceil(w / 4), 2]), policy or
+        [h, w] or over 4 MiB, chroma not UINT8 [ceil(h / 2), ceil(w / 2), 2]), policy or
         too many queries.
         """
         t0 = time.perf_counter()

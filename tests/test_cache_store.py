@@ -36,8 +36,8 @@ def near(v: np.ndarray, cos: float, seed: int = 99) -> np.ndarray:
 # verification (vlcommon.verification), so these tests exercise the descriptor, grid, index
 # and budget rules; tests/test_cache_verification.py covers the verification itself.
 # A verification image (vlcommon.verification) that passes against itself: a flat grey
-# 1x4 luma with its 1x1 neutral chroma; VT and VTC as a Lookup query or Put entry sends them.
-V = VerificationImage(np.full((1, 4), 128, np.uint8), np.full((1, 1, 2), 128, np.uint8))
+# 1x4 luma with its 1x2 neutral chroma; VT and VTC as a Lookup query or Put entry sends them.
+V = VerificationImage(np.full((1, 4), 128, np.uint8), np.full((1, 2, 2), 128, np.uint8))
 VT = tensors.from_numpy(V.luma)
 VTC = tensors.from_numpy(V.chroma)
 

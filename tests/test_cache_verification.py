@@ -145,17 +145,17 @@ def test_verification_image_and_residual() -> None:
     pixels = np.zeros((64, 96, 3), np.uint8)
     pixels[:, :, 0] = 255  # pure red: luma 76 (ITU-R 601), Cr far above neutral
     v = verification_image(pixels)
-    # The decoded image's own size: no plan in it; chroma at a quarter per side.
+    # The decoded image's own size: no plan in it; chroma at half per side.
     assert v.luma.dtype == np.uint8 and v.luma.shape == (64, 96) and int(v.luma[0, 0]) == 76
-    assert v.chroma.dtype == np.uint8 and v.chroma.shape == (16, 24, 2)
+    assert v.chroma.dtype == np.uint8 and v.chroma.shape == (32, 48, 2)
     assert int(v.chroma[0, 0, 1]) > 200 and int(v.chroma[0, 0, 0]) < 128  # Cr high, Cb low
     same = verification_image(Image.fromarray(pixels))
     assert same.luma.tolist() == v.luma.tolist() and same.chroma.tolist() == v.chroma.tolist()
-    assert v.nbytes == 64 * 96 + 16 * 24 * 2
+    assert v.nbytes == 64 * 96 + 32 * 48 * 2
     # Over VERIFY_MAX_PIXELS: area-averaged to fit, aspect kept.
     big = verification_image(Image.new("RGB", (4032, 3024), (255, 0, 0)))
     assert big.luma.size <= VERIFY_MAX_PIXELS and big.luma.shape == (1254, 1672)
-    assert big.chroma.shape == (314, 418, 2) and int(big.luma[5, 5]) == 76
+    assert big.chroma.shape == (627, 836, 2) and int(big.luma[5, 5]) == 76
     rng = np.random.default_rng(0)
     a = _gray(rng.integers(0, 200, (64, 96), dtype=np.uint8))
     assert verification_residual(a, a) == 0.0
@@ -166,9 +166,9 @@ def test_verification_image_and_residual() -> None:
     c = a.luma.copy()
     c[16:24, 16:24] = np.clip(c[16:24, 16:24].astype(np.int16) + 40, 0, 255).astype(np.uint8)
     assert verification_residual(a, _gray(c)) > 30 and not verify(a, _gray(c))
-    # The same luma with another colour in one 16x16 area (chroma only) fails too.
+    # The same luma with another colour in one 8x8 area (chroma only) fails too.
     d = VerificationImage(a.luma, a.chroma.copy())
-    d.chroma[4:8, 4:8, 1] = 200
+    d.chroma[8:12, 8:12, 1] = 200
     assert verification_residual(a, d) > VERIFY_TOLERANCE and not verify(a, d)
     # Another aspect ratio, a size more than 12% apart or a missing image never passes;
     # nor does a chroma image of the wrong shape.
@@ -344,14 +344,14 @@ async def test_verification_counts_in_the_budget_and_bad_ones_are_invalid(cache)
     # A chroma image that does not fit its luma names both shapes.
     q = query(p)
     h, w = p.verification.luma.shape
-    q.verification_chroma.CopyFrom(tensors.from_numpy(np.zeros((h // 4 + 1, w // 4, 2), np.uint8)))
+    q.verification_chroma.CopyFrom(tensors.from_numpy(np.zeros((h // 2 + 1, w // 2, 2), np.uint8)))
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await lookup(stub, q)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert exc.value.details() == (
-        f"queries[0].verification_chroma.shape is [{h // 4 + 1}, {w // 4}, 2]; for "
-        f"queries[0].verification.shape [{h}, {w}] it must be {[-(-h // 4), -(-w // 4), 2]} "
-        "(ceil(h / 4), ceil(w / 4), 2)"
+        f"queries[0].verification_chroma.shape is [{h // 2 + 1}, {w // 2}, 2]; for "
+        f"queries[0].verification.shape [{h}, {w}] it must be {[-(-h // 2), -(-w // 2), 2]} "
+        "(ceil(h / 2), ceil(w / 2), 2)"
     )
 
 

@@ -267,9 +267,9 @@ def test_one_generate_moves_every_service_metric(cluster, tiny_model) -> None:
     assert cache("splitvl_cache_lookups_total", tier="exact") == 0
     assert cache("splitvl_cache_puts_total") == 1
     # Stored: the embeddings plus the verification image (uint8 luma of the decoded 320x240
-    # image at its own size and its Cb, Cr at 80x60, vlcommon.verification); 2 GiB budget,
+    # image at its own size and its Cb, Cr at 160x120, vlcommon.verification); 2 GiB budget,
     # nothing evicted.
-    verify_bytes = 320 * 240 + 80 * 60 * 2
+    verify_bytes = 320 * 240 + 160 * 120 * 2
     assert cache("splitvl_cache_stored_bytes") == emb_bytes + verify_bytes
 
     # decoder

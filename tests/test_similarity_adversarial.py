@@ -423,18 +423,14 @@ def _dark_ui(
 _RED, _GREEN = (255, 0, 0), (0, 130, 0)  # the same 8-bit luma (76)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="false hit: a colour change smaller than a 16x16 chroma block is diluted by the "
-    "4x4 chroma average and the 16x16 block mean: a red vs green 12 px status dot on the "
-    "corner of four chroma blocks (chelsea, equal luma: cosine 0.995, residual 7.15, chroma "
-    "21.4 of 24), a 2 px red vs green line across the photo (cosine 0.983, residual 5.08), "
-    "and 16 px '+2.41%' in green (30,160,60) vs red (220,40,40) on a dark UI (luma 17 "
-    "levels apart on the strokes: cosine 0.999, residual 6.83) all hit: an LED's or status "
-    "light's state, which series a chart line is, a gain shown as a loss",
-)
 @pytest.mark.parametrize("kind", ["dot", "line", "text"])
 def test_small_colour_change_is_not_served(kind: str) -> None:
+    """Found 2026-12-01 and fixed (chroma at half resolution, CHROMA_SCALE 2, compared in
+    8x8-pixel blocks): with chroma 4x4-averaged and compared per 16x16 pixels, a red vs
+    green 12 px status dot on the corner of four chroma blocks (equal luma: cosine 0.995,
+    residual 7.15), a 2 px red vs green line across the photo (5.08) and 16 px '+2.41%' in
+    green vs red on a dark UI (6.83) all hit: an LED's state, which series a chart line
+    is, a gain shown as a loss."""
     if kind == "text":
         a = _dark_ui("+2.41%", 16, (30, 160, 60), (120, 120))
         b = _dark_ui("+2.41%", 16, (220, 40, 40), (120, 120))
@@ -498,16 +494,11 @@ def _contrast(image: Image.Image, gain: float) -> Image.Image:
     return Image.fromarray(out.round().clip(0, 255).astype(np.uint8))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="false hit: the photometric gain near its 1.5 bound scales the tolerance: the "
-    "residual is measured in the lower-contrast image's levels, so a query at 0.67x "
-    "contrast passes edits up to ~1.5x the tolerance. One digit of 16 px UI text "
-    "('Total: 1,254.50' vs '1,264.50', dark screenshot) is refused at full contrast "
-    "(residual 10.69) but with the query at 0.67x contrast (gain 0.670) hits: cosine "
-    "1.000, residual 7.36 (contrast-relative 0.36 of 0.4)",
-)
 def test_one_digit_with_the_query_at_two_thirds_contrast_is_not_served() -> None:
+    """Found 2026-12-01 and fixed (scores in the higher-contrast image's levels): the
+    residual was measured in the lower-contrast image's levels, so a query at 0.67x
+    contrast passed edits up to ~1.5x the tolerance: one digit of 16 px UI text, refused at
+    full contrast (10.69), hit with the query at 0.67x (7.36)."""
     a = _dark_ui("Total: 1,254.50", 16)
     b = _dark_ui("Total: 1,264.50", 16)
     assert _served(a, b, TINY).residual > VERIFY_TOLERANCE  # refused at full contrast
