@@ -244,7 +244,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         Entries returned with their embeddings are leased until the RPC is done (the
         response sent, or the call failed or was cancelled), so eviction cannot pick them.
         The queries are checked on the event loop and matched on a worker thread: a
-        similarity candidate's verification costs up to ~50 ms (2 MP images), and 256
+        similarity candidate's verification costs up to ~90 ms (2 MP images), and 256
         queries with 8 candidates each must not stall health checks and other calls. A
         cancelled call stops matching at the next query.
 
