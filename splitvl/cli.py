@@ -22,7 +22,6 @@ import argparse
 import json
 import signal
 import sys
-import threading
 from typing import Any
 
 from splitvl.argtypes import (
@@ -43,6 +42,7 @@ from splitvl.launcher import (
     LaunchConfigError,
     ServiceStartError,
     StartInterrupted,
+    StopFlag,
     Supervisor,
 )
 from splitvl.tiny_model import LIKE
@@ -67,7 +67,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     cluster = cluster_from_args(args)
-    stop = threading.Event()
+    stop = StopFlag()  # not a threading.Event: its set() takes a lock (see StopFlag)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     cluster.start()

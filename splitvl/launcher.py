@@ -240,6 +240,33 @@ class Ports:
         return out
 
 
+class StopFlag:
+    """A stop request that a signal handler may set.
+
+    ``threading.Event.set`` takes the event's lock, and a handler runs in the main thread
+    between any two bytecodes, also while that thread is inside ``Event.wait`` or
+    ``Event.set`` holding the same lock: a second SIGINT/SIGTERM then deadlocked ``splitvl
+    up`` (seen 2026-12-01: it ignored every further signal with its services up). Here
+    ``set`` only assigns an attribute and ``wait`` polls it, so neither takes a lock.
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float, step: float = 0.05) -> bool:
+        """Sleep until set or ``timeout`` seconds passed (in ``step`` s slices); whether set."""
+        deadline = time.monotonic() + timeout
+        while not self._set and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(step, left))
+        return self._set
+
+
 class PortInUseError(LaunchConfigError):
     """A port the cluster needs is taken; nothing was started.
 
@@ -504,7 +531,7 @@ class Cluster:
         self,
         timeout_s: float = 600.0,
         progress: Callable[[str], None] | None = None,
-        stop: threading.Event | None = None,
+        stop: StopFlag | threading.Event | None = None,
     ) -> None:
         """Block until every service's health says SERVING.
 

@@ -299,3 +299,44 @@ def test_a_stop_signal_while_starting_ends_the_wait_at_once(tmp_path: Path) -> N
     finally:
         cluster.stop()
     assert time.monotonic() - t0 < 1
+
+
+_SIGNAL_STORM_CHILD = """
+import signal, sys, threading, time
+from splitvl.launcher import StopFlag
+stop = threading.Event() if sys.argv[1] == "event" else StopFlag()
+signal.signal(signal.SIGUSR1, lambda *_: stop.set())
+print("ready", flush=True)
+end = time.monotonic() + 2
+while time.monotonic() < end:
+    stop.wait(0.0005)
+print("done", flush=True)
+"""
+
+
+def test_stop_flag_survives_signals_that_land_inside_wait(tmp_path: Path) -> None:
+    """`splitvl up` once hung on Ctrl-C: its handler called threading.Event.set, which
+    takes the lock that the main thread held inside Event.wait when the signal landed
+    (py-spy: handlers nested in Condition.__enter__). StopFlag takes no lock. A child
+    waits in a tight loop while SIGUSR1 arrives every 0.2 ms: with StopFlag it ends
+    cleanly. With an Event (the old code; ``child.py event``) the same storm ended the child
+    with nested handlers in ``Condition.__enter__`` and a RecursionError, 5 runs of 5."""
+    script = tmp_path / "child.py"
+    script.write_text(_SIGNAL_STORM_CHILD)
+    child = subprocess.Popen(
+        [sys.executable, str(script), "flag"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end and child.poll() is None:
+        os.kill(child.pid, signal.SIGUSR1)
+        time.sleep(0.0002)
+    try:
+        out, _ = child.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out = "(hung)"
+    assert child.returncode == 0 and out.strip() == "done"
