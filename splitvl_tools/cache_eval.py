@@ -270,6 +270,15 @@ INVOICE_TOTALS = (("2,413.57", "2,413.51"), ("744.11", "794.11"))
 SPREADSHEET_EDITS = (((6, 3), "4,871.20", "4,871.29"), ((15, 6), "312.00", "372.00"))
 # vLLM's benchmark images: i.i.d. random pixels, (width, height).
 RANDOM_SIZES = ((512, 512), (1024, 768), (224, 224))
+# (photo, alpha, year a, year b): a white 36 px '(c) {year} Alice Smith' watermark,
+# changed in one digit. Alpha 30 over fine texture (fur, gravel) is below what the
+# verification sees (docs/cache.md), so those are not in the set.
+WATERMARKS = (
+    ("astronaut.png", 30, "2024", "2021"),
+    ("coffee.png", 30, "2023", "2028"),
+    ("chelsea.png", 40, "2019", "2010"),
+    ("rocket.jpg", 40, "2024", "2021"),
+)
 # (victim, attacker's detail source): the attacker image has the victim's 32x32 box
 # averages (so the same descriptor) and the other image's detail.
 POISON_PAIRS = (
@@ -415,6 +424,17 @@ def ui_screen(message: str, *, dark: bool, size: int = 18) -> Image.Image:
     return image
 
 
+def watermark(photo: Image.Image, year: str, alpha: int) -> Image.Image:
+    """``photo`` with a white 36 px '(c) {year} Alice Smith' at ``alpha`` (of 255) near
+    its bottom left: a photographer's credit, a date stamp."""
+    layer = Image.new("RGBA", photo.size, (0, 0, 0, 0))
+    font = ImageFont.load_default(size=36)
+    xy = (40, photo.size[1] - 72)
+    text = f"(c) {year} Alice Smith"
+    ImageDraw.Draw(layer).text(xy, text, fill=(255, 255, 255, alpha), font=font)
+    return Image.alpha_composite(photo.convert("RGBA"), layer).convert("RGB")
+
+
 def lowfreq_swap(target: Image.Image, detail: Image.Image, side: int = 256) -> Image.Image:
     """The poisoning construction: an image whose 32x32 box averages are ``target``'s and
     whose detail (everything inside each cell minus the cell mean) is ``detail``'s."""
@@ -475,6 +495,10 @@ def adversarial_pairs(quick: bool = False) -> list[tuple[str, Image.Image, Image
         a, b = random_pixels(w, h, seed=2 * i), random_pixels(w, h, seed=2 * i + 1)
         out.append(("random-pixels", a, b))
     root = _skimage_dir()
+    for name, alpha, year_a, year_b in WATERMARKS[:1] if quick else WATERMARKS:
+        photo = _decode((root / name).read_bytes())
+        a, b = watermark(photo, year_a, alpha), watermark(photo, year_b, alpha)
+        out.append(("watermark-one-digit", a, b))
     for victim, source in QUICK_POISON_PAIRS if quick else POISON_PAIRS:
         v = _decode((root / victim).read_bytes()).resize((256, 256))
         s = _decode((root / source).read_bytes())

@@ -23,23 +23,31 @@ Two verification images pass (:func:`verify`) when:
   :data:`MAX_ASPECT_DIFFERENCE` (neither holds much more detail than the other: a full-size
   photo and its thumbnail are not compared at the thumbnail's resolution);
 * at the smaller one's resolution (the larger resampled onto it with Pillow's Lanczos
-  filter), both 2x2 box-averaged, after a global photometric normalisation (the luma's mean
-  and standard deviation of one matched to the other's over the pixels unsaturated in both,
-  the chroma's distance from neutral scaled by the same gain; a gain beyond
-  :data:`MAX_PHOTOMETRIC_GAIN` either way fails), in the better direction, every 4x4 block
-  (8x8 pixels of the compared resolution) passes four checks:
+  filter), after a global photometric normalisation (the luma's mean and standard
+  deviation of one matched to the other's over the pixels unsaturated in both, the
+  chroma's distance from neutral scaled by the same gain; a gain beyond
+  :data:`MAX_PHOTOMETRIC_GAIN` either way fails) and a global **sharpness match** (the
+  prediction adds the amount of the first image's high-pass, within
+  :data:`MAX_SHARPNESS`, that best fits the other: a resize or re-encode blurs the whole
+  picture alike, an edit is local), in the better direction, five checks pass in every
+  block. Blocks are 8x8 pixels of the compared resolution; where said, they are taken at a
+  **half-block stride** (every window offset by 0 or 4 pixels each way), so that an edit
+  straddling the corner of four aligned blocks lies whole in one of them:
 
-  - **luma**: the mean absolute difference of the prediction (clipped to [0, 255], as a
-    brightened copy clips highlights) is within :data:`VERIFY_TOLERANCE`;
+  - **detail**: at the compared resolution, at half-block stride, the mean absolute
+    difference of the prediction (clipped to [0, 255], as a brightened copy clips
+    highlights) is within :data:`DETAIL_TOLERANCE` (a 1-2 px stroke of 11 px type);
+  - **luma**: the same on both 2x2 box-averaged (4x4 blocks, half-block stride, which
+    also evens out the resampling filters' differences), within :data:`LUMA_TOLERANCE`;
   - **chroma**: on the chroma images (the larger resampled onto the smaller, blocks of
     :data:`CHROMA_BLOCK` x :data:`CHROMA_BLOCK` chroma pixels), the mean absolute Cb and Cr
     differences are within :data:`CHROMA_TOLERANCE` (a grayscale copy, or a red light
     turned green at equal luma);
-  - **clipping**: where the other image is clipped (at least :data:`CLIPPED_SHARE` of the
-    block at 255, or at 0), the detail the prediction has beyond the clip (its standard
-    deviation there) is within :data:`VERIFY_TOLERANCE`: a blown-out copy does not show
-    what the stored image shows there, so it is not served it;
-  - **contrast-relative**: in blocks without clipping, a residual over
+  - **clipping**: where the other image is clipped (at least :data:`CLIPPED_SHARE` of a
+    2x2-reduced block at 255, or at 0), the detail the prediction has beyond the clip (its
+    standard deviation there) is within :data:`VERIFY_TOLERANCE`: a blown-out copy does not
+    show what the stored image shows there, so it is not served it;
+  - **contrast-relative**: in 2x2-reduced blocks without clipping, a residual over
     :data:`RELATIVE_FLOOR` levels is at most :data:`RELATIVE_TOLERANCE` of the block's
     contrast (its standard deviation, plus :data:`RELATIVE_FLOOR`): faint type (pencil,
     light print, a watermark) changed by one digit leaves a residual under the absolute
@@ -54,6 +62,7 @@ memory: docs/cache.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,9 +82,23 @@ VERIFY_MARGIN = 1.5
 # resampling filters' differences), then compared in 4x4 blocks (8x8 pixels).
 VERIFY_REDUCE = 2
 VERIFY_BLOCK = 4
-# Largest mean |luma difference| of one block, 8-bit levels, after photometric matching.
-# Calibrated with `splitvl cache-eval` (docs/cache.md).
+# The score every check is scaled to: a block score over it fails the verification.
 VERIFY_TOLERANCE = 8.0
+# Largest mean |luma difference| of one 4x4 block of the 2x2-reduced images (8x8 pixels),
+# at half-block stride, 8-bit levels, after photometric and sharpness matching. Calibrated
+# with `splitvl cache-eval` and the digit scans of tests/test_similarity_adversarial.py
+# (docs/cache.md).
+LUMA_TOLERANCE = 6.0
+# The same for 8x8-pixel blocks at the compared resolution itself (no 2x2 reduce): a
+# 1-2 px stroke of 11 px type changed ('6' to '8') is halved by the reduce.
+DETAIL_BLOCK = 8
+DETAIL_TOLERANCE = 12.0
+# Sharpness matching: the prediction may add or remove up to MAX_SHARPNESS times the
+# first image's high-pass (its pixels minus their 3x3 binomial blur, sigma 1/sqrt(2)),
+# one amount for the whole image, fitted by least squares. Resizes of 0.9-1.1x fit
+# -0.05..-0.35; the bound keeps a much blurrier query (text no longer legible) from being
+# predicted from a sharp stored image.
+MAX_SHARPNESS = 0.5
 # Chroma is kept at 1/CHROMA_SCALE of the luma's resolution per side (as JPEG keeps it),
 # half a byte per pixel for both channels, and compared in blocks of CHROMA_BLOCK x
 # CHROMA_BLOCK chroma pixels (8x8 pixels, the luma's block). At 1/4 per side, compared per
@@ -197,15 +220,21 @@ def verification_image(image: Image.Image | np.ndarray) -> VerificationImage:
 
 def _block_sums(x: np.ndarray, block: int = VERIFY_BLOCK) -> np.ndarray:
     """Sums over ``block`` x ``block`` tiles of a 2-D array (the last row and column of
-    tiles partial), as float32 (exact enough: 16 squares of 8-bit values)."""
+    tiles partial), as float32 (exact enough: 16 squares of 8-bit values). Strided adds,
+    not a reshape-and-sum: numpy sums a short inner axis several times slower."""
     h, w = x.shape
     hb, wb = -(-h // block), -(-w // block)
     if (hb * block, wb * block) != (h, w):
         padded = np.zeros((hb * block, wb * block), dtype=np.float32)
         padded[:h, :w] = x
         x = padded
-    rows = x.reshape(hb, block, wb * block).sum(axis=1, dtype=np.float32)
-    return rows.reshape(hb, wb, block).sum(axis=2, dtype=np.float32)
+    rows = x[0::block].astype(np.float32, copy=True)
+    for k in range(1, block):
+        rows += x[k::block]
+    out = rows[:, 0::block].copy()
+    for k in range(1, block):
+        out += rows[:, k::block]
+    return out
 
 
 def _block_counts(shape: tuple[int, ...], block: int = VERIFY_BLOCK) -> np.ndarray:
@@ -261,25 +290,43 @@ def _onto_smaller(a: np.ndarray, b: np.ndarray) -> tuple[Image.Image, Image.Imag
     return ia, ib
 
 
+class _Plane:
+    """One luma plane at the compared size, float32: ``luma`` [h, w]; ``reduced``, the
+    luma 2x2 box-averaged; ``high_pass`` [h, w], the luma minus its 3x3 binomial blur (a
+    Gaussian of sigma 1/sqrt(2); edges replicated) and ``energy``, its sum of squares,
+    computed when first asked for (the second direction is often never compared)."""
+
+    def __init__(self, image: Image.Image) -> None:
+        self.luma = np.asarray(image, dtype=np.float32)
+        self.reduced = _reduce(self.luma)
+
+    @functools.cached_property
+    def high_pass(self) -> np.ndarray:
+        # In numpy on floats: exact, and twice as fast as Pillow's 3x3 Kernel filter here.
+        x = np.pad(self.luma, 1, mode="edge")
+        rows = x[:-2] + x[2:]
+        rows += 2 * x[1:-1]
+        blurred = rows[:, :-2] + rows[:, 2:]
+        blurred += 2 * rows[:, 1:-1]
+        return self.luma - blurred * (1 / 16)
+
+    @functools.cached_property
+    def energy(self) -> float:
+        return float(np.vdot(self.high_pass, self.high_pass))
+
+
 def _common(
     a: VerificationImage, b: VerificationImage
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(luma a, luma b, chroma a, chroma b) as float32: the lumas at the smaller one's
-    size, 2x2 box-averaged, the chromas at the smaller chroma's size."""
+) -> tuple[_Plane, _Plane, list[np.ndarray], list[np.ndarray]]:
+    """(luma a, luma b, chroma a, chroma b): the lumas at the smaller one's size, the
+    chromas ([Cb, Cr], each float32 [hc, wc]) at the smaller chroma's size."""
     ia, ib = _onto_smaller(a.luma, b.luma)
-    if min(ia.size) >= 2 * VERIFY_REDUCE:
-        ia, ib = ia.reduce(VERIFY_REDUCE), ib.reduce(VERIFY_REDUCE)
     chroma_a, chroma_b = [], []
     for c in range(2):
         ca, cb = _onto_smaller(a.chroma[..., c], b.chroma[..., c])
         chroma_a.append(np.asarray(ca, dtype=np.float32))
         chroma_b.append(np.asarray(cb, dtype=np.float32))
-    return (
-        np.asarray(ia, dtype=np.float32),
-        np.asarray(ib, dtype=np.float32),
-        np.stack(chroma_a, -1),
-        np.stack(chroma_b, -1),
-    )
+    return _Plane(ia), _Plane(ib), chroma_a, chroma_b
 
 
 def _residuals(a: VerificationImage, b: VerificationImage) -> Iterator[float]:
@@ -292,10 +339,10 @@ def _residuals(a: VerificationImage, b: VerificationImage) -> Iterator[float]:
 
 def verification_residual(a: VerificationImage | None, b: VerificationImage | None) -> float:
     """How far apart two verification images are, in luma levels: the largest block score
-    of the four checks (module docstring) at the smaller one's resolution, 2x2-reduced,
-    after the photometric normalisation, in the better of the two directions. The luma
-    check's score is its residual; the others are scaled so that each fails exactly where
-    the score passes :data:`VERIFY_TOLERANCE`.
+    of the five checks (module docstring) at the smaller one's resolution, after the
+    photometric and sharpness matching, in the better of the two directions. The luma
+    check's score is its residual in units of :data:`VERIFY_TOLERANCE`; the others are
+    scaled so that each fails exactly where the score passes :data:`VERIFY_TOLERANCE`.
 
     Args:
         a, b: from :func:`verification_image`.
@@ -308,42 +355,78 @@ def verification_residual(a: VerificationImage | None, b: VerificationImage | No
     return min(_residuals(a, b)) if comparable(a, b) else float("inf")  # type: ignore[arg-type]
 
 
-def _residual(ya: np.ndarray, yb: np.ndarray, ca: np.ndarray, cb: np.ndarray) -> float:
-    """The largest block score of ``b`` predicted from ``a`` (luma float32 [h, w], chroma
-    float32 [hc, wc, 2]); ``inf`` when the gain is outside [1 / MAX_PHOTOMETRIC_GAIN,
-    MAX_PHOTOMETRIC_GAIN]."""
-    unsaturated = (ya >= 2) & (ya <= 253) & (yb >= 2) & (yb <= 253)
+def _half_stride_block_means(x: np.ndarray, block: int) -> np.ndarray:
+    """Means over every ``block`` x ``block`` window of a 2-D array at a stride of half a
+    block (each window the sum of 2x2 half-block tiles): an edit that straddles the
+    corner of four aligned blocks lies whole in one of these. One pass over ``x``."""
+    half = block // 2
+    sums, counts = _block_sums(x, half), _block_counts(x.shape, half)
+    if sums.shape[0] > 1:
+        sums, counts = sums[:-1] + sums[1:], counts[:-1] + counts[1:]
+    if sums.shape[1] > 1:
+        sums, counts = sums[:, :-1] + sums[:, 1:], counts[:, :-1] + counts[:, 1:]
+    return sums / counts
+
+
+def _reduce(x: np.ndarray) -> np.ndarray:
+    """2x2 box average (the last row and column partial)."""
+    return _block_means(x, VERIFY_REDUCE) if min(x.shape) >= 2 * VERIFY_REDUCE else x
+
+
+def _residual(pa: _Plane, pb: _Plane, ca: list[np.ndarray], cb: list[np.ndarray]) -> float:
+    """The largest block score of ``b`` predicted from ``a`` (chroma from :func:`_common`);
+    ``inf`` when the gain is outside [1 / MAX_PHOTOMETRIC_GAIN, MAX_PHOTOMETRIC_GAIN]."""
+    # The photometric statistics on the reduced planes (a quarter of the pixels).
+    ra, rb = pa.reduced, pb.reduced
+    unsaturated = (ra >= 2) & (ra <= 253) & (rb >= 2) & (rb <= 253)
     if np.count_nonzero(unsaturated) < unsaturated.size // 2:
         unsaturated = np.ones_like(unsaturated)
-    xa, xb = ya[unsaturated], yb[unsaturated]
+    xa, xb = ra[unsaturated], rb[unsaturated]
     ma, mb = float(xa.mean()), float(xb.mean())
     sa, sb = float(xa.std()), float(xb.std())
     gain = sb / sa if sa > 1e-3 and sb > 1e-3 else 1.0
     if not 1 / MAX_PHOTOMETRIC_GAIN <= gain <= MAX_PHOTOMETRIC_GAIN:
         return float("inf")  # not the same picture with another contrast
-    raw = (ya - ma) * gain + mb
-    predicted = np.clip(raw, 0.0, 255.0)
-    signed = predicted - yb
-    luma = _block_means(np.abs(signed))
-    scores = [float(luma.max())]
+    yb = pb.luma
+    raw_full = (pa.luma - ma) * gain + mb
+    # Sharpness matching: one global amount of the stored image's high-pass, fitted by
+    # least squares (a resize or a re-encode blurs or sharpens the whole picture alike;
+    # an edit is local, so it stays in the residual).
+    energy = pa.energy * gain * gain
+    fitted = float(np.vdot(pa.high_pass, yb - raw_full)) * gain / energy if energy > 1e-6 else 0.0
+    sharpness = min(MAX_SHARPNESS, max(-MAX_SHARPNESS, fitted))
+    predicted_full = raw_full + (sharpness * gain) * pa.high_pass
+    np.clip(predicted_full, 0.0, 255.0, out=predicted_full)
+    signed_full = predicted_full - yb
+    # Detail: 8x8 pixels at the compared resolution, at half-block stride.
+    detail = _half_stride_block_means(np.abs(signed_full), DETAIL_BLOCK)
+    scores = [float(detail.max()) * (VERIFY_TOLERANCE / DETAIL_TOLERANCE)]
+    # Luma: 2x2-reduced, 4x4 blocks (8x8 pixels) at half-block stride.
+    predicted, target = _reduce(predicted_full), pb.reduced
+    signed = predicted - target
+    luma_shifted = _half_stride_block_means(np.abs(signed), VERIFY_BLOCK)
+    scores.append(float(luma_shifted.max()) * (VERIFY_TOLERANCE / LUMA_TOLERANCE))
     # Clipping: the prediction's detail beyond the clip where the target is clipped.
-    for clip, where in ((253.0, yb >= 253), (2.0, yb <= 2)):
+    raw_reduced = (pa.reduced - ma) * gain + mb
+    for clip, where in ((253.0, target >= 253), (2.0, target <= 2)):
         if np.count_nonzero(where) >= CLIPPED_SHARE * VERIFY_BLOCK * VERIFY_BLOCK:
-            beyond = np.maximum(raw, clip) if clip > 128 else np.minimum(raw, clip)
+            beyond = np.maximum(raw_reduced, clip) if clip > 128 else np.minimum(raw_reduced, clip)
             spread, share = _masked_spread(beyond, where)
             scores.append(float(np.where(share >= CLIPPED_SHARE, spread, 0.0).max()))
     # Contrast-relative: the residual's structure (a block-wide offset removed) against
     # the block's own contrast. The structure is at most twice the block's mean residual,
     # so only blocks over RELATIVE_FLOOR / 2 can count, and only those are looked at.
+    luma = _block_means(np.abs(signed))
     rows, cols = np.nonzero(luma > RELATIVE_FLOOR / 2)
-    if len(rows) and scores[0] <= VERIFY_TOLERANCE:  # (a failing luma check decides)
-        d, t, p = (_tiles(x, rows, cols) for x in (signed, yb, predicted))
+    if len(rows) and max(scores) <= VERIFY_TOLERANCE:  # (a failing check decides)
+        d, t, p = (_tiles(x, rows, cols) for x in (signed, target, predicted))
         structure = np.abs(d - d.mean(axis=1, keepdims=True)).mean(axis=1)
         contrast = np.maximum(t.std(axis=1), p.std(axis=1)) + RELATIVE_FLOOR
         relative = np.where(structure > RELATIVE_FLOOR, structure / contrast, 0.0)
         scores.append(float(relative.max()) * (VERIFY_TOLERANCE / RELATIVE_TOLERANCE))
     # Chroma: the distance from neutral (128) scaled by the luma's gain.
-    chroma = _block_means(np.abs((ca - 128.0) * gain + 128.0 - cb).max(axis=-1), CHROMA_BLOCK)
+    cb_diff, cr_diff = (np.abs((x - 128.0) * gain + 128.0 - y) for x, y in zip(ca, cb, strict=True))
+    chroma = _block_means(np.maximum(cb_diff, cr_diff), CHROMA_BLOCK)
     scores.append(float(chroma.max()) * (VERIFY_TOLERANCE / CHROMA_TOLERANCE))
     # In the higher-contrast image's levels: a query at 2/3 of the stored contrast would
     # otherwise shrink every difference, and the tolerance with it, by a third.
