@@ -608,8 +608,13 @@ def create_app(
                 while item is not None:
                     last = item
                     reason = FINISH.get(item.finish_reason) if item.finish_reason else None
-                    if item.text or reason:
-                        yield chunk({"content": item.text} if item.text else {}, reason)
+                    # One chunk per engine step that made tokens, its text empty or not (a
+                    # byte-level token that ends inside a UTF-8 character has none yet), as
+                    # `vllm serve` streams: skipping those bunched the stream into a few
+                    # events, and clients (and vLLM's benchmark, whose ITL counts chunks)
+                    # saw stalls of several tokens.
+                    if item.token_ids or item.text or reason:
+                        yield chunk({"content": item.text}, reason)
                     with trace.use_span(span, end_on_exit=False):
                         item = await _next(responses)
                 if include_usage and last is not None:
