@@ -39,10 +39,10 @@ Two verification images pass (:func:`verify`) when:
     highlights) is within :data:`DETAIL_TOLERANCE` (a 1-2 px stroke of 11 px type);
   - **luma**: the same on both 2x2 box-averaged (4x4 blocks, half-block stride, which
     also evens out the resampling filters' differences), within :data:`LUMA_TOLERANCE`;
-  - **chroma**: on the chroma images (the larger resampled onto the smaller, blocks of
-    :data:`CHROMA_BLOCK` x :data:`CHROMA_BLOCK` chroma pixels), the mean absolute Cb and Cr
-    differences are within :data:`CHROMA_TOLERANCE` (a grayscale copy, or a red light
-    turned green at equal luma);
+  - **chroma**: on the chroma images (the larger resampled onto the smaller, windows of
+    :data:`CHROMA_BLOCK` x :data:`CHROMA_BLOCK` chroma pixels at half-block stride), the
+    mean absolute Cb and Cr differences are within :data:`CHROMA_TOLERANCE` (a grayscale
+    copy, or a red light turned green at equal luma);
   - **clipping**: where the other image is clipped (at least :data:`CLIPPED_SHARE` of a
     2x2-reduced block at 255, or at 0), the detail the prediction has beyond the clip (its
     standard deviation there) is within :data:`VERIFY_TOLERANCE`: a blown-out copy does not
@@ -426,7 +426,7 @@ def _residual(pa: _Plane, pb: _Plane, ca: list[np.ndarray], cb: list[np.ndarray]
         scores.append(float(relative.max()) * (VERIFY_TOLERANCE / RELATIVE_TOLERANCE))
     # Chroma: the distance from neutral (128) scaled by the luma's gain.
     cb_diff, cr_diff = (np.abs((x - 128.0) * gain + 128.0 - y) for x, y in zip(ca, cb, strict=True))
-    chroma = _block_means(np.maximum(cb_diff, cr_diff), CHROMA_BLOCK)
+    chroma = _half_stride_block_means(np.maximum(cb_diff, cr_diff), CHROMA_BLOCK)
     scores.append(float(chroma.max()) * (VERIFY_TOLERANCE / CHROMA_TOLERANCE))
     # In the higher-contrast image's levels: a query at 2/3 of the stored contrast would
     # otherwise shrink every difference, and the tolerance with it, by a third.
