@@ -159,9 +159,11 @@ def test_verification_image_and_residual() -> None:
     rng = np.random.default_rng(0)
     a = _gray(rng.integers(0, 200, (64, 96), dtype=np.uint8))
     assert verification_residual(a, a) == 0.0
-    # A global gain and offset (contrast and brightness) is normalised away.
+    # A global gain and offset (contrast and brightness) is normalised away: what is left
+    # is rounding, spread evenly (the isolation check scores an even residual at most
+    # VERIFY_TOLERANCE / ISOLATION_RATIO = 2.5, and this one at about 1).
     b = _gray(np.clip(a.luma.astype(np.float32) * 1.05 + 6, 0, 255).round().astype(np.uint8))
-    assert verification_residual(a, b) < 1.0 and verify(a, b)
+    assert verification_residual(a, b) < 1.5 and verify(a, b)
     # One 8x8 area (one 4x4 block after the 2x2 reduction) changed by 40 levels.
     c = a.luma.copy()
     c[16:24, 16:24] = np.clip(c[16:24, 16:24].astype(np.int16) + 40, 0, 255).astype(np.uint8)

@@ -29,7 +29,7 @@ Two verification images pass (:func:`verify`) when:
   :data:`MAX_PHOTOMETRIC_GAIN` either way fails) and a global **sharpness match** (the
   prediction adds the amount of the first image's high-pass, within
   :data:`MAX_SHARPNESS`, that best fits the other: a resize or re-encode blurs the whole
-  picture alike, an edit is local), in the better direction, five checks pass in every
+  picture alike, an edit is local), in the better direction, six checks pass in every
   block. Blocks are 8x8 pixels of the compared resolution; where said, they are taken at a
   **half-block stride** (every window offset by 0 or 4 pixels each way), so that an edit
   straddling the corner of four aligned blocks lies whole in one of them:
@@ -39,6 +39,11 @@ Two verification images pass (:func:`verify`) when:
     highlights) is within :data:`DETAIL_TOLERANCE` (a 1-2 px stroke of 11 px type);
   - **luma**: the same on both 2x2 box-averaged (4x4 blocks, half-block stride, which
     also evens out the resampling filters' differences), within :data:`LUMA_TOLERANCE`;
+  - **isolation**: the largest of those detail windows is at most :data:`ISOLATION_RATIO`
+    times the :data:`ISOLATION_RANK`-th largest plus :data:`ISOLATION_FLOOR`: a near
+    duplicate spreads its residual over the picture, an edit between two otherwise
+    identical images (two lossless screenshots) puts all of it in a few windows, however
+    faint (grey-on-grey 11 px type, a comma for a point);
   - **chroma**: on the chroma images (the larger resampled onto the smaller, windows of
     :data:`CHROMA_BLOCK` x :data:`CHROMA_BLOCK` chroma pixels at half-block stride), the
     mean absolute Cb and Cr differences are within :data:`CHROMA_TOLERANCE` (a grayscale
@@ -93,6 +98,15 @@ LUMA_TOLERANCE = 6.0
 # 1-2 px stroke of 11 px type changed ('6' to '8') is halved by the reduce.
 DETAIL_BLOCK = 8
 DETAIL_TOLERANCE = 12.0
+# Isolation check: the largest full-resolution window residual may be at most
+# ISOLATION_RATIO times (the ISOLATION_RANK-th largest + ISOLATION_FLOOR levels). Near
+# duplicates spread their residual over the picture (JPEG, resampling: at most 2.2x in
+# cache-eval); an edit between otherwise identical images (two lossless screenshots, one
+# digit of grey-on-grey 11 px type, a comma for a point) puts all of it in a few windows
+# (4.5x or more). 32 windows at half-block stride: about 32x32 pixels of change.
+ISOLATION_RANK = 32
+ISOLATION_RATIO = 3.2
+ISOLATION_FLOOR = 0.5
 # Sharpness matching: the prediction may add or remove up to MAX_SHARPNESS times the
 # first image's high-pass (its pixels minus their 3x3 binomial blur, sigma 1/sqrt(2)),
 # one amount for the whole image, fitted by least squares. Resizes of 0.9-1.1x fit
@@ -339,7 +353,7 @@ def _residuals(a: VerificationImage, b: VerificationImage) -> Iterator[float]:
 
 def verification_residual(a: VerificationImage | None, b: VerificationImage | None) -> float:
     """How far apart two verification images are, in luma levels: the largest block score
-    of the five checks (module docstring) at the smaller one's resolution, after the
+    of the six checks (module docstring) at the smaller one's resolution, after the
     photometric and sharpness matching, in the better of the two directions. The luma
     check's score is its residual in units of :data:`VERIFY_TOLERANCE`; the others are
     scaled so that each fails exactly where the score passes :data:`VERIFY_TOLERANCE`.
@@ -399,8 +413,16 @@ def _residual(pa: _Plane, pb: _Plane, ca: list[np.ndarray], cb: list[np.ndarray]
     np.clip(predicted_full, 0.0, 255.0, out=predicted_full)
     signed_full = predicted_full - yb
     # Detail: 8x8 pixels at the compared resolution, at half-block stride.
-    detail = _half_stride_block_means(np.abs(signed_full), DETAIL_BLOCK)
-    scores = [float(detail.max()) * (VERIFY_TOLERANCE / DETAIL_TOLERANCE)]
+    detail = _half_stride_block_means(np.abs(signed_full), DETAIL_BLOCK).ravel()
+    worst = float(detail.max())
+    scores = [worst * (VERIFY_TOLERANCE / DETAIL_TOLERANCE)]
+    # Isolation: the worst window against the residual the rest of the image has (its
+    # ISOLATION_RANK-th largest window), so that an edit between two otherwise identical
+    # images is seen whatever its contrast.
+    if detail.size > ISOLATION_RANK:
+        rest = float(np.partition(detail, detail.size - 1 - ISOLATION_RANK)[-1 - ISOLATION_RANK])
+        isolation = worst / (ISOLATION_RATIO * (rest + ISOLATION_FLOOR))
+        scores.append(isolation * VERIFY_TOLERANCE)
     # Luma: 2x2-reduced, 4x4 blocks (8x8 pixels) at half-block stride.
     predicted, target = _reduce(predicted_full), pb.reduced
     signed = predicted - target
