@@ -1,7 +1,8 @@
 # Two commands for a fresh machine:
 #   make demo   create .venv, install everything, run the demo on real photos and a video
 #   make test   create .venv when missing, run the test suite
-# While working: make test-fast (no test that starts services).
+# While working: make test-fast (no test that starts services); either takes
+# PYTEST_ARGS, e.g. make test-fast PYTEST_ARGS='-k verification'.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -35,12 +36,12 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 test: $(STAMP) $(NODE_DEPS)
-	$(BIN)/python -m pytest -ra; rc=$$?; \
+	$(BIN)/python -m pytest -ra $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Everything but the tests that start services (marked e2e): a couple of minutes.
 test-fast: $(STAMP) $(NODE_DEPS)
-	$(BIN)/python -m pytest -ra -m "not e2e"; rc=$$?; \
+	$(BIN)/python -m pytest -ra -m "not e2e" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 lint: $(STAMP)

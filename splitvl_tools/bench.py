@@ -932,10 +932,18 @@ def block_size(text: str) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="splitvl against vLLM alone on the same workloads")
+    from splitvl.cli import DefaultsHelpFormatter  # here: splitvl.cli imports this module
+
+    p = sub.add_parser(
+        "bench",
+        help="splitvl against vLLM alone on the same workloads",
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("--model", help="checkpoint (default: the bench checkpoint, built once)")
     p.add_argument("--quick", action="store_true", help="smaller workloads (< 10 min here)")
-    p.add_argument("--concurrency", type=positive_int, default=32)
+    p.add_argument(
+        "--concurrency", type=positive_int, default=32, help="closed-loop requests in flight"
+    )
     p.add_argument(
         "--rate",
         type=positive_float,
@@ -943,14 +951,27 @@ def add_parser(sub: Any) -> None:
         help="open-loop Poisson arrivals at this many requests/s instead of a closed loop",
     )
     p.add_argument(
-        "--requests", type=non_negative_int, default=0, help="requests per closed-loop run"
+        "--requests",
+        type=non_negative_int,
+        default=0,
+        help="requests per closed-loop run; 0 = the scenario's own (64, --quick 32; photos "
+        "32 / 8; video 16 / 8; openai 32)",
     )
-    p.add_argument("--requests-conc1", type=non_negative_int, default=0)
-    p.add_argument("--max-tokens", type=positive_int, default=32)
-    p.add_argument("--reps", type=positive_int, default=3)
-    p.add_argument("--image-side", type=positive_int, default=448)
-    p.add_argument("--images-per-request", type=positive_int, default=1)
-    p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--requests-conc1",
+        type=non_negative_int,
+        default=0,
+        help="requests per one-at-a-time run; 0 = the scenario's own (16, --quick 4; photos 8 / 4)",
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=32, help="output tokens per request")
+    p.add_argument(
+        "--reps", type=positive_int, default=3, help="repetitions of each run (medians over them)"
+    )
+    p.add_argument(
+        "--image-side", type=positive_int, default=448, help="square images of this many pixels"
+    )
+    p.add_argument("--images-per-request", type=positive_int, default=1, help="images per prompt")
+    p.add_argument("--seed", type=int, default=7, help="seed of the generated images")
     p.add_argument(
         "--block-size",
         type=block_size,
@@ -958,7 +979,11 @@ def add_parser(sub: Any) -> None:
         help="vLLM KV-cache block size for both systems (default: the decoder's: 32 on CPU,"
         " vLLM's own on GPU; on CPU a positive multiple of 32)",
     )
-    p.add_argument("--skip-encoder", action="store_true")
+    p.add_argument(
+        "--skip-encoder",
+        action="store_true",
+        help="leave out the encoder-alone runs (batch 1 vs dynamic batching)",
+    )
     p.add_argument(
         "--skip-wide", action="store_true", help="leave out the wide scenario (wide_bench.py)"
     )
@@ -977,9 +1002,11 @@ def add_parser(sub: Any) -> None:
         help="wide: pairs of runs (splitvl, vLLM alone; alternating who goes first)",
     )
     p.add_argument("--wide-requests", type=positive_int, default=2, help="wide: requests per run")
-    p.add_argument("--wide-max-tokens", type=positive_int, default=4)
-    p.add_argument("--out", default="bench-out")
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--wide-max-tokens", type=positive_int, default=4, help="wide: output tokens per request"
+    )
+    p.add_argument("--out", default="bench-out", help="directory for the JSON results")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
     instead.add_argument(
         "--openai",
         action="store_true",

@@ -104,6 +104,16 @@ def test_generate_help_shows_defaults() -> None:
     assert "DECODER_MAX_TOKENS_DEFAULT (256)" in text
 
 
+def test_bench_help_shows_defaults() -> None:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    text = " ".join(sub.choices["bench"].format_help().split())  # type: ignore[attr-defined]
+    assert "closed-loop requests in flight (default: 32)" in text
+    assert "output tokens per request (default: 32)" in text
+    assert "(default: bench-out)" in text and "(default: 1,8,32)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
 def test_docstring_lists_every_subcommand() -> None:
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
