@@ -351,9 +351,11 @@ def bench_vllm(model: Path, work: dict, concurrency: int, max_tokens: int, log: 
 
 def bench_split(
     model: Path, work: dict, concurrency: int, max_tokens: int, log_dir: Path, log: Any
-) -> tuple[dict, dict[str, list[float]]]:
+) -> tuple[dict, dict[str, list[float]], dict[str, list[dict[str, Any]]]]:
     """splitvl with the cache on; also each request's ``preprocess_ms`` by image kind
-    (``repeat``: byte-identical repeats, ``miss``: new files)."""
+    (``repeat``: byte-identical repeats, ``miss``: new files), and per scenario each
+    measured request's timeline: its start and end (s from the run's first request), its
+    kind and the gateway's stage timings (ms), to see where a run's time goes."""
     from qwenvl.common.v1 import generation_pb2
     from qwenvl.gateway.v1 import gateway_service_pb2 as pb
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
@@ -366,6 +368,8 @@ def bench_split(
 
     results: dict[str, list[Run]] = {}
     preprocess: dict[str, list[float]] = {"repeat": [], "miss": [], "repeat_decoded": []}
+    timeline: dict[str, list[dict[str, Any]]] = {}
+    run_start = [0.0]
     cluster = Cluster(
         model=str(model),
         ports=Ports.free(),
@@ -382,7 +386,8 @@ def bench_split(
         ) as channel:
             stub = pb_grpc.GatewayServiceStub(channel)
 
-            async def call(req: Request, measured: bool = False) -> Sample:
+            async def call(req: Request, measured: str = "") -> Sample:
+                t_begin = time.perf_counter()
                 request = build_request(
                     req.images, req.prompt, max_tokens=max_tokens, ignore_eos=True,
                     cache_policy=policy,
@@ -404,6 +409,18 @@ def bench_split(
                     preprocess["repeat" if repeat else "miss"].append(timings.preprocess_ms)
                     if repeat and any(decoded):
                         preprocess["repeat_decoded"].append(timings.preprocess_ms)
+                    stages = {
+                        name: round(getattr(timings, f"{name}_ms"), 1)
+                        for name in ("preprocess", "lookup", "encode", "put", "ttft", "decode")
+                    }
+                    timeline.setdefault(measured, []).append(
+                        {
+                            "kind": "repeat" if repeat else "miss",
+                            "start_s": round(t_begin - run_start[0], 3),
+                            "end_s": round(time.perf_counter() - run_start[0], 3),
+                            **stages,
+                        }
+                    )
                 return stream.sample(tiers)
 
             await closed_loop(work[SCENARIOS[0]][0]["warmup"][:1], 1, call)
@@ -414,9 +431,10 @@ def bench_split(
                 for rep, w in enumerate(work[scenario]):
                     await closed_loop(w["warmup"], conc, call)
 
-                    async def measured(r: Request) -> Sample:
-                        return await call(r, True)
+                    async def measured(r: Request, name: str = f"{scenario}/{rep}") -> Sample:
+                        return await call(r, name)
 
+                    run_start[0] = time.perf_counter()
                     with RssSampler(pids) as rss:
                         samples, elapsed = await run_load(w["requests"], conc, measured, None)
                     results.setdefault(scenario, []).append(
@@ -428,7 +446,7 @@ def bench_split(
 
     with cluster:
         asyncio.run(main())
-    return results, preprocess
+    return results, preprocess, timeline
 
 
 # -- report -------------------------------------------------------------------------------
@@ -518,7 +536,7 @@ def run(args: argparse.Namespace) -> int:
     log("vLLM alone ...")
     runs["vllm"] = bench_vllm(model, work, args.concurrency, args.max_tokens, log)
     log("splitvl ...")
-    runs["split_cache"], live = bench_split(
+    runs["split_cache"], live, timeline = bench_split(
         model, work, args.concurrency, args.max_tokens, splitvl_home() / "bench-logs", log
     )
     table = summarise(runs)
@@ -547,6 +565,7 @@ def run(args: argparse.Namespace) -> int:
         "systems": table,
         "preprocess": pre,
         "preprocess_live_ms": live,
+        "split_timeline": timeline,
         "ratios": {
             "rps_ratio_photos_repeat50": ratio(
                 rps("split_cache", SCENARIOS[0]), rps("vllm", SCENARIOS[0])
