@@ -16,8 +16,10 @@ from cache_service.index import gpu_count
 from cache_service.servicer import POLICIES, CacheServicer
 from cache_service.settings import CacheSettings
 from cache_service.store import EmbeddingStore
+from vlcommon import handoff
 from vlcommon.server import serve
 from vlcommon.service_main import service_main
+from vlcommon.tls import ClientSecurity
 
 SERVICE = cache_service_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 log = logging.getLogger("cache_service")
@@ -64,6 +66,10 @@ def build_servicer(settings: CacheSettings) -> CacheServicer:
         max_queries=settings.max_queries,
         spatial_merge_size=settings.spatial_merge_size,
         max_response_bytes=settings.max_message_bytes,
+        holder=handoff.holder_for("cache", settings),
+        reader=handoff.Reader(
+            ClientSecurity.from_settings(settings), max_message_bytes=settings.max_message_bytes
+        ),
     )
 
 
@@ -84,28 +90,40 @@ async def main_async(settings: CacheSettings) -> None:
     servicer = build_servicer(settings)
     reclaim: asyncio.Task[None] | None = None
 
+    holder = servicer.holder
+    assert holder is not None
+    expiry: asyncio.Future[None] | None = None
+
     async def startup() -> None:
-        nonlocal reclaim
+        nonlocal reclaim, expiry
+        expiry = asyncio.ensure_future(handoff.expire_periodically(holder))
         if settings.ttl_s > 0:
             reclaim = asyncio.create_task(
                 _reclaim_expired(servicer.store, settings.expire_interval_s)
             )
 
     async def shutdown() -> None:
+        if expiry is not None:
+            expiry.cancel()
+        holder.close()  # no segment outlives the service
+        await servicer.reader.close()
         if reclaim is not None:
             reclaim.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reclaim
 
+    def register(server: object) -> None:
+        cache_service_pb2_grpc.add_CacheServiceServicer_to_server(servicer, server)
+        handoff.register_holder(holder, server)  # type: ignore[arg-type]
+
     await serve(
         service_name="cache",
-        service_full_names=[SERVICE],
+        service_full_names=[SERVICE, handoff.HANDOFF_SERVICE],
         settings=settings,
-        register=lambda server: cache_service_pb2_grpc.add_CacheServiceServicer_to_server(
-            servicer, server
-        ),
+        register=register,
         startup=startup,
         shutdown=shutdown,
+        on_started=handoff.on_listening(holder, settings),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -24,7 +25,8 @@ from cache_service.store import (
     Match,
 )
 from vlcommon import tensors
-from vlcommon.errors import invalid_argument, resource_exhausted
+from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
+from vlcommon.handoff import Holder, Reader, transport_name
 from vlcommon.verification import (
     CHROMA_SCALE,
     MAX_VERIFICATION_BYTES,
@@ -193,13 +195,21 @@ def _verification(
     return VerificationImage(tensors.to_numpy(luma, data), tensors.to_numpy(chroma, chroma_data))
 
 
-def _embedding_proto(entry: Entry) -> tensor_pb2.ImageEmbedding:
+def _embedding_proto(
+    entry: Entry, ref: tensor_pb2.EmbeddingRef | None = None
+) -> tensor_pb2.ImageEmbedding:
+    """The entry's embeddings inline, or (with ``ref``) its dtype, shape and where to read it."""
     t, h, w = entry.grid
-    return tensor_pb2.ImageEmbedding(
-        embeddings=tensor_pb2.Tensor(dtype=entry.dtype, shape=list(entry.shape), data=entry.data),
+    msg = tensor_pb2.ImageEmbedding(
+        embeddings=tensor_pb2.Tensor(
+            dtype=entry.dtype, shape=list(entry.shape), data=b"" if ref else entry.data
+        ),
         grid=tensor_pb2.GridTHW(t=t, h=h, w=w),
         key=entry.key,
     )
+    if ref is not None:
+        msg.ref.CopyFrom(ref)
+    return msg
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
@@ -213,8 +223,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         max_queries: int,
         spatial_merge_size: int = 2,
         max_response_bytes: int = 256 * 1024 * 1024,
+        holder: Holder | None = None,
+        reader: Reader | None = None,
     ) -> None:
         self.store = store
+        # Hits handed out by reference (LookupRequest.transport) are held here; entries
+        # put by reference (PutEntry.embedding.ref) are read with the reader.
+        self.holder = holder
+        self.reader = reader or Reader(max_message_bytes=max_response_bytes)
         self.merge = spatial_merge_size
         self.max_response_bytes = max_response_bytes
         self.default_policy = default_policy
@@ -270,6 +286,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     f"policy {request.policy} is not a CachePolicy value",
                     field="policy",
                 )
+            if request.transport not in tensor_pb2.Transport.values():
+                raise invalid_argument(
+                    "TRANSPORT_UNSUPPORTED",
+                    f"transport {request.transport} is not a Transport value",
+                    field="transport",
+                )
+            # A cache built without a holder (embedded in a tool or a test) answers inline.
+            by_ref = request.include_embeddings and request.transport != 0
+            by_ref = by_ref and self.holder is not None
             policy = request.policy or self.default_policy
             if request.bytes_keys and policy == generation_pb2.CACHE_POLICY_SIMILAR:
                 policy = generation_pb2.CACHE_POLICY_EXACT_ONLY  # a file digest has no descriptor
@@ -301,15 +326,20 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 leases,
                 request.bytes_keys,
             )
-            if request.include_embeddings:
+            refs: list[tensor_pb2.EmbeddingRef | None] = []
+            if by_ref:
+                refs = await asyncio.to_thread(self._hold_all, matches, request.transport)
+            elif request.include_embeddings:
                 self._check_response_size(matches)
             response = pb.LookupResponse()
-            for match in matches:
+            for i, match in enumerate(matches):
                 self._count(match, counted_miss=not request.bytes_keys)
                 result = response.results.add(tier=TIERS[match.tier], similarity=match.similarity)
                 if match.entry is not None:
                     result.matched_key = match.entry.key
-                    if request.include_embeddings:
+                    if by_ref:
+                        result.embedding.CopyFrom(_embedding_proto(match.entry, refs[i]))
+                    elif request.include_embeddings:
                         result.embedding.CopyFrom(_embedding_proto(match.entry))
             tiers = [m.tier for m in matches]
             scores = [m.similarity for m in matches]
@@ -321,6 +351,39 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             return response
         finally:
             metrics.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
+
+    def _hold_all(
+        self, matches: list[Match], transport: int
+    ) -> list[tensor_pb2.EmbeddingRef | None]:
+        """Hold each hit's bytes for its reader (on a worker thread: a shared-memory copy
+        of 16 MiB takes a few ms). Each held hit takes a lease of its own, ended when its
+        reader releases it or the hold expires, so eviction cannot pick it meanwhile (the
+        bytes would stay readable anyway: entries are immutable and the holder keeps them)."""
+        assert self.holder is not None
+        refs: list[tensor_pb2.EmbeddingRef | None] = []
+        span = trace.get_current_span()
+        held = 0
+        for match in matches:
+            entry = match.entry
+            if entry is None:
+                refs.append(None)
+                continue
+            leased = self.store.lease(entry)
+            refs.append(
+                self.holder.hold(
+                    entry.data,
+                    entry.dtype,
+                    entry.shape,
+                    transport=transport,
+                    on_release=functools.partial(self.store.release, entry) if leased else None,
+                )
+            )
+            held += len(entry.data)
+        span.set_attribute("splitvl.embedding.held_bytes", held)
+        span.set_attribute(
+            "splitvl.embedding.transports", [transport_name(r.transport) for r in refs if r]
+        )
+        return refs
 
     def _check_response_size(self, matches: list[Match]) -> None:
         """Refuse a response that would exceed the message limit before building it.
@@ -410,14 +473,48 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         (nothing stored) or one that cannot fit because leased entries hold the budget (the
         entries before it were stored; the message says how many).
         """
+        # Entries sent by reference are read from their holder first (on this loop, the
+        # reads of one request concurrently); a ref that cannot be read fails the Put.
+        payloads: dict[int, bytes | bytearray] = {}
+        refs = [
+            (i, e.embedding) for i, e in enumerate(request.entries) if e.embedding.HasField("ref")
+        ]
+        if refs:
+            self._check_count(len(request.entries), "entries")
+            timeout = context.time_remaining() if context is not None else None
+            fetched = await asyncio.gather(
+                *(
+                    self.reader.fetch(emb, field=f"entries[{i}].embedding", timeout=timeout)
+                    for i, emb in refs
+                ),
+                return_exceptions=True,
+            )
+            for (i, _), got in zip(refs, fetched, strict=True):
+                if isinstance(got, BaseException):
+                    if isinstance(got, ServiceError) and got.code == grpc.StatusCode.UNAVAILABLE:
+                        raise ServiceError(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            got.reason,
+                            got.message,
+                            got.metadata,
+                        ) from got
+                    raise got
+                payloads[i] = got.data
+            trace.get_current_span().set_attribute(
+                "splitvl.embedding.fetched_bytes", sum(len(p) for p in payloads.values())
+            )
         # On a worker thread: the payload's copy out of the request and the finiteness
         # check (~0.25 s together at the 256 MiB message limit) and the index add (slow at
         # a million entries) should not hold health checks and lookups. The store takes
         # its own lock.
-        return await asyncio.to_thread(self._put, request)
+        return await asyncio.to_thread(self._put, request, payloads)
 
-    def _put(self, request: pb.PutRequest) -> pb.PutResponse:
-        """Put's body (raises ServiceError)."""
+    def _put(
+        self, request: pb.PutRequest, payloads: dict[int, bytes | bytearray] | None = None
+    ) -> pb.PutResponse:
+        """Put's body (raises ServiceError); ``payloads``: the bytes of entries sent by
+        reference, by entry index, already read from their holder."""
+        payloads = payloads or {}
         self._check_count(len(request.entries), "entries")
         checked = []
         for i, entry in enumerate(request.entries):
@@ -442,6 +539,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     tensor_pb2.DATA_TYPE_BF16,
                     tensor_pb2.DATA_TYPE_FP16,
                 ),
+                data=payloads.get(i),
             )
             rows = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
             if emb.shape[0] != rows or emb.shape[1] <= 0:

@@ -7,10 +7,10 @@ from pydantic_settings import SettingsConfigDict
 
 from cache_service.index import IndexParams
 from vlcommon.imaging import DESCRIPTOR_DIM
-from vlcommon.settings import ServerSettings
+from vlcommon.settings import HoldingSettings
 
 
-class CacheSettings(ServerSettings):
+class CacheSettings(HoldingSettings):
     """Settings of the cache service; e.g. ``CACHE_CAPACITY_BYTES``, ``CACHE_TTL_S``."""
 
     model_config = SettingsConfigDict(env_prefix="CACHE_", extra="ignore")

@@ -137,7 +137,7 @@ class Entry:
     grid: tuple[int, int, int]
     dtype: int
     shape: tuple[int, ...]
-    data: bytes
+    data: bytes | bytearray  # never written after the put (a bytearray when read by reference)
     index_id: int
     expires_at: float = math.inf
     leases: int = 0
@@ -400,6 +400,18 @@ class EmbeddingStore:
             self._remove(entry, "ttl")
         return True
 
+    def lease(self, entry: Entry) -> bool:
+        """Take one more lease on ``entry`` if it is still the stored one (a hit handed
+        out by reference keeps its own lease until its reader releases it); False when it
+        was evicted or replaced meanwhile."""
+        with self._lock:
+            if self._entries.get(entry.key) is not entry:
+                return False
+            entry.leases += 1
+            self._leased += entry.leases == 1
+            self._publish()
+            return True
+
     def release(self, entry: Entry) -> None:
         """End one lease taken by ``lookup(..., lease=True)``."""
         with self._lock:
@@ -420,7 +432,7 @@ class EmbeddingStore:
         grid: tuple[int, int, int],
         dtype: int,
         shape: tuple[int, ...],
-        data: bytes,
+        data: bytes | bytearray,
         *,
         verification: VerificationImage | None = None,
         revision: str = "",

@@ -23,10 +23,13 @@ from decoder_service import metrics
 from decoder_service.engine import DecoderEngine, cpu_block_size_error, default_block_size
 from decoder_service.servicer import DecoderServicer
 from decoder_service.validation import Limits
+from vlcommon import handoff
+from vlcommon.handoff import Reader
 from vlcommon.model_info import model_error
 from vlcommon.server import limit_torch_threads, serve
 from vlcommon.service_main import service_main
 from vlcommon.settings import ServerSettings
+from vlcommon.tls import ClientSecurity
 
 log = logging.getLogger("decoder_service")
 SERVICE = decoder_service_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name
@@ -70,14 +73,23 @@ async def main_async(settings: DecoderSettings, engine_args: object) -> None:
             log.error("vLLM engine is dead: going NOT_SERVING and exiting for a restart")
             stop.set()
 
-    servicer = DecoderServicer(engine, limits, on_engine_dead=engine_dead)
+    reader = Reader(
+        ClientSecurity.from_settings(settings), max_message_bytes=settings.max_message_bytes
+    )
+    servicer = DecoderServicer(engine, limits, on_engine_dead=engine_dead, reader=reader)
+
+    # vLLM's shared-memory message queues (/dev/shm/psm_*, 160 MiB each) outlive a
+    # kill -9 of the decoder's process group; the previous process's record lists them.
+    handoff.sweep_dead_segments("decoder")
 
     async def startup() -> None:
         await engine.start()
         metrics.RUNNING.set_function(engine.num_unfinished)
+        handoff.record_owned_segments("decoder", handoff.mapped_segments(_process_tree()))
 
     async def shutdown() -> None:
         engine.shutdown()
+        await reader.close()
 
     await serve(
         service_name="decoder",
@@ -92,6 +104,14 @@ async def main_async(settings: DecoderSettings, engine_args: object) -> None:
     )
     if engine.died:
         raise SystemExit(3)
+
+
+def _process_tree() -> list[int]:
+    """This process and its descendants (vLLM's engine core and workers)."""
+    import psutil
+
+    me = psutil.Process()
+    return [me.pid, *(p.pid for p in me.children(recursive=True))]
 
 
 def engine_problem(settings: DecoderSettings, args: argparse.Namespace) -> str | None:

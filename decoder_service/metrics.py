@@ -57,7 +57,11 @@ PROMPT_TOKENS = Counter(
 )
 OUTPUT_TOKENS = Counter("splitvl_decoder_output_tokens_total", "Generated tokens.")
 EMBEDDING_RECEIVED_BYTES = Counter(
-    "splitvl_decoder_embedding_received_bytes_total", "Image embedding tensor bytes received."
+    "splitvl_decoder_embedding_received_bytes_total",
+    "Image and video embedding bytes received, by transport (shm, grpc: read by reference "
+    "from their holder; inline: inside the Generate request) and holder (encoder, cache; "
+    "empty for inline).",
+    ["transport", "holder"],
 )
 
 

@@ -27,8 +27,8 @@ from decoder_service.validation import (
     to_chat_messages,
     video_order,
 )
-from vlcommon import tensors
 from vlcommon.errors import ServiceError, abort, invalid_argument
+from vlcommon.handoff import Fetched, Reader
 from vlcommon.sampling import check_sampling_ranges
 
 log = logging.getLogger(__name__)
@@ -113,12 +113,38 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         engine: DecoderEngine,
         limits: Limits,
         on_engine_dead: Callable[[], None] | None = None,
+        reader: Reader | None = None,
     ) -> None:
         self.engine = engine
         self.limits = limits
+        # Reads the embeddings that arrive by reference (ImageEmbedding.ref).
+        self.reader = reader or Reader()
         # Called once the engine is found dead: the service turns NOT_SERVING and exits so
         # its supervisor restarts it (a dead vLLM engine never recovers in process).
         self.on_engine_dead = on_engine_dead or (lambda: None)
+
+    async def _fetch_all(
+        self,
+        request: pb.GenerateRequest,
+        order: list[int],
+        v_order: list[int],
+        context: grpc.aio.ServicerContext,
+    ) -> tuple[dict[int, Fetched], dict[int, Fetched]]:
+        """Every image's and video's payload, inline or read by reference, concurrently
+        and within the call's deadline (a failed read fails the request with UNAVAILABLE
+        naming the image and its holder; the other reads are cancelled)."""
+        timeout = context.time_remaining() if context is not None else None
+        items = [(f"images[{i}]", request.images[i]) for i in order]
+        items += [(f"videos[{i}].embedding", request.videos[i].embedding) for i in v_order]
+        with tracer.start_as_current_span("decoder.fetch_embeddings") as span:
+            got = await asyncio.gather(
+                *(self.reader.fetch(msg, field=field, timeout=timeout) for field, msg in items)
+            )
+            span.set_attribute("splitvl.embedding.bytes", sum(g.nbytes for g in got))
+            span.set_attribute("splitvl.embedding.transports", [g.transport for g in got])
+        images = dict(zip(order, got[: len(order)], strict=True))
+        videos = dict(zip(v_order, got[len(order) :], strict=True))
+        return images, videos
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -139,28 +165,53 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 )
             limits = dataclasses.replace(self.limits, max_images=self.engine.max_images)
             messages, order = to_chat_messages(request, self.engine.forbidden_tokens, limits)
+            v_order = video_order(request, self.engine.max_videos)
+            # Embeddings sent by reference are read from their holders while the prompt is
+            # rendered and tokenised (the reads wait on other processes, not on this loop).
+            fetching = asyncio.ensure_future(self._fetch_all(request, order, v_order, context))
+            fetching.add_done_callback(lambda f: f.cancelled() or f.exception())
+            try:
+                params = sampling_params(request.sampling, limits)
+                # Render and tokenise once; the blank render is the template's own tokens.
+                prompt = self.engine.render(messages)
+                ids = self.engine.tokenize(prompt)
+                check_control_tokens(
+                    self.engine.control_tokens(ids),
+                    self.engine.control_tokens(
+                        self.engine.tokenize(self.engine.render(blank_texts(messages)))
+                    ),
+                    self.engine.forbidden_tokens,
+                )
+            except BaseException:
+                fetching.cancel()
+                raise
+            image_data, video_data = await fetching
             images = [
-                check_image(request.images[i], i, self.engine.spec, self.engine.max_image_tokens)
+                check_image(
+                    request.images[i],
+                    i,
+                    self.engine.spec,
+                    self.engine.max_image_tokens,
+                    data=image_data[i].data,
+                )
                 for i in order
             ]
             videos = [
-                check_video(request.videos[i], i, self.engine.spec, self.engine.max_video_tokens)
-                for i in video_order(request, self.engine.max_videos)
+                check_video(
+                    request.videos[i],
+                    i,
+                    self.engine.spec,
+                    self.engine.max_video_tokens,
+                    data=video_data[i].data,
+                )
+                for i in v_order
             ]
-            received = sum(tensors.payload_nbytes(request.images[i].embeddings) for i in order)
-            received += sum(tensors.payload_nbytes(v.embedding.embeddings) for v in request.videos)
-            metrics.EMBEDDING_RECEIVED_BYTES.inc(received)
-            params = sampling_params(request.sampling, limits)
-            # Render and tokenise once; the blank render is the template's own tokens.
-            prompt = self.engine.render(messages)
-            ids = self.engine.tokenize(prompt)
-            check_control_tokens(
-                self.engine.control_tokens(ids),
-                self.engine.control_tokens(
-                    self.engine.tokenize(self.engine.render(blank_texts(messages)))
-                ),
-                self.engine.forbidden_tokens,
-            )
+            received = 0
+            for got in [*image_data.values(), *video_data.values()]:
+                metrics.EMBEDDING_RECEIVED_BYTES.labels(
+                    transport=got.transport, holder=got.service
+                ).inc(got.nbytes)
+                received += got.nbytes
             n_prompt = self.engine.prompt_length(ids, images) + self.engine.video_prompt_length(
                 videos
             )

@@ -169,7 +169,11 @@ def video_order(request: pb.GenerateRequest, max_videos: int) -> list[int]:
 
 
 def check_video(
-    msg: pb.VideoEmbedding, index: int, spec: VisionSpec, max_tokens: int
+    msg: pb.VideoEmbedding,
+    index: int,
+    spec: VisionSpec,
+    max_tokens: int,
+    data: bytes | bytearray | None = None,
 ) -> VideoInput:
     """Validate one video's embeddings, grid and timestamps before the engine.
 
@@ -182,7 +186,9 @@ def check_video(
     """
     field = f"videos[{index}]"
     emb = msg.embedding
-    image = check_image(emb, index, spec, max_tokens, field=f"{field}.embedding", video=True)
+    image = check_image(
+        emb, index, spec, max_tokens, field=f"{field}.embedding", video=True, data=data
+    )
     stamps = list(msg.timestamps)
     if len(stamps) != image.grid[0]:
         raise invalid_argument(
@@ -212,10 +218,13 @@ def check_image(
     *,
     field: str = "",
     video: bool = False,
+    data: bytes | bytearray | None = None,
 ) -> ImageInput:
     """Validate one image's embeddings against its grid and the model (case C07).
 
     Expected shape: ``[t*h*w / spatial_merge_size**2, out_hidden * (1 + n_deepstack)]``.
+    ``data``: the payload read by reference (``msg.ref``), checked in place of
+    ``msg.embeddings.data``.
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming ``images[index]`` with expected and actual
@@ -245,7 +254,9 @@ def check_image(
             "EMBEDDINGS_MISSING", f"{field}.embeddings is missing", field=f"{field}.embeddings"
         )
     emb = msg.embeddings
-    data = tensors.validate(emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES, ndim=2)
+    data = tensors.validate(
+        emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES, ndim=2, data=data
+    )
     expected = [math.prod(grid) // (m * m), spec.embedding_width]
     if list(emb.shape) != expected:
         raise invalid_argument(

@@ -15,6 +15,7 @@ from encoder_service.batcher import Batcher
 from encoder_service.engine import VisionEngine
 from encoder_service.servicer import EncoderServicer
 from encoder_service.settings import EncoderSettings, batch_patches_for
+from vlcommon import handoff
 from vlcommon.server import serve
 from vlcommon.service_main import service_main
 
@@ -24,6 +25,7 @@ SERVICE = encoder_service_pb2.DESCRIPTOR.services_by_name["EncoderService"].full
 
 async def main_async(settings: EncoderSettings) -> None:
     state: dict[str, object] = {}
+    holder = handoff.holder_for("encoder", settings)
 
     async def startup() -> None:
         engine = await asyncio.to_thread(
@@ -46,8 +48,13 @@ async def main_async(settings: EncoderSettings) -> None:
             # One image may not hold the ViT longer than the model's own largest image.
             servicer.max_patches = engine.spec.max_pixels // engine.spec.patch_size**2
         state["batcher"] = batcher
+        state["expiry"] = asyncio.ensure_future(handoff.expire_periodically(holder))
 
     async def shutdown() -> None:
+        expiry = state.get("expiry")
+        if isinstance(expiry, asyncio.Future):
+            expiry.cancel()
+        holder.close()  # no segment outlives the service
         batcher = state.get("batcher")
         if isinstance(batcher, Batcher):
             await batcher.stop()
@@ -58,17 +65,21 @@ async def main_async(settings: EncoderSettings) -> None:
         max_images_per_request=settings.max_images_per_request,
         max_patches_per_image=settings.max_patches_per_image,
         max_patches_per_video=settings.max_patches_per_video,
+        holder=holder,
     )
+
+    def register(server: object) -> None:
+        encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, server)
+        handoff.register_holder(holder, server)  # type: ignore[arg-type]
 
     await serve(
         service_name="encoder",
-        service_full_names=[SERVICE],
+        service_full_names=[SERVICE, handoff.HANDOFF_SERVICE],
         settings=settings,
-        register=lambda server: encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server(
-            servicer, server
-        ),
+        register=register,
         startup=startup,
         shutdown=shutdown,
+        on_started=handoff.on_listening(holder, settings),
     )
 
 

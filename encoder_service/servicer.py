@@ -23,6 +23,7 @@ from vlcommon.errors import (
     invalid_argument,
     resource_exhausted,
 )
+from vlcommon.handoff import MAX_READERS, Holder, transport_name
 from vlcommon.imaging import MAX_ASPECT_RATIO, ResizePlan
 from vlcommon.request_rules import check_count
 
@@ -91,6 +92,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         max_images_per_request: int,
         max_patches_per_image: int,
         max_patches_per_video: int = 65536,
+        holder: Holder | None = None,
     ) -> None:
         # None until the model has loaded (health says NOT_SERVING meanwhile).
         self.engine = engine
@@ -98,6 +100,8 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self.max_images = max_images_per_request
         self.max_patches = max_patches_per_image
         self.max_video_patches = max_patches_per_video
+        # Holds the embeddings handed out by reference (request.transport set).
+        self.holder = holder
 
     def _ready(self) -> tuple[VisionEngine, Batcher]:
         if self.engine is None or self.batcher is None:
@@ -181,6 +185,21 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 "output_dtype must be FP32 or BF16",
                 field="output_dtype",
             )
+        if request.transport not in tensor_pb2.Transport.values():
+            raise invalid_argument(
+                "TRANSPORT_UNSUPPORTED",
+                f"transport {request.transport} is not a Transport value",
+                field="transport",
+            )
+        # An encoder built without a holder (embedded in a tool or a test) answers inline.
+        by_ref = request.transport != tensor_pb2.TRANSPORT_UNSPECIFIED and self.holder is not None
+        if not 0 <= request.readers <= MAX_READERS:
+            raise invalid_argument(
+                "READERS_OUT_OF_RANGE",
+                f"readers is {request.readers}; allowed 0..{MAX_READERS}",
+                field="readers",
+                limit=MAX_READERS,
+            )
         with tracer.start_as_current_span("encoder.preprocess") as span:
             span.set_attribute("splitvl.images", len(prepared))
             images = await asyncio.to_thread(self._preprocess_all, engine, prepared)
@@ -211,13 +230,32 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 out = out.to(torch.bfloat16)
             elif out_dtype == tensor_pb2.DATA_TYPE_FP32:
                 out = out.to(torch.float32)
-            response.embeddings.add(
-                embeddings=tensors.from_torch(out),
+            emb = response.embeddings.add(
                 grid=tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w),
                 key=request_image.key,
             )
+            if by_ref:
+                assert self.holder is not None
+                dtype, data = tensors.torch_payload(out)
+                emb.embeddings.dtype, emb.embeddings.shape[:] = dtype, list(out.shape)
+                emb.ref.CopyFrom(
+                    self.holder.hold(
+                        data,
+                        dtype,
+                        tuple(out.shape),
+                        transport=request.transport,
+                        readers=request.readers or 1,
+                    )
+                )
+            else:
+                emb.embeddings.CopyFrom(tensors.from_torch(out))
         sent = sum(tensors.payload_nbytes(e.embeddings) for e in response.embeddings)
-        metrics.EMBEDDING_SENT_BYTES.inc(sent)
-        trace.get_current_span().set_attribute("splitvl.embedding.bytes", sent)
+        if by_ref:
+            held = [transport_name(e.ref.transport) for e in response.embeddings]
+            trace.get_current_span().set_attribute("splitvl.embedding.held_bytes", sent)
+            trace.get_current_span().set_attribute("splitvl.embedding.transports", held)
+        else:
+            metrics.EMBEDDING_SENT_BYTES.inc(sent)
+            trace.get_current_span().set_attribute("splitvl.embedding.bytes", sent)
         log.debug("encoded %d images in %.1f ms", len(prepared), (time.perf_counter() - t0) * 1000)
         return response

@@ -5,10 +5,10 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from vlcommon.settings import ServerSettings
+from vlcommon.settings import HoldingSettings
 
 
-class EncoderSettings(ServerSettings):
+class EncoderSettings(HoldingSettings):
     """Settings of the encoder service; e.g. ``ENCODER_MODEL``, ``ENCODER_PORT``."""
 
     model_config = SettingsConfigDict(env_prefix="ENCODER_", extra="ignore")

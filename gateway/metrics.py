@@ -58,3 +58,8 @@ VIDEO_DECODE_SECONDS = Histogram(
     "Wall time to demux, decode the kept frames of, and resize one video.",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+REENCODED = Counter(
+    "splitvl_gateway_reencoded_requests_total",
+    "Requests whose held embeddings the decoder could not read (holder restarted, entry "
+    "expired), encoded again and decoded once more.",
+)

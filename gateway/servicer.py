@@ -31,7 +31,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -61,9 +61,10 @@ from gateway.video import (
     live_check,
     load_video_config,
 )
-from vlcommon import tensors
+from vlcommon import handoff, tensors
 from vlcommon.errors import (
     ServiceError,
+    error_info,
     from_rpc_error,
     invalid_argument,
     resource_exhausted,
@@ -265,6 +266,27 @@ def _video_info(v: PreparedVideo) -> pb.VideoInfo:
     )
 
 
+# The decoder could not read an image's held embeddings: their holder lost them (restart,
+# expiry) or could not be reached. Encoding again (a new holder) can still answer.
+REF_LOST_REASONS = frozenset({"EMBEDDING_REF_GONE", "EMBEDDING_HOLDER_UNAVAILABLE"})
+
+
+def _inline_bytes(emb: tensor_pb2.ImageEmbedding) -> int:
+    """Embedding bytes that travel inside ``emb`` (0 for one sent by reference)."""
+    return 0 if emb.HasField("ref") else tensors.payload_nbytes(emb.embeddings)
+
+
+def _ref_attributes(span: trace.Span, embeddings: Sequence[tensor_pb2.ImageEmbedding]) -> None:
+    """Which transport carries each image's embeddings, from which holder, how many bytes
+    (the bytes themselves never pass through the gateway)."""
+    refs = [e.ref for e in embeddings if e.HasField("ref")]
+    span.set_attribute(
+        "splitvl.embedding.transports", [handoff.transport_name(r.transport) for r in refs]
+    )
+    span.set_attribute("splitvl.embedding.holders", [r.service for r in refs])
+    span.set_attribute("splitvl.embedding.ref_bytes", [r.nbytes for r in refs])
+
+
 def _grid(plan: ResizePlan) -> tensor_pb2.GridTHW:
     return tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w)
 
@@ -332,6 +354,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.forbidden_tokens = forbidden_tokens
         self.down = downstream
         self.default_policy = POLICY_NAMES[settings.default_cache_policy]
+        self.transport = handoff.TRANSPORTS[settings.embedding_transport]
         self._background: set[asyncio.Task[None]] = set()
         self.fetcher = UrlFetcher(settings)
         self._preprocess = ThreadPoolExecutor(
@@ -1050,6 +1073,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         shape = list(emb.embeddings.shape)
         if shape != [self.spec.tokens(*grid), self.spec.embedding_width]:
             return False
+        if emb.HasField("ref"):
+            # By reference: the bytes are the decoder's to check (once, finiteness
+            # included); the cache checked them when they were put.
+            return emb.ref.nbytes == tensors.payload_nbytes(emb.embeddings) and bool(emb.ref.ticket)
         try:
             data = tensors.validate(emb.embeddings, field="cache", dtypes=EMBEDDING_DTYPES)
         except ServiceError:
@@ -1073,7 +1100,10 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         if cache is None or not asked:
             return {}
         request = cache_service_pb2.LookupRequest(
-            policy=generation_pb2.CACHE_POLICY_EXACT_ONLY, include_embeddings=True, bytes_keys=True
+            policy=generation_pb2.CACHE_POLICY_EXACT_ONLY,
+            include_embeddings=True,
+            bytes_keys=True,
+            transport=self.transport,
         )
         for _, f in asked:
             request.queries.add(key=f.bytes_key, grid=_grid(f.plan), revision=self.revision)
@@ -1116,7 +1146,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     continue  # decoded and looked up by pixel key instead
                 hits[index] = im
                 metrics.CACHE_LOOKUPS.labels(tier="exact").inc()
-                received += tensors.payload_nbytes(result.embedding.embeddings)
+                received += _inline_bytes(result.embedding)
                 span.add_event("image", {"splitvl.image.index": index})
             metrics.EMBEDDING_RECEIVED_BYTES.labels(source="cache").inc(received)
             span.set_attribute(
@@ -1136,7 +1166,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         """
         if self.down.cache is None or policy == generation_pb2.CACHE_POLICY_OFF or not images:
             return
-        request = cache_service_pb2.LookupRequest(policy=policy, include_embeddings=True)
+        request = cache_service_pb2.LookupRequest(
+            policy=policy, include_embeddings=True, transport=self.transport
+        )
         for im in images:
             luma, chroma = _verification(im)
             request.queries.add(
@@ -1185,7 +1217,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             for im in images:
                 metrics.CACHE_LOOKUPS.labels(tier=_tier(im.tier)).inc()
                 if im.embedding is not None:
-                    received += tensors.payload_nbytes(im.embedding.embeddings)
+                    received += _inline_bytes(im.embedding)
                 span.add_event(
                     "image",
                     {
@@ -1206,8 +1238,13 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             )
             span.set_attribute("splitvl.embedding.bytes", received)
 
-    async def _encode(self, misses: list[PreparedImage], context: grpc.aio.ServicerContext) -> None:
-        request = encoder_service_pb2.EncodeRequest()
+    async def _encode(
+        self, misses: list[PreparedImage], context: grpc.aio.ServicerContext, *, readers: int = 1
+    ) -> None:
+        """``EncoderService/Encode`` for the misses: the encoder holds their embeddings for
+        ``readers`` readers (the decoder, and the cache when it stores them) and answers
+        refs (an encoder that answers the bytes inline is relayed as it is)."""
+        request = encoder_service_pb2.EncodeRequest(transport=self.transport, readers=readers)
         for im in misses:
             if im.pixels is None:  # a file-digest hit has its embedding: never a miss
                 raise ServiceError(
@@ -1231,9 +1268,18 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 )
             except grpc.aio.AioRpcError as err:
                 raise from_rpc_error(err, dependency="encoder") from err
-            received = sum(tensors.payload_nbytes(e.embeddings) for e in response.embeddings)
+            if len(response.embeddings) != len(misses):
+                raise ServiceError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "ENCODER_BAD_RESPONSE",
+                    f"encoder answered {len(response.embeddings)} embeddings for "
+                    f"{len(misses)} images",
+                    {"dependency": "encoder"},
+                )
+            received = sum(_inline_bytes(e) for e in response.embeddings)
             metrics.EMBEDDING_RECEIVED_BYTES.labels(source="encoder").inc(received)
             span.set_attribute("splitvl.embedding.bytes", received)
+            _ref_attributes(span, response.embeddings)
         for im, emb in zip(misses, response.embeddings, strict=True):
             im.embedding = emb
 
@@ -1261,10 +1307,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         t0 = time.perf_counter()
         with tracer.start_as_current_span("gateway.cache_put") as span:
             span.set_attribute("splitvl.transfer_bytes", request.ByteSize())
-            sent = sum(
-                tensors.payload_nbytes(im.embedding.embeddings) for im in fresh if im.embedding
-            )
+            sent = sum(_inline_bytes(im.embedding) for im in fresh if im.embedding)
             span.set_attribute("splitvl.embedding.bytes", sent)
+            _ref_attributes(span, [im.embedding for im in fresh if im.embedding])
             metrics.EMBEDDING_SENT_BYTES.labels(destination="cache").inc(sent)
             try:
                 await self.down.cache.Put(
@@ -1352,7 +1397,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             misses = [im for im in [*images, *videos] if im.embedding is None]
             if misses:
                 t = time.perf_counter()
-                await self._encode(misses, context)
+                stores = self.down.cache is not None and policy != generation_pb2.CACHE_POLICY_OFF
+                await self._encode(misses, context, readers=2 if stores else 1)
                 timings.encode_ms = (time.perf_counter() - t) * 1000
                 # The put runs beside the decode: the decoder already has the embeddings, so
                 # TTFT does not wait for the cache (its duration lands in timings.put_ms).
@@ -1360,86 +1406,108 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 self._background.add(put)
                 put.add_done_callback(self._background.discard)
 
-            decode_request = decoder_service_pb2.GenerateRequest(
-                request_id=uuid.uuid4().hex[:16], messages=messages, sampling=sampling
-            )
-            # The copy of every image's embeddings into the decoder's request; the bytes
-            # then travel inside the DecoderService/Generate client span.
-            with tracer.start_as_current_span("embedding.transfer") as span:
-                for im in images:
-                    decode_request.images.append(im.embedding)
-                for v in videos:
-                    assert v.video is not None
-                    decode_request.videos.add(
-                        embedding=v.embedding, timestamps=v.video.patch_timestamps
-                    )
-                sent = sum(
-                    tensors.payload_nbytes(im.embedding.embeddings)
-                    for im in [*images, *videos]
-                    if im.embedding
+            for attempt in (0, 1):
+                decode_request = decoder_service_pb2.GenerateRequest(
+                    request_id=uuid.uuid4().hex[:16], messages=messages, sampling=sampling
                 )
-                span.set_attribute("splitvl.embedding.bytes", sent)
-                span.set_attribute("splitvl.embedding.destination", "decoder")
-                span.set_attribute("splitvl.request.images", len(images))
-                metrics.EMBEDDING_SENT_BYTES.labels(destination="decoder").inc(sent)
-            infos = [
-                pb.ImageInfo(
-                    index=i,
-                    tier=im.tier,
-                    similarity=im.similarity,
-                    # What the language model got: the served grid and its token count.
-                    grid=_thw(im.served_grid),
-                    tokens=self.spec.tokens(*im.served_grid),
-                    key=im.key,
-                    decoded=im.decoded,
-                    served_grid=_thw(im.served_grid),
-                    requested_grid=_grid(im.plan),
-                )
-                for i, im in enumerate(images)
-            ]
-            video_infos = [_video_info(v) for v in videos]
-            request_span.set_attribute(
-                "splitvl.served_grids", [str(im.served_grid) for im in images]
-            )
-
-            t_decode = time.perf_counter()
-            with tracer.start_as_current_span("gateway.decode") as span:
-                span.set_attribute("splitvl.transfer_bytes", decode_request.ByteSize())
-                call = self.down.decoder.Generate(decode_request, timeout=_remaining(context))
-                first = True
-                t_last = t_decode
-                try:
-                    async for chunk in call:
-                        now = time.perf_counter()
-                        if chunk.token_ids and not first:
-                            metrics.ITL.observe((now - t_last) / len(chunk.token_ids))
-                        t_last = now
-                        response = pb.GenerateResponse(
-                            token_ids=chunk.token_ids,
-                            text=chunk.text,
-                            finish_reason=chunk.finish_reason,
+                # The copy of every image's embeddings into the decoder's request; the bytes
+                # then travel inside the DecoderService/Generate client span.
+                with tracer.start_as_current_span("embedding.transfer") as span:
+                    for im in images:
+                        decode_request.images.append(im.embedding)
+                    for v in videos:
+                        assert v.video is not None
+                        decode_request.videos.add(
+                            embedding=v.embedding, timestamps=v.video.patch_timestamps
                         )
-                        if first:
-                            timings.ttft_ms = (now - t_decode) * 1000
-                            metrics.TTFT.observe(now - t_start)
-                            span.add_event("first_token", {"splitvl.ttft_ms": timings.ttft_ms})
-                            response.images.extend(infos)
-                            response.videos.extend(video_infos)
-                            first = False
-                        if chunk.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
-                            response.usage.CopyFrom(chunk.usage)
-                            request_span.set_attribute(
-                                "splitvl.usage.prompt_tokens", chunk.usage.prompt_tokens
+                    sent = sum(
+                        _inline_bytes(im.embedding) for im in [*images, *videos] if im.embedding
+                    )
+                    span.set_attribute("splitvl.embedding.bytes", sent)
+                    span.set_attribute("splitvl.embedding.destination", "decoder")
+                    _ref_attributes(
+                        span, [im.embedding for im in [*images, *videos] if im.embedding]
+                    )
+                    span.set_attribute("splitvl.request.images", len(images))
+                    metrics.EMBEDDING_SENT_BYTES.labels(destination="decoder").inc(sent)
+                infos = [
+                    pb.ImageInfo(
+                        index=i,
+                        tier=im.tier,
+                        similarity=im.similarity,
+                        # What the language model got: the served grid and its token count.
+                        grid=_thw(im.served_grid),
+                        tokens=self.spec.tokens(*im.served_grid),
+                        key=im.key,
+                        decoded=im.decoded,
+                        served_grid=_thw(im.served_grid),
+                        requested_grid=_grid(im.plan),
+                    )
+                    for i, im in enumerate(images)
+                ]
+                video_infos = [_video_info(v) for v in videos]
+                request_span.set_attribute(
+                    "splitvl.served_grids", [str(im.served_grid) for im in images]
+                )
+
+                t_decode = time.perf_counter()
+                with tracer.start_as_current_span("gateway.decode") as span:
+                    span.set_attribute("splitvl.transfer_bytes", decode_request.ByteSize())
+                    call = self.down.decoder.Generate(decode_request, timeout=_remaining(context))
+                    first = True
+                    t_last = t_decode
+                    try:
+                        async for chunk in call:
+                            now = time.perf_counter()
+                            if chunk.token_ids and not first:
+                                metrics.ITL.observe((now - t_last) / len(chunk.token_ids))
+                            t_last = now
+                            response = pb.GenerateResponse(
+                                token_ids=chunk.token_ids,
+                                text=chunk.text,
+                                finish_reason=chunk.finish_reason,
                             )
-                            request_span.set_attribute(
-                                "splitvl.usage.completion_tokens", chunk.usage.completion_tokens
-                            )
-                            timings.decode_ms = (time.perf_counter() - t_decode) * 1000
-                            timings.total_ms = (time.perf_counter() - t_start) * 1000
-                            response.timings.CopyFrom(timings)
-                        yield response
-                except grpc.aio.AioRpcError as err:
-                    raise from_rpc_error(err, dependency="decoder") from err
+                            if first:
+                                timings.ttft_ms = (now - t_decode) * 1000
+                                metrics.TTFT.observe(now - t_start)
+                                span.add_event("first_token", {"splitvl.ttft_ms": timings.ttft_ms})
+                                response.images.extend(infos)
+                                response.videos.extend(video_infos)
+                                first = False
+                            if chunk.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                                response.usage.CopyFrom(chunk.usage)
+                                request_span.set_attribute(
+                                    "splitvl.usage.prompt_tokens", chunk.usage.prompt_tokens
+                                )
+                                request_span.set_attribute(
+                                    "splitvl.usage.completion_tokens", chunk.usage.completion_tokens
+                                )
+                                timings.decode_ms = (time.perf_counter() - t_decode) * 1000
+                                timings.total_ms = (time.perf_counter() - t_start) * 1000
+                                response.timings.CopyFrom(timings)
+                            yield response
+                        break
+                    except grpc.aio.AioRpcError as err:
+                        info = error_info(err)
+                        lost = info is not None and info.reason in REF_LOST_REASONS
+                        if not (first and lost and attempt == 0):
+                            raise from_rpc_error(err, dependency="decoder") from err
+                        # A held entry was gone when the decoder came to read it (its holder
+                        # restarted, or it expired): encode every image again and decode once
+                        # more, within the same deadline. Nothing was streamed yet.
+                        log.warning(
+                            "decoder could not read held embeddings (%s); re-encoding",
+                            info.reason if info else "",
+                        )
+                        metrics.REENCODED.inc()
+                        span.set_attribute("splitvl.reencoded", True)
+                retry = [*images, *videos]
+                for im in retry:
+                    im.embedding, im.tier = None, generation_pb2.CACHE_TIER_MISS
+                t = time.perf_counter()
+                await self._encode(retry, context, readers=1)
+                timings.encode_ms += (time.perf_counter() - t) * 1000
+                misses = retry
             # Only the stages that ran: a 0 for an encode that every hit skipped (or a
             # lookup with the cache off) would dilute the histogram; the put observes
             # itself when it ends (_put).

@@ -1,5 +1,7 @@
 """Gateway settings (environment prefix ``GATEWAY_``)."""
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -30,6 +32,14 @@ class GatewaySettings(ServerSettings):
     # and by keepalive (a dead peer), since a legitimate generation can run for minutes.
     encode_timeout_s: float = Field(
         120.0, gt=0, description="Longest wait for one Encode call, seconds."
+    )
+    # References, not payloads (docs/operations.md, "The embedding hand-off"): the encoder
+    # and the cache hold each image's embeddings and the decoder reads them from there.
+    # shm: through /dev/shm, for services on one host or in one pod (`splitvl up` sets it);
+    # grpc: a raw-bytes stream from the holder, anywhere. A reader that cannot open a
+    # segment reads over gRPC, so shm never fails where grpc would work.
+    embedding_transport: Literal["shm", "grpc"] = Field(
+        "grpc", description="How the decoder reads embeddings from the encoder and the cache."
     )
     default_cache_policy: str = Field("similar", pattern="^(exact_only|similar|off)$")
     # The grid-change bound (vlcommon.grid_reuse, docs/cache.md): a similarity hit may serve

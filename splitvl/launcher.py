@@ -483,6 +483,9 @@ class Cluster:
 
     def _env(self) -> dict[str, str]:
         env = {**os.environ, "OTEL_SERVICE_NAME": "", **self.env}
+        # All four share this host: the decoder reads embeddings from the encoder and the
+        # cache through /dev/shm (an operator's GATEWAY_EMBEDDING_TRANSPORT wins).
+        env.setdefault("GATEWAY_EMBEDDING_TRANSPORT", "shm")
         # A local checkpoint (the tiny or bench one) needs no hub, and offline mode keeps
         # transformers/vLLM from asking it; a hub id must be downloaded, so the user's
         # own HF_HUB_OFFLINE (unset: online) decides.

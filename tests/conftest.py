@@ -87,6 +87,7 @@ SERVICE_FIXTURES = {
     "qwen_budget_cluster",
     "up",
     "wide_cluster",
+    "grpc_gateway",
 }
 # Modules whose tests start services without one of those fixtures.
 SERVICE_MODULES = {"test_c12_exporter"}
@@ -202,3 +203,47 @@ def cluster(
     )
     with c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def grpc_gateway(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A second gateway over the session cluster's encoder, cache and decoder, with
+    ``GATEWAY_EMBEDDING_TRANSPORT=grpc`` (the cluster's own, like ``splitvl up``, uses shm):
+    the same requests then hand embeddings over by the other transport. Its ``ports``
+    answer like a cluster's (``address("gateway")``, ``metrics["gateway"]``)."""
+    import dataclasses
+    import subprocess
+    import time
+    import types
+
+    from splitvl.launcher import free_ports, health_status
+
+    grpc_port, metrics_port = free_ports(2)
+    command = cluster._command("gateway")
+    for flag, value in (("--port", grpc_port), ("--metrics-port", metrics_port)):
+        command[command.index(flag) + 1] = str(value)
+    http = command.index("--http-port")
+    del command[http : http + 2]  # no OpenAI front on this one
+    log = (tmp_path_factory.mktemp("grpc-gateway") / "gateway.log").open("wb")
+    env = {**cluster._env(), "GATEWAY_EMBEDDING_TRANSPORT": "grpc", "OTEL_SERVICE_NAME": "gw2"}
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    ports = dataclasses.replace(
+        cluster.ports,
+        grpc={**cluster.ports.grpc, "gateway": grpc_port},
+        metrics={**cluster.ports.metrics, "gateway": metrics_port},
+        http=0,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while health_status(ports.address("gateway")) != "SERVING":
+            assert proc.poll() is None, f"the grpc gateway exited: see {log.name}"
+            assert time.monotonic() < deadline, "the grpc gateway did not start in 180 s"
+            time.sleep(0.5)
+        yield types.SimpleNamespace(ports=ports, proc=proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()

@@ -95,8 +95,13 @@ def test_services_share_the_launchers_session_each_in_its_own_process_group(clus
         assert os.getpgid(child.pid) == cluster.procs["decoder"].pid, child.name()
 
 
-def test_equality_transformers_vllm_raw_and_services(cluster, tiny_model, tmp_path) -> None:
-    """The project's first correctness test (greedy, float32, eos ignored)."""
+def test_equality_transformers_vllm_raw_and_services(
+    cluster, grpc_gateway, tiny_model, tmp_path
+) -> None:
+    """The project's first correctness test (greedy, float32, eos ignored), through both
+    embedding transports: the cluster's gateway hands embeddings over by shared memory
+    (``splitvl up``'s default), ``grpc_gateway`` by the holders' gRPC stream; each from the
+    encoder (a miss) and from the cache (a hit)."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
     jobs = [["astronaut.png"], ["chelsea.png"], ["coffee.png"], ["astronaut.png", "chelsea.png"]]
@@ -148,6 +153,14 @@ def test_equality_transformers_vllm_raw_and_services(cluster, tiny_model, tmp_pa
     two = ours[3]
     assert [im["grid"] for im in two.images] == [[1, 16, 16], [1, 12, 18]]
     assert [im["tokens"] for im in two.images] == [64, 54]
+    # The other transport: encoded afresh (cache off), then served by the cache.
+    off = generation_pb2.CACHE_POLICY_OFF
+    fresh = [ask(grpc_gateway, [photo(n) for n in job], cache_policy=off) for job in jobs]
+    hits = [ask(grpc_gateway, [photo(n) for n in job]) for job in jobs]
+    assert [r.token_ids for r in fresh] == hf
+    assert all(im["tier"] == "miss" for r in fresh for im in r.images)
+    assert [r.token_ids for r in hits] == hf
+    assert all(im["tier"] == "exact" for r in hits for im in r.images)
 
 
 def test_repeat_is_an_exact_hit_without_the_encoder(cluster) -> None:

@@ -219,6 +219,58 @@ def test_a_killed_vllm_worker_then_encoder_are_restarted_and_the_others_keep_run
     assert "splitvl: decoder is SERVING again" in said, said
 
 
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_kill_9_of_a_holder_and_of_the_decoder_leaves_nothing_of_them_in_dev_shm(
+    up: Up,
+) -> None:
+    """Issue 14: segments never leak. The encoder holds an embedding nobody reads (a
+    segment of its pid), the decoder's vLLM maps its message-queue buffers (psm_*); both
+    are killed with SIGKILL (the decoder with its whole process group), and once the
+    launcher has restarted them nothing of the dead processes is left in /dev/shm."""
+    from qwenvl.common.v1 import tensor_pb2
+    from qwenvl.encoder.v1 import encoder_service_pb2 as epb
+    from qwenvl.encoder.v1 import encoder_service_pb2_grpc as epb_grpc
+
+    from vlcommon import handoff
+
+    services = up.services()
+    encoder, decoder = services["encoder"], services["decoder"]
+    request = epb.EncodeRequest(transport=tensor_pb2.TRANSPORT_SHM)
+    image = request.images.add(key="held-and-never-read")
+    pixels = np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    image.pixels.CopyFrom(tensors_from_numpy(pixels))
+    image.plan.resized_height = image.plan.resized_width = 64
+    image.plan.grid.t, image.plan.grid.h, image.plan.grid.w = 1, 4, 4
+    with grpc.insecure_channel(f"127.0.0.1:{up.base + 1}") as channel:
+        held = epb_grpc.EncoderServiceStub(channel).Encode(request, timeout=60)
+    segment = held.embeddings[0].ref.shm_name
+    assert segment in _shm() and f"-encoder-{encoder.pid}-" in segment
+    tree = [decoder.pid, *(p.pid for p in decoder.children(recursive=True))]
+    queues = handoff.mapped_segments(tree)
+    assert queues, "vLLM maps no shared-memory segment: nothing to check"
+    assert any(n.startswith(f"splitvl-decoder-{decoder.pid}-") for n in _shm())  # the record
+
+    os.killpg(os.getpgid(decoder.pid), signal.SIGKILL)
+    os.kill(encoder.pid, signal.SIGKILL)
+    assert {segment, *queues} <= _shm()  # what a kill -9 leaves behind
+    _until_a_request_succeeds(up, "decoder", seed=3000)
+    after = up.services()
+    assert after["encoder"].pid != encoder.pid and after["decoder"].pid != decoder.pid
+    left = _shm()
+    assert segment not in left and not (set(queues) & left), sorted(left)
+    dead = (f"splitvl-encoder-{encoder.pid}-", f"splitvl-decoder-{decoder.pid}-")
+    assert not [n for n in left if n.startswith(dead)], sorted(left)
+
+
+def tensors_from_numpy(array: np.ndarray):  # type: ignore[no-untyped-def]
+    from vlcommon import tensors
+
+    return tensors.from_numpy(array)
+
+
 def test_sigkill_of_up_leaves_none_of_its_processes_alive(up: Up) -> None:
     tree = psutil.Process(up.proc.pid).children(recursive=True)
     names = {p.name() for p in tree}

@@ -87,6 +87,26 @@ class ServerSettings(BaseSettings):
     )
 
 
+class HoldingSettings(ServerSettings):
+    """Settings of a service that holds embeddings for readers (encoder, cache): see
+    :mod:`vlcommon.handoff`."""
+
+    handoff_address: str = Field(
+        "",
+        description="host:port readers use to reach this service's HandoffService; empty = "
+        "the bind host and port (a wildcard bind: this host's name). In Kubernetes set it "
+        "from the downward API, e.g. $(POD_IP):50052.",
+    )
+    handoff_ttl_s: float = Field(
+        120.0, gt=0, description="Seconds held embeddings wait for their readers at most."
+    )
+    handoff_max_bytes: int = Field(
+        4096 * MiB,
+        ge=MiB,
+        description="Bytes of embeddings held for readers at once; more get RESOURCE_EXHAUSTED.",
+    )
+
+
 def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
     """grpc server options: explicit message limits, keepalive and connection age."""
     options = [
@@ -112,6 +132,8 @@ def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
 IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
     "qwenvl.encoder.v1.EncoderService": ("Encode",),
     "qwenvl.cache.v1.CacheService": ("Lookup", "GetStats"),
+    # A read sends nothing until the held bytes are found, so a retry repeats nothing.
+    "qwenvl.handoff.v1.HandoffService": ("ReadEmbedding",),
 }
 
 

@@ -58,8 +58,13 @@ def validate(
     field: str,
     dtypes: tuple[int, ...] | None = None,
     ndim: int | None = None,
-) -> bytes:
+    data: bytes | bytearray | None = None,
+) -> bytes | bytearray:
     """Check that a Tensor is self-consistent; return its payload.
+
+    ``data``: the payload when it did not travel in the message (read by reference,
+    :mod:`vlcommon.handoff`); it is checked against ``msg``'s dtype and shape instead of
+    ``msg.data``.
 
     Reading a bytes field of a protobuf message copies it every time (upb): 125 ms for
     200 MiB here, holding the GIL. ``data`` is read once, and the returned bytes are for
@@ -98,7 +103,8 @@ def validate(
             field=f"{field}.shape",
         )
     expected = numel(msg.shape) * ITEMSIZE[msg.dtype]
-    data = msg.data
+    if data is None:
+        data = msg.data
     if len(data) != expected:
         raise invalid_argument(
             "TENSOR_SIZE_MISMATCH",
@@ -136,7 +142,7 @@ def from_numpy(array: np.ndarray) -> tensor_pb2.Tensor:
     raise TypeError(f"unsupported numpy dtype {arr.dtype}")
 
 
-def to_numpy(msg: tensor_pb2.Tensor, data: bytes | None = None) -> np.ndarray:
+def to_numpy(msg: tensor_pb2.Tensor, data: bytes | bytearray | None = None) -> np.ndarray:
     """Decode to numpy (BF16 is widened to float32). The result is read-only.
 
     ``data``: the payload already read (what :func:`validate` returns), so it is not
@@ -164,10 +170,26 @@ def from_torch(tensor: torch.Tensor) -> tensor_pb2.Tensor:
     return from_numpy(t.numpy())
 
 
-def to_torch(msg: tensor_pb2.Tensor, data: bytes | None = None) -> torch.Tensor:
+def torch_payload(tensor: torch.Tensor) -> tuple[int, memoryview]:
+    """(DataType, row-major bytes) of a torch tensor, for holding it by reference
+    (:mod:`vlcommon.handoff`); the view shares the CPU copy's memory, which nobody
+    writes afterwards."""
+    import torch
+
+    t = tensor.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        return tensor_pb2.DATA_TYPE_BF16, t.view(torch.int16).numpy().data.cast("B")
+    msg_dtype = {torch.float32: tensor_pb2.DATA_TYPE_FP32, torch.float16: tensor_pb2.DATA_TYPE_FP16}
+    if t.dtype not in msg_dtype:
+        raise TypeError(f"unsupported embedding dtype {t.dtype}")
+    return msg_dtype[t.dtype], t.numpy().data.cast("B")
+
+
+def to_torch(msg: tensor_pb2.Tensor, data: bytes | bytearray | None = None) -> torch.Tensor:
     """Decode to a CPU torch tensor of the message's dtype (BF16 stays bfloat16).
 
-    ``data`` as for :func:`to_numpy`. The tensor owns a writable copy.
+    ``data`` as for :func:`to_numpy`. The tensor owns a writable copy (of a bytearray
+    ``data``, read by reference and owned by the caller, it takes that buffer itself).
     """
     import torch
 
@@ -176,6 +198,9 @@ def to_torch(msg: tensor_pb2.Tensor, data: bytes | None = None) -> torch.Tensor:
     if msg.dtype == tensor_pb2.DATA_TYPE_BF16:
         if not data:
             return torch.empty(tuple(msg.shape), dtype=torch.bfloat16)
-        raw = torch.frombuffer(bytearray(data), dtype=torch.int16)
+        # A bytearray (read by reference) is the caller's own: no second copy.
+        own = data if isinstance(data, bytearray) else bytearray(data)
+        raw = torch.frombuffer(own, dtype=torch.int16)
         return raw.view(torch.bfloat16).reshape(tuple(msg.shape))
-    return torch.from_numpy(to_numpy(msg, data).copy())
+    array = to_numpy(msg, data)
+    return torch.from_numpy(array if isinstance(data, bytearray) else array.copy())
