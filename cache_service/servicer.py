@@ -475,7 +475,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         """
         # Entries sent by reference are read from their holder first (on this loop, the
         # reads of one request concurrently); a ref that cannot be read fails the Put.
-        payloads: dict[int, bytes | bytearray] = {}
+        payloads: dict[int, bytes] = {}
         refs = [
             (i, e.embedding) for i, e in enumerate(request.entries) if e.embedding.HasField("ref")
         ]
@@ -499,7 +499,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                             got.metadata,
                         ) from got
                     raise got
-                payloads[i] = got.data
+                # Entries are immutable bytes; the copy runs once, off the critical path.
+                payloads[i] = bytes(got.data)
             trace.get_current_span().set_attribute(
                 "splitvl.embedding.fetched_bytes", sum(len(p) for p in payloads.values())
             )
@@ -510,7 +511,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         return await asyncio.to_thread(self._put, request, payloads)
 
     def _put(
-        self, request: pb.PutRequest, payloads: dict[int, bytes | bytearray] | None = None
+        self, request: pb.PutRequest, payloads: dict[int, bytes] | None = None
     ) -> pb.PutResponse:
         """Put's body (raises ServiceError); ``payloads``: the bytes of entries sent by
         reference, by entry index, already read from their holder."""
@@ -579,7 +580,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     grid,
                     emb.dtype,
                     tuple(emb.shape),
-                    data,
+                    data if isinstance(data, bytes) else bytes(data),
                     verification=verification,
                     revision=revision,
                     alias=alias_key,

@@ -137,7 +137,7 @@ class Entry:
     grid: tuple[int, int, int]
     dtype: int
     shape: tuple[int, ...]
-    data: bytes | bytearray  # never written after the put (a bytearray when read by reference)
+    data: bytes
     index_id: int
     expires_at: float = math.inf
     leases: int = 0
@@ -432,7 +432,7 @@ class EmbeddingStore:
         grid: tuple[int, int, int],
         dtype: int,
         shape: tuple[int, ...],
-        data: bytes | bytearray,
+        data: bytes,
         *,
         verification: VerificationImage | None = None,
         revision: str = "",

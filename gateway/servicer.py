@@ -8,12 +8,17 @@
 2. ``CacheService/Lookup`` by pixel key for the decoded images, in one call (both lookups
    are skipped when the policy is off; when the cache is down or slow, every image is a
    miss and the failure is counted once).
-3. ``EncoderService/Encode`` for the misses; ``CacheService/Put`` of the new embeddings,
-   under the pixel key with the bytes key as its alias.
-4. ``DecoderService/Generate`` with the messages and one embedding per image; its tokens
-   stream back. Nothing is streamed before the decoder's first token, so every bad input
-   fails with a status before the stream starts. A cancelled client cancels the decoder
-   call, which aborts the vLLM request. Each hop gets the deadline that remains.
+3. ``EncoderService/Encode`` for the misses: the encoder holds their embeddings and
+   answers refs (``vlcommon.handoff``; ``GATEWAY_EMBEDDING_TRANSPORT``: shm or grpc);
+   ``CacheService/Put`` of those refs beside the decode (the cache reads the bytes from
+   the encoder), under the pixel key with the bytes key as its alias. Hits come back from
+   the cache as refs too: no embedding byte passes through the gateway.
+4. ``DecoderService/Generate`` with the messages and one ref per image (the decoder reads
+   each from its holder; when one is gone, every image is encoded again and the decode
+   runs once more, within the deadline); its tokens stream back. Nothing is streamed
+   before the decoder's first token, so every bad input fails with a status before the
+   stream starts. A cancelled client cancels the decoder call, which aborts the vLLM
+   request. Each hop gets the deadline that remains.
 """
 
 from __future__ import annotations
@@ -1501,6 +1506,16 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                         )
                         metrics.REENCODED.inc()
                         span.set_attribute("splitvl.reencoded", True)
+                # An image answered by its file's digest was never decoded: decode it now.
+                undecoded = [i for i, im in enumerate(images) if im.pixels is None]
+                if undecoded:
+                    off = generation_pb2.CACHE_POLICY_OFF
+                    again, _, _ = await self._prepare(
+                        [datas[i] for i in undecoded], lo, hi, off, context
+                    )
+                    for i, im in zip(undecoded, again, strict=True):
+                        im.index = i
+                        images[i] = im
                 retry = [*images, *videos]
                 for im in retry:
                     im.embedding, im.tier = None, generation_pb2.CACHE_TIER_MISS

@@ -205,41 +205,49 @@ def cluster(
         yield c
 
 
-@pytest.fixture(scope="session")
-def grpc_gateway(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A second gateway over the session cluster's encoder, cache and decoder, with
-    ``GATEWAY_EMBEDDING_TRANSPORT=grpc`` (the cluster's own, like ``splitvl up``, uses shm):
-    the same requests then hand embeddings over by the other transport. Its ``ports``
-    answer like a cluster's (``address("gateway")``, ``metrics["gateway"]``)."""
+@contextlib.contextmanager
+def extra_service(
+    cluster: Any, name: str, env: dict[str, str], log_dir: Path, **addresses: str
+) -> Iterator[Any]:
+    """One more ``name`` service (gateway or cache) beside the session cluster, on free
+    ports, with ``env`` added; a gateway's ``encoder``/``cache``/``decoder`` addresses
+    default to the cluster's. Yields ``ports`` that answer like a cluster's for this
+    service (``address(name)``, ``metrics[name]``)."""
     import dataclasses
     import subprocess
     import time
-    import types
 
     from splitvl.launcher import free_ports, health_status
 
     grpc_port, metrics_port = free_ports(2)
-    command = cluster._command("gateway")
+    command = cluster._command(name)
     for flag, value in (("--port", grpc_port), ("--metrics-port", metrics_port)):
         command[command.index(flag) + 1] = str(value)
-    http = command.index("--http-port")
-    del command[http : http + 2]  # no OpenAI front on this one
-    log = (tmp_path_factory.mktemp("grpc-gateway") / "gateway.log").open("wb")
-    env = {**cluster._env(), "GATEWAY_EMBEDDING_TRANSPORT": "grpc", "OTEL_SERVICE_NAME": "gw2"}
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if "--http-port" in command:
+        http = command.index("--http-port")
+        del command[http : http + 2]  # no OpenAI front on this one
+    for hop, address in addresses.items():
+        command[command.index(f"--{hop}-address") + 1] = address
+    log = (log_dir / f"{name}.log").open("wb")
+    proc = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**cluster._env(), **env, "OTEL_SERVICE_NAME": f"extra-{name}"},
+    )
     ports = dataclasses.replace(
         cluster.ports,
-        grpc={**cluster.ports.grpc, "gateway": grpc_port},
-        metrics={**cluster.ports.metrics, "gateway": metrics_port},
+        grpc={**cluster.ports.grpc, name: grpc_port},
+        metrics={**cluster.ports.metrics, name: metrics_port},
         http=0,
     )
     try:
         deadline = time.monotonic() + 180
-        while health_status(ports.address("gateway")) != "SERVING":
-            assert proc.poll() is None, f"the grpc gateway exited: see {log.name}"
-            assert time.monotonic() < deadline, "the grpc gateway did not start in 180 s"
+        while health_status(ports.address(name)) != "SERVING":
+            assert proc.poll() is None, f"the extra {name} exited: see {log.name}"
+            assert time.monotonic() < deadline, f"the extra {name} did not start in 180 s"
             time.sleep(0.5)
-        yield types.SimpleNamespace(ports=ports, proc=proc)
+        yield ports
     finally:
         proc.terminate()
         try:
@@ -247,3 +255,16 @@ def grpc_gateway(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iter
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def grpc_gateway(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A second gateway over the session cluster's encoder, cache and decoder, with
+    ``GATEWAY_EMBEDDING_TRANSPORT=grpc`` (the cluster's own, like ``splitvl up``, uses shm):
+    the same requests then hand embeddings over by the other transport. Its ``ports``
+    answer like a cluster's (``address("gateway")``, ``metrics["gateway"]``)."""
+    import types
+
+    env = {"GATEWAY_EMBEDDING_TRANSPORT": "grpc"}
+    with extra_service(cluster, "gateway", env, tmp_path_factory.mktemp("grpc-gw")) as ports:
+        yield types.SimpleNamespace(ports=ports)

@@ -241,9 +241,12 @@ def test_one_generate_moves_every_service_metric(cluster, tiny_model) -> None:
     assert gw("splitvl_gateway_time_to_first_token_seconds_count") == 1
     itl = gw("splitvl_gateway_inter_token_latency_seconds_count")
     assert 1 <= itl <= MAX_TOKENS - 1
-    assert gw("splitvl_gateway_embedding_received_bytes_total", source="encoder") == emb_bytes
-    assert gw("splitvl_gateway_embedding_sent_bytes_total", destination="decoder") == emb_bytes
-    assert gw("splitvl_gateway_embedding_sent_bytes_total", destination="cache") == emb_bytes
+    # References, not payloads: not one embedding byte through the gateway.
+    for source in ("encoder", "cache"):
+        assert gw.get("splitvl_gateway_embedding_received_bytes_total", source=source) == 0
+    for destination in ("decoder", "cache"):
+        sent = "splitvl_gateway_embedding_sent_bytes_total"
+        assert gw.get(sent, destination=destination) == 0
     for stage in ("preprocess", "lookup", "encode", "decode"):
         assert gw("splitvl_gateway_stage_duration_seconds_count", stage=stage) == 1
 
@@ -258,7 +261,7 @@ def test_one_generate_moves_every_service_metric(cluster, tiny_model) -> None:
     assert enc("splitvl_encoder_queue_wait_seconds_count") == 1
     assert enc("splitvl_encoder_batch_duration_seconds_count") == 1
     assert enc.value("splitvl_encoder_queued_images") == 0
-    assert enc("splitvl_encoder_embedding_sent_bytes_total") == emb_bytes
+    assert enc("splitvl_encoder_embedding_sent_bytes_total") == 0  # held, not sent
 
     # cache: two Lookup calls (by the file's digest, then by pixel key after the decode),
     # one image counted once (a miss by file digest is not counted), one put
@@ -276,7 +279,8 @@ def test_one_generate_moves_every_service_metric(cluster, tiny_model) -> None:
     assert dec("splitvl_decoder_requests_total", method="Generate", code="OK") == 1
     assert dec("splitvl_decoder_output_tokens_total") == MAX_TOKENS
     assert dec("splitvl_decoder_prompt_tokens_total") == result.usage["prompt_tokens"]
-    assert dec("splitvl_decoder_embedding_received_bytes_total") == emb_bytes
+    received = "splitvl_decoder_embedding_received_bytes_total"
+    assert dec(received, transport="shm", holder="encoder") == emb_bytes
     assert dec("splitvl_decoder_time_to_first_token_seconds_count") == 1
     assert 1 <= dec("splitvl_decoder_inter_token_latency_seconds_count") <= MAX_TOKENS - 1
     assert dec("splitvl_decoder_queue_wait_seconds_count") == 1

@@ -89,3 +89,93 @@ def test_cache_policy_off_holds_for_the_decoder_alone(cluster) -> None:
     again = ask(cluster, [image])
     assert again.images[0]["tier"] == "miss"  # nothing was stored by the first
     assert again.token_ids == result.token_ids
+
+
+def _ref_request(holder: str, ticket: str, transport: int):
+    """A decoder request whose one image is a ref (64 x 384 fp32, grid 1x16x16)."""
+    from qwenvl.common.v1 import tensor_pb2
+    from qwenvl.decoder.v1 import decoder_service_pb2 as dpb
+
+    request = dpb.GenerateRequest(request_id="ref-gone")
+    message = request.messages.add(role="user")
+    message.parts.add(image_index=0)
+    message.parts.add(text="Describe this image.")
+    request.sampling.max_tokens = 2
+    image = request.images.add(key="ref-gone", grid=tensor_pb2.GridTHW(t=1, h=16, w=16))
+    image.embeddings.dtype = tensor_pb2.DATA_TYPE_FP32
+    image.embeddings.shape[:] = [64, 384]
+    image.ref.holder, image.ref.ticket, image.ref.transport = holder, ticket, transport
+    image.ref.nbytes, image.ref.service = 64 * 384 * 4, "encoder"
+    if transport == tensor_pb2.TRANSPORT_SHM:
+        image.ref.shm_name = f"splitvl-encoder-1-{ticket}"
+    return request
+
+
+@pytest.mark.parametrize("case", ["released", "holder_dead"])
+def test_the_decoder_names_the_image_and_the_hop_when_a_ref_cannot_be_read(cluster, case) -> None:
+    """Entry gone (released or expired; its segment unlinked) or its holder gone (nothing
+    listens where the ref points): UNAVAILABLE naming images[0] and the holder, at once,
+    and the decoder serves the next request."""
+    import grpc
+    from qwenvl.common.v1 import tensor_pb2
+    from qwenvl.decoder.v1 import decoder_service_pb2_grpc as dpb_grpc
+
+    from vlcommon.errors import error_info
+
+    if case == "released":  # the encoder is up, but holds no such ticket
+        holder, transport = cluster.ports.address("encoder"), tensor_pb2.TRANSPORT_SHM
+    else:
+        from splitvl.launcher import free_ports
+
+        holder, transport = f"127.0.0.1:{free_ports(1)[0]}", tensor_pb2.TRANSPORT_GRPC
+    with grpc.insecure_channel(cluster.ports.address("decoder")) as channel:
+        stub = dpb_grpc.DecoderServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(_ref_request(holder, "ab" * 16, transport), timeout=30))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    reason = "EMBEDDING_REF_GONE" if case == "released" else "EMBEDDING_HOLDER_UNAVAILABLE"
+    assert error_info(err.value).reason == reason
+    assert f"images[0].ref: the encoder at {holder}" in err.value.details()
+    again = ask(cluster, [png_bytes(rgb("coffee.png").crop((9, 9, 329, 249)))], max_tokens=2)
+    assert len(again.token_ids) == 2
+
+
+@pytest.fixture(scope="module")
+def expiring_cache(cluster, tmp_path_factory):
+    """A cache whose held hits expire at once (CACHE_HANDOFF_TTL_S=0.001), and a gateway
+    (gRPC transport) that uses it with the session cluster's encoder and decoder: every
+    hit's ref is gone by the time the decoder reads it, as after a cache restart."""
+    import types
+
+    from tests.conftest import extra_service
+
+    logs = tmp_path_factory.mktemp("expiring")
+    with extra_service(cluster, "cache", {"CACHE_HANDOFF_TTL_S": "0.001"}, logs) as cache:
+        env = {"GATEWAY_EMBEDDING_TRANSPORT": "grpc"}
+        address = cache.address("cache")
+        with extra_service(cluster, "gateway", env, logs, cache=address) as gateway:
+            yield types.SimpleNamespace(ports=gateway)
+
+
+def test_a_hit_whose_held_entry_is_gone_is_encoded_again_with_the_same_tokens(
+    expiring_cache,
+) -> None:
+    image = png_bytes(rgb("rocket.jpg").crop((13, 11, 373, 291)))
+    first = ask(expiring_cache, [image])
+    assert first.images[0]["tier"] == "miss"
+    name = "splitvl_gateway_reencoded_requests_total"
+    before = metric(expiring_cache, "gateway", name)
+    # The cache stores the miss by reading the encoder's ref (after the stream): wait for it.
+    import time
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        second = ask(expiring_cache, [image])
+        if metric(expiring_cache, "gateway", name) > before:
+            break
+        time.sleep(0.5)
+    # The exact hit's ref had expired: the decoder said so, the gateway encoded again.
+    assert metric(expiring_cache, "gateway", name) == before + 1
+    assert second.images[0]["tier"] == "miss"  # reported as what the model got
+    assert second.token_ids == first.token_ids
+    assert second.timings["encode_ms"] > 0

@@ -95,7 +95,13 @@ def test_span_tree_of_one_request(cluster, otlp_receiver, tiny_model, tmp_path) 
         "cache.lookup_bytes",
     }
     spans = collect_trace(
-        otlp_receiver, root["trace_id"], lambda ss: wanted <= {s["name"] for s in ss}
+        otlp_receiver,
+        root["trace_id"],
+        # Two reads of the held embeddings: the decoder's, and the cache's (storing them).
+        lambda ss: (
+            wanted <= {s["name"] for s in ss}
+            and sum(s["name"] == "embedding.fetch" for s in ss) >= 2
+        ),
     )
     by_id = {s["span_id"]: s for s in spans}
     if out := os.environ.get("SPLITVL_TRACE_JSON"):  # for scripts/render_trace.py
@@ -172,15 +178,35 @@ def test_span_tree_of_one_request(cluster, otlp_receiver, tiny_model, tmp_path) 
     assert (root["trace_id"], enc["span_id"]) in batch["links"]
     assert batch["parent"] == enc["span_id"]
     assert enc["start_ns"] <= batch["start_ns"] <= batch["end_ns"] <= enc["end_ns"]
-    assert attrs(one(spans, "gateway.encode", "gateway"))["splitvl.embedding.bytes"] == emb_bytes
-
-    # the embeddings' way to the decoder
+    # By reference: the encoder holds the bytes (in /dev/shm under the launcher), and the
+    # gateway's spans say which transport, which holder and how many bytes, moving none.
+    held = {
+        "splitvl.embedding.bytes": 0,
+        "splitvl.embedding.transports": ["shm"],
+        "splitvl.embedding.holders": ["encoder"],
+        "splitvl.embedding.ref_bytes": [emb_bytes],
+    }
+    for name in ("gateway.encode", "embedding.transfer", "gateway.cache_put"):
+        a = attrs(one(spans, name, "gateway"))
+        assert {k: a[k] for k in held} == held, name
     transfer = one(spans, "embedding.transfer", "gateway")
     assert transfer["parent"] == root["span_id"]
-    assert attrs(transfer)["splitvl.embedding.bytes"] == emb_bytes
-    assert attrs(one(spans, "gateway.cache_put", "gateway"))["splitvl.embedding.bytes"] == (
-        emb_bytes
-    )
+    # The one crossing: the decoder reads them from the encoder, while it renders the prompt.
+    fetch_all = one(spans, "decoder.fetch_embeddings", "decoder")
+    fa = attrs(fetch_all)
+    assert fa["splitvl.embedding.bytes"] == emb_bytes
+    assert fa["splitvl.embedding.transports"] == ["shm"]
+    fetches = [
+        s for s in spans if s["name"] == "embedding.fetch" and s["service"] == "splitvl-decoder"
+    ]
+    assert len(fetches) == 1 and fetches[0]["parent"] == fetch_all["span_id"]
+    f = attrs(fetches[0])
+    assert (f["splitvl.embedding.holder"], f["splitvl.embedding.transport"]) == ("encoder", "shm")
+    # ...and so does the cache, storing the miss (its Put carried the ref, not the bytes).
+    put_side = [
+        s for s in spans if s["name"] == "embedding.fetch" and s["service"] == "splitvl-cache"
+    ]
+    assert [attrs(s)["splitvl.embedding.bytes"] for s in put_side] == [emb_bytes]
 
     # decoder: queue -> prefill (first token) -> generation, under decoder.generate
     gen = one(spans, "decoder.generate", "decoder")

@@ -160,8 +160,10 @@ def mapped_segments(pids: list[int], shm_dir: Path = SHM_DIR) -> list[str]:
             continue
         for line in maps.splitlines():
             path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-            if path.startswith(prefix) and "/" not in path[len(prefix) :]:
-                names.add(path[len(prefix) :].removesuffix(" (deleted)"))
+            # An unlinked file (" (deleted)", e.g. a named semaphore) leaves nothing behind.
+            if path.startswith(prefix) and not path.endswith(" (deleted)"):
+                if "/" not in path[len(prefix) :]:
+                    names.add(path[len(prefix) :])
     return sorted(names)
 
 
