@@ -46,11 +46,16 @@ def png_bytes(image: Image.Image) -> bytes:
 
 @contextlib.asynccontextmanager
 async def in_process_server(
-    add_to_server: Any, servicer: Any, service_full_name: str, settings: Any = None
+    add_to_server: Any,
+    servicer: Any,
+    service_full_name: str,
+    settings: Any = None,
+    on_port: Any = None,
 ) -> AsyncIterator[grpc.aio.Channel]:
     """Serve ``servicer`` on 127.0.0.1:0 through the real bootstrap; yield a channel to it.
 
     ``settings``: a ServerSettings (port 0) to serve with instead of the defaults.
+    ``on_port``: called with the bound port before the channel opens.
     """
     from vlcommon.server import serve
     from vlcommon.settings import ServerSettings
@@ -68,6 +73,8 @@ async def in_process_server(
         )
     )
     port = await started
+    if on_port is not None:
+        on_port(port)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             yield channel

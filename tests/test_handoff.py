@@ -3,14 +3,12 @@ read through both transports, with releases, expiry, budgets and dead-process se
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -21,6 +19,7 @@ from qwenvl.common.v1 import tensor_pb2
 from qwenvl.handoff.v1 import handoff_service_pb2 as hpb
 from qwenvl.handoff.v1 import handoff_service_pb2_grpc as hpb_grpc
 
+from tests.conftest import in_process_server
 from vlcommon import handoff, tensors
 from vlcommon.errors import ServiceError, error_info
 
@@ -59,42 +58,17 @@ def shm_dir(tmp_path: Path) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@contextlib.asynccontextmanager
-async def serving(
-    holder: handoff.Holder, chunk_bytes: int = handoff.CHUNK_BYTES
-) -> AsyncIterator[grpc.aio.Channel]:
+def serving(holder: handoff.Holder, chunk_bytes: int = handoff.CHUNK_BYTES):  # type: ignore[no-untyped-def]
     """The holder's HandoffService through the real bootstrap on loopback; the holder
     learns its address as a service's does (``on_listening``)."""
-    from vlcommon.server import serve
     from vlcommon.settings import HoldingSettings
 
-    settings = HoldingSettings(port=0)
-    servicer = handoff.HandoffServicer(holder, chunk_bytes=chunk_bytes)
-    stop = asyncio.Event()
-    started = asyncio.get_running_loop().create_future()
-    listening = handoff.on_listening(holder, settings)
-
-    def on_started(port: int) -> None:
-        listening(port)
-        started.set_result(port)
-
-    task = asyncio.ensure_future(
-        serve(
-            service_name="test",
-            service_full_names=[handoff.HANDOFF_SERVICE],
-            settings=settings,
-            stop_event=stop,
-            on_started=on_started,
-            register=lambda s: hpb_grpc.add_HandoffServiceServicer_to_server(servicer, s),
-        )
+    return in_process_server(
+        hpb_grpc.add_HandoffServiceServicer_to_server,
+        handoff.HandoffServicer(holder, chunk_bytes=chunk_bytes),
+        handoff.HANDOFF_SERVICE,
+        on_port=handoff.on_listening(holder, HoldingSettings(port=0)),
     )
-    port = await started
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield channel
-    finally:
-        stop.set()
-        await task
 
 
 @pytest.mark.parametrize("transport", [SHM, GRPC], ids=["shm", "grpc"])
