@@ -64,7 +64,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import AuthInterceptor
 from vlcommon.errors import ServiceError, invalid_argument
-from vlcommon.sampling import check_max_tokens
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.gateway.http")
@@ -299,7 +298,14 @@ def to_generate_request(
     max_tokens = body.max_completion_tokens if name == "max_completion_tokens" else body.max_tokens
     fields["sampling.max_tokens"] = name
     if max_tokens is not None:
-        sampling.max_tokens = check_max_tokens(max_tokens, max_tokens_limit, name)
+        if not 1 <= max_tokens <= max_tokens_limit:
+            raise invalid_argument(
+                "MAX_TOKENS_OUT_OF_RANGE",
+                f"{name} is {max_tokens}; allowed 1..{max_tokens_limit}",
+                field=name,
+                limit=max_tokens_limit,
+            )
+        sampling.max_tokens = max_tokens
     fields["sampling"] = ""
     # OpenAI's and vLLM's default temperature is 1.0; the gRPC API's 0 means greedy.
     sampling.temperature = 1.0 if body.temperature is None else body.temperature

@@ -88,7 +88,7 @@ from vlcommon.imaging import (
 )
 from vlcommon.model_info import VisionSpec, resolve_model_dir
 from vlcommon.request_rules import check_message_counts, check_no_control_tokens, check_role
-from vlcommon.sampling import check_max_tokens, check_sampling_ranges
+from vlcommon.sampling import check_sampling_ranges
 from vlcommon.verification import VerificationImage, verifiable, verification_image
 
 log = logging.getLogger(__name__)
@@ -1340,8 +1340,16 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         timings = pb.StageTimings()
         try:
             sampling = request.sampling
-            if sampling.HasField("max_tokens"):
-                check_max_tokens(sampling.max_tokens, self.settings.max_tokens_limit)
+            if sampling.HasField("max_tokens") and not (
+                1 <= sampling.max_tokens <= self.settings.max_tokens_limit
+            ):
+                raise invalid_argument(
+                    "MAX_TOKENS_OUT_OF_RANGE",
+                    f"sampling.max_tokens is {sampling.max_tokens}; "
+                    f"allowed 1..{self.settings.max_tokens_limit}",
+                    field="sampling.max_tokens",
+                    limit=self.settings.max_tokens_limit,
+                )
             check_sampling_ranges(sampling)  # before any image is decoded or encoded
             if request.cache_policy not in generation_pb2.CachePolicy.values():
                 raise invalid_argument(

@@ -58,9 +58,6 @@ SHM_DIR = Path("/dev/shm")
 CHUNK_BYTES = 4 * MiB
 MAX_READERS = 8
 MAX_TICKET_CHARS = 128
-# The largest payload one ref may stand for: 16,384 video tokens of Qwen3-VL-8B's width in
-# float32 are 16,384 x 16,384 x 4 = 1 GiB. The reader allocates nbytes before reading.
-MAX_REF_BYTES = 1024 * MiB
 TRANSPORTS = {
     "shm": tensor_pb2.TRANSPORT_SHM,
     "grpc": tensor_pb2.TRANSPORT_GRPC,
@@ -536,13 +533,6 @@ class Reader:
                 f"{field}.ref needs a holder and a ticket of 1..{MAX_TICKET_CHARS} characters",
                 field=f"{field}.ref",
             )
-        if ref.nbytes > MAX_REF_BYTES:
-            raise invalid_argument(
-                "EMBEDDING_REF_TOO_LARGE",
-                f"{field}.ref holds {ref.nbytes} bytes; one ref may hold at most {MAX_REF_BYTES}",
-                field=f"{field}.ref",
-                limit=MAX_REF_BYTES,
-            )
         if ref.nbytes != expected or msg.embeddings.data:
             raise invalid_argument(
                 "EMBEDDING_REF_INVALID",
@@ -644,15 +634,9 @@ class Reader:
         except grpc.aio.AioRpcError as err:  # the holder frees it at its TTL anyway
             log.info("release of %s at %s failed: %s", ref.ticket[:8], ref.holder, err.code())
 
-    def release_unread(self, refs: list[tensor_pb2.EmbeddingRef]) -> None:
-        """Release, in the background, refs this reader will not read (its request failed
-        before their reads), so their holder frees them now rather than at their TTL (a
-        cache hit stays leased until then)."""
-        for ref in refs:
-            if ref.ticket and ref.holder:
-                task = asyncio.ensure_future(self._release(ref))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+    async def release(self, ref: tensor_pb2.EmbeddingRef) -> None:
+        """Release a ref this reader will not read (the request failed first)."""
+        await self._release(ref)
 
 
 def advertised_address(host: str, port: int, configured: str = "") -> str:
