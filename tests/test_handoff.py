@@ -272,3 +272,18 @@ def test_payload_views_are_the_tensors_bytes() -> None:
     assert dtype == tensor_pb2.DATA_TYPE_BF16
     assert view.tobytes() == tensors.from_torch(t).data
     assert np.frombuffer(view, dtype="<u2").size == t.numel()
+
+
+async def test_a_ref_over_the_size_bound_is_refused_before_anything_is_allocated() -> None:
+    msg = tensor_pb2.ImageEmbedding(key="k", grid=tensor_pb2.GridTHW(t=1, h=2, w=2))
+    msg.embeddings.dtype = tensor_pb2.DATA_TYPE_FP32
+    msg.embeddings.shape[:] = [1 << 20, 1 << 10]  # 4 GiB
+    msg.ref.holder, msg.ref.ticket, msg.ref.nbytes = "127.0.0.1:9", "ab" * 16, 4 << 30
+    with pytest.raises(ServiceError) as err:
+        await handoff.Reader().fetch(msg, field="videos[0].embedding", timeout=1)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.reason == "EMBEDDING_REF_TOO_LARGE"
+    assert err.value.metadata == {
+        "field": "videos[0].embedding.ref",
+        "limit": str(handoff.MAX_REF_BYTES),
+    }

@@ -58,6 +58,9 @@ SHM_DIR = Path("/dev/shm")
 CHUNK_BYTES = 4 * MiB
 MAX_READERS = 8
 MAX_TICKET_CHARS = 128
+# The largest payload one ref may stand for: 16,384 video tokens of Qwen3-VL-8B's width in
+# float32 are 16,384 x 16,384 x 4 = 1 GiB. The reader allocates nbytes before reading.
+MAX_REF_BYTES = 1024 * MiB
 TRANSPORTS = {
     "shm": tensor_pb2.TRANSPORT_SHM,
     "grpc": tensor_pb2.TRANSPORT_GRPC,
@@ -268,7 +271,10 @@ class Holder:
         if nbytes != tensors.numel(shape) * tensors.ITEMSIZE[dtype]:
             raise ValueError(f"{nbytes} bytes do not hold {shape} of {tensors.dtype_name(dtype)}")
         readers = min(max(readers, 1), MAX_READERS)
-        self.expire()
+        with self._lock:
+            over = self._bytes + nbytes > self.max_bytes
+        if over:  # expired entries make room first (the periodic sweep may lag)
+            self.expire()
         with self._lock:
             if self._bytes + nbytes > self.max_bytes:
                 raise resource_exhausted(
@@ -533,6 +539,13 @@ class Reader:
                 f"{field}.ref needs a holder and a ticket of 1..{MAX_TICKET_CHARS} characters",
                 field=f"{field}.ref",
             )
+        if ref.nbytes > MAX_REF_BYTES:
+            raise invalid_argument(
+                "EMBEDDING_REF_TOO_LARGE",
+                f"{field}.ref holds {ref.nbytes} bytes; one ref may hold at most {MAX_REF_BYTES}",
+                field=f"{field}.ref",
+                limit=MAX_REF_BYTES,
+            )
         if ref.nbytes != expected or msg.embeddings.data:
             raise invalid_argument(
                 "EMBEDDING_REF_INVALID",
@@ -633,10 +646,6 @@ class Reader:
             )
         except grpc.aio.AioRpcError as err:  # the holder frees it at its TTL anyway
             log.info("release of %s at %s failed: %s", ref.ticket[:8], ref.holder, err.code())
-
-    async def release(self, ref: tensor_pb2.EmbeddingRef) -> None:
-        """Release a ref this reader will not read (the request failed first)."""
-        await self._release(ref)
 
 
 def advertised_address(host: str, port: int, configured: str = "") -> str:
