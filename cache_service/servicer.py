@@ -27,6 +27,7 @@ from cache_service.store import (
 from vlcommon import tensors
 from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 from vlcommon.handoff import Holder, Reader, transport_name
+from vlcommon.request_rules import CACHE_POLICIES, CACHE_TIERS, check_grid
 from vlcommon.verification import (
     CHROMA_SCALE,
     MAX_VERIFICATION_BYTES,
@@ -35,28 +36,37 @@ from vlcommon.verification import (
 )
 
 tracer = trace.get_tracer("splitvl.cache")
-TIERS = {
-    "exact": generation_pb2.CACHE_TIER_EXACT,
-    "similar": generation_pb2.CACHE_TIER_SIMILAR,
-    "miss": generation_pb2.CACHE_TIER_MISS,
-}
-POLICIES = {
-    "exact_only": generation_pb2.CACHE_POLICY_EXACT_ONLY,
-    "similar": generation_pb2.CACHE_POLICY_SIMILAR,
-    "off": generation_pb2.CACHE_POLICY_OFF,
-}
+TIERS = CACHE_TIERS
+POLICIES = CACHE_POLICIES
 
 
-def _grid(msg: tensor_pb2.GridTHW, field: str, merge: int) -> tuple[int, int, int]:
-    grid = (int(msg.t), int(msg.h), int(msg.w))
-    if min(grid) <= 0 or grid[1] % merge or grid[2] % merge:
-        raise invalid_argument(
-            "GRID_INVALID",
-            f"{field} is {list(grid)}; every entry must be > 0, and h and w multiples of "
-            f"spatial_merge_size {merge}",
-            field=field,
-        )
-    return grid
+def _grid(
+    msg: tensor_pb2.GridTHW, field: str, merge: int, *, video: bool = False
+) -> tuple[int, int, int]:
+    """A grid by the rule the encoder and the decoder apply: t = 1 for an image, t >= 1
+    for a video (``video``)."""
+    return check_grid(msg, field, merge, video=video)
+
+
+def _check_video(msg: pb.LookupQuery | pb.PutEntry, field: str) -> None:
+    """Refuse a video query or entry that brings a similarity descriptor, a verification
+    image or reusable grids: a video is found only by its exact key.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``VIDEO_NOT_EXACT`` naming the field.
+    """
+    names = ["descriptor", "verification", "verification_chroma"]
+    if isinstance(msg, pb.LookupQuery):
+        names.append("reusable_grids")
+    for name in names:
+        value = getattr(msg, name)
+        if len(value) if name == "reusable_grids" else (value.shape or value.data):
+            raise invalid_argument(
+                "VIDEO_NOT_EXACT",
+                f"{field}.{name} is set on a video ({field}.video); a video is found only "
+                "by its exact key",
+                field=f"{field}.{name}",
+            )
 
 
 @dataclass(frozen=True)
@@ -301,10 +311,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             queries = []
             for i, query in enumerate(request.queries):
                 field = f"queries[{i}]"
+                if query.video:
+                    _check_video(query, field)
                 queries.append(
                     _Query(
                         _key(query.key, field),
-                        _grid(query.grid, f"{field}.grid", self.merge),
+                        _grid(query.grid, f"{field}.grid", self.merge, video=query.video),
                         _descriptor(query.descriptor, self.store.dim, f"{field}.descriptor"),
                         _verification(
                             query.verification,
@@ -522,7 +534,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             field = f"entries[{i}]"
             key = _key(entry.key, field)
             alias_key = _key(entry.alias_key, field, name="alias_key", optional=True)
-            grid = _grid(entry.embedding.grid, f"{field}.embedding.grid", self.merge)
+            if entry.video:
+                _check_video(entry, field)
+            grid = _grid(
+                entry.embedding.grid, f"{field}.embedding.grid", self.merge, video=entry.video
+            )
             descriptor = _descriptor(entry.descriptor, self.store.dim, f"{field}.descriptor")
             verification = _verification(
                 entry.verification,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from vlcommon.model_info import VisionSpec, load_vision_spec, resolve_model_dir
+from vlcommon.request_rules import forbidden_tokens
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,10 @@ class DecoderEngine:
         # text that spells one must not bind images or forge turns (case C05).
         added = self.tokenizer.get_added_vocab()
         self._added_by_id = {i: t for t, i in added.items()}
-        self.forbidden_tokens = tuple(sorted(added, key=len, reverse=True))
+        # The gateway refuses the same set (vlcommon.request_rules.forbidden_tokens); the
+        # added vocabulary is joined in case a tokenizer adds tokens beyond its files.
+        tokens = set(forbidden_tokens(model_dir)) | set(added)
+        self.forbidden_tokens = tuple(sorted(tokens, key=len, reverse=True))
         from decoder_service.metrics import engine_stat_logger
 
         # Our stat logger feeds splitvl_decoder_engine_* (KV-cache usage, queue depth);

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from opentelemetry import trace
-from qwenvl.common.v1 import generation_pb2
+from qwenvl.common.v1 import generation_pb2, tensor_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 from qwenvl.decoder.v1 import decoder_service_pb2_grpc as pb_grpc
 
@@ -29,7 +29,7 @@ from decoder_service.validation import (
 )
 from vlcommon.errors import ServiceError, abort, invalid_argument
 from vlcommon.handoff import Fetched, Reader
-from vlcommon.sampling import check_sampling_ranges
+from vlcommon.sampling import check_max_tokens, check_sampling_ranges
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.decoder")
@@ -81,13 +81,7 @@ def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits) -> objec
     from vllm.sampling_params import RequestOutputKind
 
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else limits.max_tokens_default
-    if not 1 <= max_tokens <= limits.max_tokens_limit:
-        raise invalid_argument(
-            "MAX_TOKENS_OUT_OF_RANGE",
-            f"sampling.max_tokens is {max_tokens}; allowed 1..{limits.max_tokens_limit}",
-            field="sampling.max_tokens",
-            limit=limits.max_tokens_limit,
-        )
+    check_max_tokens(max_tokens, limits.max_tokens_limit)
     top_p = check_sampling_ranges(msg)
     try:
         return SamplingParams(
@@ -129,17 +123,31 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         order: list[int],
         v_order: list[int],
         context: grpc.aio.ServicerContext,
+        read: set[str],
     ) -> tuple[dict[int, Fetched], dict[int, Fetched]]:
         """Every image's and video's payload, inline or read by reference, concurrently
         and within the call's deadline (a failed read fails the request with UNAVAILABLE
-        naming the image and its holder; the other reads are cancelled)."""
+        naming the image and its holder). ``read`` collects the tickets read."""
         timeout = context.time_remaining() if context is not None else None
         items = [(f"images[{i}]", request.images[i]) for i in order]
         items += [(f"videos[{i}].embedding", request.videos[i].embedding) for i in v_order]
+
+        async def fetch(field: str, msg: tensor_pb2.ImageEmbedding) -> Fetched:
+            got = await self.reader.fetch(msg, field=field, timeout=timeout)
+            if msg.HasField("ref"):
+                read.add(msg.ref.ticket)  # released by its read
+            return got
+
         with tracer.start_as_current_span("decoder.fetch_embeddings") as span:
-            got = await asyncio.gather(
-                *(self.reader.fetch(msg, field=field, timeout=timeout) for field, msg in items)
+            # Every read ends before this returns or raises (none left running behind a
+            # failed one, so the tickets read are known when the request fails).
+            results = await asyncio.gather(
+                *(fetch(field, msg) for field, msg in items), return_exceptions=True
             )
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            got = [r for r in results if isinstance(r, Fetched)]
             span.set_attribute("splitvl.embedding.bytes", sum(g.nbytes for g in got))
             span.set_attribute("splitvl.embedding.transports", [g.transport for g in got])
         images = dict(zip(order, got[: len(order)], strict=True))
@@ -151,6 +159,8 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
         generation: trace.Span | None = None  # first token -> last token
+        read: set[str] = set()  # tickets of refs read (each read releases its own)
+        fetched = False
         try:
             if self.engine.llm is None or self.engine.spec is None:
                 raise ServiceError(
@@ -168,7 +178,9 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             v_order = video_order(request, self.engine.max_videos)
             # Embeddings sent by reference are read from their holders while the prompt is
             # rendered and tokenised (the reads wait on other processes, not on this loop).
-            fetching = asyncio.ensure_future(self._fetch_all(request, order, v_order, context))
+            fetching = asyncio.ensure_future(
+                self._fetch_all(request, order, v_order, context, read)
+            )
             fetching.add_done_callback(lambda f: f.cancelled() or f.exception())
             try:
                 params = sampling_params(request.sampling, limits)
@@ -186,6 +198,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 fetching.cancel()
                 raise
             image_data, video_data = await fetching
+            fetched = True
             images = [
                 check_image(
                     request.images[i],
@@ -317,3 +330,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         finally:
             if generation is not None:  # cancelled, failed, or ended without a finish reason
                 generation.end()
+            if not fetched:  # failed before every read: free the rest at their holders now
+                refs = [e.ref for e in request.images if e.HasField("ref")]
+                refs += [v.embedding.ref for v in request.videos if v.embedding.HasField("ref")]
+                self.reader.release_unread([r for r in refs if r.ticket not in read])

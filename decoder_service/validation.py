@@ -19,7 +19,12 @@ from decoder_service.engine import ImageInput, VideoInput
 from vlcommon import tensors
 from vlcommon.errors import invalid_argument
 from vlcommon.model_info import VisionSpec
-from vlcommon.request_rules import check_message_counts, check_no_control_tokens, check_role
+from vlcommon.request_rules import (
+    check_grid,
+    check_message_counts,
+    check_no_control_tokens,
+    check_role,
+)
 
 EMBEDDING_DTYPES = (tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_BF16, tensor_pb2.DATA_TYPE_FP16)
 
@@ -237,18 +242,8 @@ def check_image(
             f"{field}.grid is missing; image_grid_thw is required for every image",
             field=f"{field}.grid",
         )
-    grid = (int(msg.grid.t), int(msg.grid.h), int(msg.grid.w))
     m = spec.spatial_merge_size
-    # A still image has t == 1 (vLLM asserts it for image items: t > 1 killed the engine);
-    # a video (video_grid_thw) any t >= 1.
-    if (grid[0] != 1 and not video) or min(grid) <= 0 or grid[1] % m or grid[2] % m:
-        what = "a video has t >= 1" if video else "an image has t = 1"
-        raise invalid_argument(
-            "GRID_INVALID",
-            f"{field}.grid is {list(grid)}; {what} and h, w > 0, multiples of "
-            f"spatial_merge_size {m}",
-            field=f"{field}.grid",
-        )
+    grid = check_grid(msg.grid, f"{field}.grid", m, video=video)
     if not msg.HasField("embeddings"):
         raise invalid_argument(
             "EMBEDDINGS_MISSING", f"{field}.embeddings is missing", field=f"{field}.embeddings"

@@ -5,7 +5,6 @@ Settings come from ``GATEWAY_*`` environment variables; flags override them.
 
 from __future__ import annotations
 
-import json
 import logging
 
 import grpc
@@ -21,6 +20,7 @@ from vlcommon import telemetry
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import auth_settings
 from vlcommon.model_info import load_vision_spec, model_revision, resolve_model_dir
+from vlcommon.request_rules import forbidden_tokens
 from vlcommon.server import limit_torch_threads, serve
 from vlcommon.service_main import service_main
 from vlcommon.settings import channel_options
@@ -28,26 +28,6 @@ from vlcommon.tls import ClientSecurity, aio_channel
 
 log = logging.getLogger("gateway")
 SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-
-
-def forbidden_tokens(model_dir) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
-    """The checkpoint's added (control) tokens, read from tokenizer.json, longest first."""
-    path = model_dir / "tokenizer.json"
-    tokens: set[str] = set()
-    if path.exists():
-        tokens = {t["content"] for t in json.loads(path.read_text()).get("added_tokens", [])}
-    # Qwen's vision and turn tokens are refused even if a tokenizer file lacks them.
-    tokens |= {
-        "<|vision_start|>",
-        "<|vision_end|>",
-        "<|vision_pad|>",
-        "<|image_pad|>",
-        "<|video_pad|>",
-        "<|im_start|>",
-        "<|im_end|>",
-        "<|endoftext|>",
-    }
-    return tuple(sorted(tokens, key=len, reverse=True))
 
 
 def channel(address: str, security: ClientSecurity | None = None) -> grpc.aio.Channel:

@@ -64,6 +64,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import AuthInterceptor
 from vlcommon.errors import ServiceError, invalid_argument
+from vlcommon.request_rules import TIER_NAMES
+from vlcommon.sampling import check_max_tokens
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.gateway.http")
@@ -93,11 +95,6 @@ ERROR_TYPE = {
     429: "rate_limit_error",
 }
 FINISH = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length"}
-TIERS = {
-    generation_pb2.CACHE_TIER_EXACT: "exact",
-    generation_pb2.CACHE_TIER_SIMILAR: "similar",
-    generation_pb2.CACHE_TIER_MISS: "miss",
-}
 
 
 # -- the request, as OpenAI's chat completions API defines it -----------------------------
@@ -298,14 +295,7 @@ def to_generate_request(
     max_tokens = body.max_completion_tokens if name == "max_completion_tokens" else body.max_tokens
     fields["sampling.max_tokens"] = name
     if max_tokens is not None:
-        if not 1 <= max_tokens <= max_tokens_limit:
-            raise invalid_argument(
-                "MAX_TOKENS_OUT_OF_RANGE",
-                f"{name} is {max_tokens}; allowed 1..{max_tokens_limit}",
-                field=name,
-                limit=max_tokens_limit,
-            )
-        sampling.max_tokens = max_tokens
+        sampling.max_tokens = check_max_tokens(max_tokens, max_tokens_limit, name)
     fields["sampling"] = ""
     # OpenAI's and vLLM's default temperature is 1.0; the gRPC API's 0 means greedy.
     sampling.temperature = 1.0 if body.temperature is None else body.temperature
@@ -380,7 +370,7 @@ def _extension(first: pb.GenerateResponse, last: pb.GenerateResponse | None) -> 
         "images": [
             {
                 "index": im.index,
-                "tier": TIERS.get(im.tier, "unspecified"),
+                "tier": TIER_NAMES.get(im.tier, "unspecified"),
                 "similarity": round(float(im.similarity), 6),
                 "grid": [im.grid.t, im.grid.h, im.grid.w],
                 # A similarity hit may serve the stored entry's grid (docs/cache.md).

@@ -87,8 +87,13 @@ from vlcommon.imaging import (
     similarity_descriptor,
 )
 from vlcommon.model_info import VisionSpec, resolve_model_dir
-from vlcommon.request_rules import check_message_counts, check_no_control_tokens, check_role
-from vlcommon.sampling import check_sampling_ranges
+from vlcommon.request_rules import (
+    CACHE_POLICIES,
+    check_message_counts,
+    check_no_control_tokens,
+    check_role,
+)
+from vlcommon.sampling import check_max_tokens, check_sampling_ranges
 from vlcommon.verification import VerificationImage, verifiable, verification_image
 
 log = logging.getLogger(__name__)
@@ -100,11 +105,6 @@ EMBEDDING_DTYPES = (
     tensor_pb2.DATA_TYPE_BF16,
     tensor_pb2.DATA_TYPE_FP16,
 )
-POLICY_NAMES = {
-    "exact_only": generation_pb2.CACHE_POLICY_EXACT_ONLY,
-    "similar": generation_pb2.CACHE_POLICY_SIMILAR,
-    "off": generation_pb2.CACHE_POLICY_OFF,
-}
 
 
 T = TypeVar("T")
@@ -358,7 +358,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.revision = revision
         self.forbidden_tokens = forbidden_tokens
         self.down = downstream
-        self.default_policy = POLICY_NAMES[settings.default_cache_policy]
+        self.default_policy = CACHE_POLICIES[settings.default_cache_policy]
         self.transport = handoff.TRANSPORTS[settings.embedding_transport]
         self._background: set[asyncio.Task[None]] = set()
         self.fetcher = UrlFetcher(settings)
@@ -1185,6 +1185,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 revision=self.revision,
                 alias_key=im.bytes_key,
                 reusable_grids=[_thw(g) for g in im.reusable],
+                video=isinstance(im, PreparedVideo),
             )
         with tracer.start_as_current_span("cache.lookup") as span:
             try:
@@ -1308,6 +1309,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 verification_chroma=chroma,
                 revision=self.revision,
                 alias_key=im.bytes_key,
+                video=isinstance(im, PreparedVideo),
             )
         t0 = time.perf_counter()
         with tracer.start_as_current_span("gateway.cache_put") as span:
@@ -1340,16 +1342,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         timings = pb.StageTimings()
         try:
             sampling = request.sampling
-            if sampling.HasField("max_tokens") and not (
-                1 <= sampling.max_tokens <= self.settings.max_tokens_limit
-            ):
-                raise invalid_argument(
-                    "MAX_TOKENS_OUT_OF_RANGE",
-                    f"sampling.max_tokens is {sampling.max_tokens}; "
-                    f"allowed 1..{self.settings.max_tokens_limit}",
-                    field="sampling.max_tokens",
-                    limit=self.settings.max_tokens_limit,
-                )
+            if sampling.HasField("max_tokens"):
+                check_max_tokens(sampling.max_tokens, self.settings.max_tokens_limit)
             check_sampling_ranges(sampling)  # before any image is decoded or encoded
             if request.cache_policy not in generation_pb2.CachePolicy.values():
                 raise invalid_argument(

@@ -12,14 +12,9 @@ from qwenvl.common.v1 import generation_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
+from vlcommon.request_rules import TIER_NAMES
 from vlcommon.settings import channel_options
 from vlcommon.tls import ClientSecurity, sync_channel
-
-TIER_NAMES = {
-    generation_pb2.CACHE_TIER_EXACT: "exact",
-    generation_pb2.CACHE_TIER_SIMILAR: "similar",
-    generation_pb2.CACHE_TIER_MISS: "miss",
-}
 
 
 @dataclass

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import struct
@@ -24,6 +25,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -313,24 +315,32 @@ async def test_a_file_whose_header_plan_differs_is_decoded_every_time(gateway_an
     store.check_invariants()
 
 
-async def test_warm_up_starts_every_preprocess_thread_and_counts_no_decode() -> None:
+@contextlib.asynccontextmanager
+async def lone_gateway(preprocess_threads: int) -> AsyncIterator[GatewayServicer]:
+    """A gateway servicer with no cache, whose encoder and decoder are never called."""
     nowhere = grpc.aio.insecure_channel("127.0.0.1:9")
-    servicer = GatewayServicer(
-        GatewaySettings(preprocess_threads=3, cache_address=""),
-        SPEC,
-        REVISION,
-        (),
-        Downstream(
-            encoder=encoder_service_pb2_grpc.EncoderServiceStub(nowhere),
-            decoder=decoder_service_pb2_grpc.DecoderServiceStub(nowhere),
-            cache=None,
-        ),
-    )
-    before = decoded_total()
-    await servicer.warm_up()
-    assert len(servicer._preprocess._threads) == 3
-    assert decoded_total() == before
-    await nowhere.close()
+    try:
+        yield GatewayServicer(
+            GatewaySettings(preprocess_threads=preprocess_threads, cache_address=""),
+            SPEC,
+            REVISION,
+            (),
+            Downstream(
+                encoder=encoder_service_pb2_grpc.EncoderServiceStub(nowhere),
+                decoder=decoder_service_pb2_grpc.DecoderServiceStub(nowhere),
+                cache=None,
+            ),
+        )
+    finally:
+        await nowhere.close()
+
+
+async def test_warm_up_starts_every_preprocess_thread_and_counts_no_decode() -> None:
+    async with lone_gateway(preprocess_threads=3) as servicer:
+        before = decoded_total()
+        await servicer.warm_up()
+        assert len(servicer._preprocess._threads) == 3
+        assert decoded_total() == before
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
@@ -338,28 +348,16 @@ async def test_decode_threads_yield_the_cpu_to_the_header_threads() -> None:
     """Found 2026-12-01 (bench --photos, 32 in flight on 2 cores): a byte-identical
     repeat's digest took 4-35 ms while the decode threads and the encoder held both
     cores, against 1.4-3.3 ms one at a time. The decode threads run DECODE_NICE lower."""
-    nowhere = grpc.aio.insecure_channel("127.0.0.1:9")
-    servicer = GatewayServicer(
-        GatewaySettings(preprocess_threads=2, cache_address=""),
-        SPEC,
-        REVISION,
-        (),
-        Downstream(
-            encoder=encoder_service_pb2_grpc.EncoderServiceStub(nowhere),
-            decoder=decoder_service_pb2_grpc.DecoderServiceStub(nowhere),
-            cache=None,
-        ),
-    )
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     loop = asyncio.get_running_loop()
     base = nice()
-    decode = await loop.run_in_executor(servicer._preprocess, nice)
-    headers = await loop.run_in_executor(servicer._headers, nice)
+    async with lone_gateway(preprocess_threads=2) as servicer:
+        decode = await loop.run_in_executor(servicer._preprocess, nice)
+        headers = await loop.run_in_executor(servicer._headers, nice)
     assert (decode, headers) == (min(base + DECODE_NICE, 19), base)
-    await nowhere.close()
 
 
 def phone_photo(seed: int) -> bytes:

@@ -478,6 +478,55 @@ async def test_a_key_answers_and_stores_only_with_its_own_grid(served) -> None:
     store.check_invariants()
 
 
+async def test_an_image_grid_has_t_1_and_a_video_is_found_only_by_its_key(served) -> None:
+    """The cache applies the grid rule of the encoder and the decoder
+    (vlcommon.request_rules.check_grid): an image's grid with t = 2 is refused on Put and
+    on Lookup (it used to be stored, and the decoder then refused it); a video's (``video``)
+    is stored and found by its exact key; a video that brings a descriptor is refused."""
+    stub, store = served
+    clip = np.concatenate([payload(5), payload(6)])  # [8, WIDTH]: t*h*w / 4 = 2*4*4 / 4
+    entry = put_entry(5)
+    entry.embedding.grid.t = 2
+    entry.embedding.embeddings.CopyFrom(tensors.from_numpy(clip))
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Put(pb.PutRequest(entries=[entry]))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details().startswith(
+        "entries[0].embedding.grid is [2, 4, 4]; an image has t = 1"
+    )
+    assert "k5" not in store
+
+    query = lookup_request([5], seed=0)
+    query.queries[0].grid.t = 2
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Lookup(query)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details().startswith("queries[0].grid is [2, 4, 4]; an image has t = 1")
+
+    with_descriptor = pb.PutEntry()
+    with_descriptor.CopyFrom(entry)
+    with_descriptor.video = True
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Put(pb.PutRequest(entries=[with_descriptor]))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details().startswith("entries[0].descriptor is set on a video")
+
+    video = pb.PutEntry(key="clip", embedding=entry.embedding, video=True)
+    assert (await stub.Put(pb.PutRequest(entries=[video]))).stored == 1
+    found = await stub.Lookup(
+        pb.LookupRequest(
+            include_embeddings=True,
+            policy=generation_pb2.CACHE_POLICY_EXACT_ONLY,
+            queries=[pb.LookupQuery(key="clip", grid=entry.embedding.grid, video=True)],
+        )
+    )
+    assert found.results[0].tier == generation_pb2.CACHE_TIER_EXACT
+    got = found.results[0].embedding
+    assert (got.grid.t, got.grid.h, got.grid.w) == (2, 4, 4)
+    np.testing.assert_array_equal(tensors.to_numpy(got.embeddings), clip)
+    store.check_invariants()
+
+
 async def test_entry_larger_than_the_budget_is_resource_exhausted() -> None:
     store = new_store(capacity_bytes=64)
     async with serving(store, max_queries=4) as (stub, channel):

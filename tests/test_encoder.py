@@ -159,3 +159,41 @@ async def test_same_key_with_two_plans_gives_two_encodes(encoder_stub, engine) -
     response = await encoder_stub.Encode(pb.EncodeRequest(images=[small, big]))
     assert [list(e.embeddings.shape) for e in response.embeddings] == [[54, 384], [4, 384]]
     assert [e.key for e in response.embeddings] == ["dup", "dup"]
+
+
+@pytest.mark.parametrize("on_loop_bytes", [0, 1 << 40], ids=["worker-thread", "event-loop"])
+async def test_held_answers_equal_inline_ones_wherever_they_are_built(
+    engine, tmp_path, monkeypatch, on_loop_bytes: int
+) -> None:
+    """The answer (cast, then held in a segment) is built on a worker thread above
+    ANSWER_ON_LOOP_BYTES and on the event loop below it; either way each ref holds the same
+    bytes as the inline answer, for its own image."""
+    from encoder_service import servicer as encoder_servicer
+    from vlcommon.handoff import Holder
+
+    monkeypatch.setattr(encoder_servicer, "ANSWER_ON_LOOP_BYTES", on_loop_bytes)
+    holder = Holder("encoder", shm_dir=tmp_path)
+    batcher = Batcher(
+        engine.encode, max_batch_images=8, max_batch_patches=16384, max_wait_ms=5, max_queue=4
+    )
+    batcher.start()
+    servicer = EncoderServicer(
+        engine, batcher, max_images_per_request=4, max_patches_per_image=4096, holder=holder
+    )
+    images = [_image("astronaut.png", engine), _image("chelsea.png", engine)]
+    async with in_process_server(
+        pb_grpc.add_EncoderServiceServicer_to_server, servicer, "qwenvl.encoder.v1.EncoderService"
+    ) as channel:
+        stub = pb_grpc.EncoderServiceStub(channel)
+        bf16 = tensor_pb2.DATA_TYPE_BF16
+        inline = await stub.Encode(pb.EncodeRequest(images=images, output_dtype=bf16))
+        held = await stub.Encode(
+            pb.EncodeRequest(images=images, output_dtype=bf16, transport=tensor_pb2.TRANSPORT_SHM)
+        )
+    await batcher.stop()
+    for want, got in zip(inline.embeddings, held.embeddings, strict=True):
+        assert got.ref.shm_name and not got.embeddings.data
+        assert list(got.embeddings.shape) == list(want.embeddings.shape)
+        found = holder.read_bytes(got.ref.ticket)
+        assert found is not None and bytes(found[1]) == want.embeddings.data
+    holder.close()

@@ -179,3 +179,45 @@ def test_a_hit_whose_held_entry_is_gone_is_encoded_again_with_the_same_tokens(
     assert second.images[0]["tier"] == "miss"  # reported as what the model got
     assert second.token_ids == first.token_ids
     assert second.timings["encode_ms"] > 0
+
+
+def test_a_request_the_decoder_refuses_before_reading_releases_its_refs(cluster) -> None:
+    """Held embeddings of a request that fails before its reads (here: a bad role, refused
+    before any fetch starts) are released at once, not kept until their TTL (120 s)."""
+    import time
+
+    import grpc
+    import numpy as np
+    from qwenvl.common.v1 import tensor_pb2
+    from qwenvl.decoder.v1 import decoder_service_pb2 as dpb
+    from qwenvl.decoder.v1 import decoder_service_pb2_grpc as dpb_grpc
+    from qwenvl.encoder.v1 import encoder_service_pb2 as epb
+    from qwenvl.encoder.v1 import encoder_service_pb2_grpc as epb_grpc
+
+    from vlcommon import tensors
+
+    held = {"service": "encoder"}
+    request = epb.EncodeRequest(transport=tensor_pb2.TRANSPORT_SHM, readers=1)
+    image = request.images.add(key="refused-before-read")
+    pixels = np.random.default_rng(11).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    image.pixels.CopyFrom(tensors.from_numpy(pixels))
+    image.plan.resized_height = image.plan.resized_width = 64
+    image.plan.grid.t, image.plan.grid.h, image.plan.grid.w = 1, 4, 4
+    with grpc.insecure_channel(cluster.ports.address("encoder")) as channel:
+        emb = epb_grpc.EncoderServiceStub(channel).Encode(request, timeout=60).embeddings[0]
+    assert (
+        emb.HasField("ref") and metric(cluster, "encoder", "splitvl_handoff_held_bytes", held) > 0
+    )
+    bad = dpb.GenerateRequest(request_id="refused")
+    message = bad.messages.add(role="intruder")
+    message.parts.add(image_index=0)
+    bad.images.append(emb)
+    with grpc.insecure_channel(cluster.ports.address("decoder")) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(dpb_grpc.DecoderServiceStub(channel).Generate(bad, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    deadline = time.monotonic() + 10
+    while metric(cluster, "encoder", "splitvl_handoff_held_bytes", held) > 0:
+        assert time.monotonic() < deadline, "the refused request's ref is still held"
+        time.sleep(0.2)
+    assert emb.ref.shm_name not in os.listdir("/dev/shm")

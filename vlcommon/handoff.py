@@ -647,6 +647,16 @@ class Reader:
         except grpc.aio.AioRpcError as err:  # the holder frees it at its TTL anyway
             log.info("release of %s at %s failed: %s", ref.ticket[:8], ref.holder, err.code())
 
+    def release_unread(self, refs: list[tensor_pb2.EmbeddingRef]) -> None:
+        """Release, in the background, refs this reader will not read (its request failed
+        before their reads), so their holder frees them now rather than at their TTL (a
+        cache hit stays leased until then)."""
+        for ref in refs:
+            if ref.ticket and ref.holder:
+                task = asyncio.ensure_future(self._release(ref))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
 
 def advertised_address(host: str, port: int, configured: str = "") -> str:
     """The host:port readers use to reach a holder: ``configured`` when set (say

@@ -1,5 +1,6 @@
-"""Rules a request must meet, shared by the gateway and the decoder: message and part
-counts, chat roles, and the control tokens user text may not hold.
+"""Rules a request must meet, shared by the gateway, the cache and the decoder: message and
+part counts, chat roles, the control tokens user text may not hold, the grid rule
+(``image_grid_thw`` / ``video_grid_thw``), and the names of cache tiers and policies.
 
 Each check raises :class:`~vlcommon.errors.ServiceError` with INVALID_ARGUMENT naming the
 field (and the limit where one applies).
@@ -7,10 +8,29 @@ field (and the limit where one applies).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from qwenvl.common.v1 import generation_pb2
+
 from vlcommon.errors import invalid_argument
+
+#: Cache policy names (settings, the OpenAI front's ``cache_policy``) and their enum values.
+CACHE_POLICIES = {
+    "exact_only": generation_pb2.CACHE_POLICY_EXACT_ONLY,
+    "similar": generation_pb2.CACHE_POLICY_SIMILAR,
+    "off": generation_pb2.CACHE_POLICY_OFF,
+}
+#: Cache tier names and their enum values (the tier a result was served from).
+CACHE_TIERS = {
+    "exact": generation_pb2.CACHE_TIER_EXACT,
+    "similar": generation_pb2.CACHE_TIER_SIMILAR,
+    "miss": generation_pb2.CACHE_TIER_MISS,
+}
+#: A tier's name by its enum value (clients, the OpenAI front, the benchmarks).
+TIER_NAMES = {value: name for name, value in CACHE_TIERS.items()}
 
 
 def check_count(n: int, *, field: str, limit: int, noun: str = "entries") -> None:
@@ -65,6 +85,42 @@ def check_role(role: str, field: str) -> None:
         )
 
 
+# Qwen's vision and turn tokens: refused even where a tokenizer's files lack them.
+QWEN_CONTROL_TOKENS = frozenset(
+    {
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|vision_pad|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+    }
+)
+
+
+def forbidden_tokens(model_dir: Path) -> tuple[str, ...]:
+    """The control tokens user text may not spell (case C05), longest first, as the
+    gateway and the decoder both refuse them: every added token of the checkpoint's
+    tokenizer (``tokenizer.json``'s ``added_tokens`` and ``tokenizer_config.json``'s
+    ``added_tokens_decoder``, the sources of transformers' ``get_added_vocab``) and
+    :data:`QWEN_CONTROL_TOKENS`.
+
+    Raises:
+        json.JSONDecodeError: a tokenizer file that is not JSON (at startup).
+    """
+    tokens = set(QWEN_CONTROL_TOKENS)
+    path = Path(model_dir) / "tokenizer.json"
+    if path.exists():
+        tokens |= {t["content"] for t in json.loads(path.read_text()).get("added_tokens", [])}
+    path = Path(model_dir) / "tokenizer_config.json"
+    if path.exists():
+        decoder = json.loads(path.read_text()).get("added_tokens_decoder", {})
+        tokens |= {t["content"] for t in decoder.values()}
+    return tuple(sorted(tokens, key=len, reverse=True))
+
+
 def check_no_control_tokens(text: str, forbidden: tuple[str, ...], field: str) -> None:
     """Refuse text containing a control token such as ``<|image_pad|>`` (case C05).
 
@@ -83,3 +139,25 @@ def check_no_control_tokens(text: str, forbidden: tuple[str, ...], field: str) -
                 field=field,
                 token=token,
             )
+
+
+def check_grid(grid: Any, field: str, merge: int, *, video: bool = False) -> tuple[int, int, int]:
+    """The ``(t, h, w)`` of a ``GridTHW`` (in patches), checked by one rule everywhere an
+    embedding's grid arrives (the cache's Lookup and Put, the decoder).
+
+    A still image has ``t == 1``: vLLM asserts it for image items, and a ``t > 1`` image
+    killed its engine; a video (``video_grid_thw``) has any ``t >= 1``. ``h`` and ``w`` are
+    positive multiples of ``spatial_merge_size`` (``merge``).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``GRID_INVALID`` naming ``field`` and the rule.
+    """
+    thw = (int(grid.t), int(grid.h), int(grid.w))
+    if (thw[0] != 1 and not video) or min(thw) <= 0 or thw[1] % merge or thw[2] % merge:
+        what = "a video has t >= 1" if video else "an image has t = 1"
+        raise invalid_argument(
+            "GRID_INVALID",
+            f"{field} is {list(thw)}; {what} and h, w > 0, multiples of spatial_merge_size {merge}",
+            field=field,
+        )
+    return thw

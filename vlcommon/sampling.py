@@ -18,6 +18,23 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 256
 
 
+def check_max_tokens(value: int, limit: int, field: str = "sampling.max_tokens") -> int:
+    """Refuse a max_tokens outside 1..``limit`` (the gateway, its OpenAI front, the decoder).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``MAX_TOKENS_OUT_OF_RANGE`` naming ``field`` and the
+            limit.
+    """
+    if not 1 <= value <= limit:
+        raise invalid_argument(
+            "MAX_TOKENS_OUT_OF_RANGE",
+            f"{field} is {value}; allowed 1..{limit}",
+            field=field,
+            limit=limit,
+        )
+    return value
+
+
 def check_sampling_ranges(msg: generation_pb2.SamplingParams) -> float:
     """Check temperature, top_p and stop (max_tokens is each service's own limit).
 
