@@ -16,7 +16,7 @@ from qwenvl.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from gateway.openai_front import HttpFront, create_app
 from gateway.servicer import Downstream, GatewayServicer
 from gateway.settings import GatewaySettings
-from vlcommon import telemetry
+from vlcommon import handoff, telemetry
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import auth_settings
 from vlcommon.model_info import load_vision_spec, model_revision, resolve_model_dir
@@ -61,6 +61,9 @@ async def main_async(settings: GatewaySettings) -> None:
         encoder=encoder_service_pb2_grpc.EncoderServiceStub(channels[0]),
         decoder=decoder_service_pb2_grpc.DecoderServiceStub(channels[1]),
         cache=cache_stub,
+        # Releases held embeddings that no reader will read (a request that failed before
+        # the decoder took them over), at their holders, with the internal channels' TLS.
+        releaser=handoff.Reader(security),
     )
     servicer = GatewayServicer(settings, spec, revision, forbidden_tokens(model_dir), downstream)
     log.info("model %s revision %s", model_dir, revision)
@@ -96,6 +99,8 @@ async def main_async(settings: GatewaySettings) -> None:
             await http.stop()
         for ch in channels:
             await ch.close()
+        assert downstream.releaser is not None
+        await downstream.releaser.close()
 
     await serve(
         service_name="gateway",

@@ -1,5 +1,10 @@
 """``qwenvl.gateway.v1.GatewayService``: the orchestration of one request.
 
+This servicer runs the intake (step 1: parsing, headers, digests, decoding, plans) and
+the stages of ``gateway.stages`` in order: :class:`~gateway.stages.CacheStage` (steps 1-3:
+the lookups and the put), :class:`~gateway.stages.EncodeStage` (step 3) and
+:class:`~gateway.stages.DecodeStage` (step 4); it builds the responses and the timings.
+
 1. Validate messages and parts; read each image's header (size, EXIF orientation), plan
    its resize from it and digest the encoded file (the bytes key, ``vlcommon.imaging``).
    ``CacheService/Lookup`` by bytes key (all images in one call): a file seen before is
@@ -36,7 +41,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -45,10 +50,10 @@ import grpc
 import numpy as np
 from opentelemetry import trace
 from PIL import Image
-from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
-from qwenvl.common.v1 import generation_pb2, tensor_pb2
+from qwenvl.cache.v1 import cache_service_pb2_grpc
+from qwenvl.common.v1 import generation_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2, decoder_service_pb2_grpc
-from qwenvl.encoder.v1 import encoder_service_pb2, encoder_service_pb2_grpc
+from qwenvl.encoder.v1 import encoder_service_pb2_grpc
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
@@ -56,8 +61,22 @@ from gateway import metrics
 from gateway.fetch import UrlFetcher
 from gateway.media import ImageUrl, image_bytes, video_file_bytes
 from gateway.settings import GatewaySettings
+from gateway.stages import (
+    CacheStage,
+    DecodeStage,
+    EncodedFile,
+    EncodeStage,
+    HeldRefs,
+    PreparedImage,
+    PreparedVideo,
+    RefsLost,
+    grid_message,
+    inline_bytes,
+    ref_attributes,
+    remaining,
+    thw_message,
+)
 from gateway.video import (
-    DecodedVideo,
     VideoLimits,
     VideoRequest,
     check_request,
@@ -66,18 +85,15 @@ from gateway.video import (
     live_check,
     load_video_config,
 )
-from vlcommon import handoff, tensors
+from vlcommon import handoff
 from vlcommon.errors import (
     ServiceError,
-    error_info,
-    from_rpc_error,
     invalid_argument,
     resource_exhausted,
 )
 from vlcommon.grid_reuse import reusable_grids
 from vlcommon.imaging import (
     ImageHeader,
-    ResizePlan,
     bytes_key,
     decode_image,
     exact_key,
@@ -94,86 +110,12 @@ from vlcommon.request_rules import (
     check_role,
 )
 from vlcommon.sampling import check_max_tokens, check_sampling_ranges
-from vlcommon.verification import VerificationImage, verifiable, verification_image
+from vlcommon.verification import verifiable, verification_image
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.gateway")
 
-CACHE_FAILURES = metrics.CACHE_FAILURES
-EMBEDDING_DTYPES = (
-    tensor_pb2.DATA_TYPE_FP32,
-    tensor_pb2.DATA_TYPE_BF16,
-    tensor_pb2.DATA_TYPE_FP16,
-)
-
-
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class EncodedFile:
-    """One encoded image as its header describes it, before any pixel is decoded.
-
-    Attributes:
-        header: Size, mode and EXIF orientation (:func:`vlcommon.imaging.read_header`).
-        plan: The resize plan of the header's upright size.
-        bytes_key: The file's digest with the plan (:func:`vlcommon.imaging.bytes_key`);
-            empty when no cache lookup will use it (then it is not computed).
-    """
-
-    header: ImageHeader
-    plan: ResizePlan
-    bytes_key: str
-
-
-@dataclass
-class PreparedImage:
-    """One image with everything computed before any ViT work.
-
-    A decoded image has ``pixels``, ``descriptor`` and (with a cache) ``verification``;
-    one whose file digest answered from the exact tier has none of them (``decoded`` is
-    False) and already has its ``embedding``.
-    """
-
-    index: int  # position among the request's images
-    plan: ResizePlan
-    key: str  # the pixel key (exact_key); after a file-digest hit, the entry's pixel key
-    decoded: bool
-    pixels: np.ndarray | None = None  # uint8 [resized_height, resized_width, 3], upright RGB
-    descriptor: np.ndarray | None = None  # float32 [DESCRIPTOR_DIM]
-    # The decoded image's luma (at most VERIFY_MAX_PIXELS) and chroma: the cache verifies
-    # similarity candidates on it (vlcommon.verification); built when there is a cache
-    # and the image is verifiable (else it only ever hits exactly).
-    verification: VerificationImage | None = None
-    # The encoded file's digest when its header's plan is the decoded image's plan: stored
-    # as an alias of ``key`` so that the same file is found again without decoding.
-    bytes_key: str = ""
-    tier: int = generation_pb2.CACHE_TIER_MISS
-    similarity: float = 0.0
-    embedding: tensor_pb2.ImageEmbedding | None = None
-    # Other grids a similarity hit may serve (the plan's aspect class, vlcommon.grid_reuse).
-    reusable: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def served_grid(self) -> tuple[int, int, int]:
-        """The grid of the embeddings the decoder gets: the plan's, unless a similarity hit
-        answered with an entry of another grid of the aspect class."""
-        if self.embedding is None or not self.embedding.HasField("grid"):
-            return self.plan.grid
-        g = self.embedding.grid
-        return (g.t, g.h, g.w)
-
-
-@dataclass
-class PreparedVideo(PreparedImage):
-    """One video, sampled and resized (gateway.video), on the image path's stages.
-
-    ``pixels`` holds every kept frame, uint8 ``[frames, resized_height, resized_width, 3]``;
-    ``plan.grid_t`` is frames / temporal_patch_size. It has no descriptor and no
-    verification image: a video is only ever an exact hit.
-    """
-
-    video: DecodedVideo | None = None
 
 
 @dataclass(frozen=True)
@@ -190,19 +132,14 @@ class VideoSource:
 
 @dataclass(frozen=True)
 class Downstream:
-    """Stubs of the three services the gateway calls (cache may be None)."""
+    """Stubs of the three services the gateway calls (cache may be None), and the client
+    that releases held embeddings the gateway received but no reader will read (None: a
+    plaintext one of its own)."""
 
     encoder: encoder_service_pb2_grpc.EncoderServiceStub
     decoder: decoder_service_pb2_grpc.DecoderServiceStub
     cache: cache_service_pb2_grpc.CacheServiceStub | None
-
-
-def _descriptor(im: PreparedImage) -> tensor_pb2.Tensor:
-    """The image's similarity descriptor as an FP32 tensor; empty for an image never
-    decoded (only decoded images are looked up by pixel key or stored)."""
-    if im.descriptor is None:
-        return tensor_pb2.Tensor()
-    return tensors.from_numpy(im.descriptor)
+    releaser: handoff.Reader | None = None
 
 
 # The warm-up's photo: a phone camera's 12 MP (4032x3024), the size the first request is
@@ -236,24 +173,6 @@ def _warm_up_files() -> list[bytes]:
     return [jpeg.getvalue(), png.getvalue()]
 
 
-def _verification(im: PreparedImage) -> tuple[tensor_pb2.Tensor, tensor_pb2.Tensor]:
-    """The image's verification image as UINT8 tensors, (luma, chroma), for a Lookup
-    query's or Put entry's ``verification`` and ``verification_chroma``.
-
-    ``_prepare_images`` builds it whenever the gateway has a cache and the image is
-    verifiable, and only then are there lookups and puts; empty tensors (never a
-    similarity hit) when it is missing.
-    """
-    if im.verification is None:
-        return tensor_pb2.Tensor(), tensor_pb2.Tensor()
-    return tensors.from_numpy(im.verification.luma), tensors.from_numpy(im.verification.chroma)
-
-
-def _tier(tier: int) -> str:
-    """``exact`` / ``similar`` / ``miss``: the metric label and span attribute value."""
-    return generation_pb2.CacheTier.Name(tier).removeprefix("CACHE_TIER_").lower()
-
-
 def _video_info(v: PreparedVideo) -> pb.VideoInfo:
     """The response's per-video information."""
     assert v.video is not None
@@ -261,7 +180,7 @@ def _video_info(v: PreparedVideo) -> pb.VideoInfo:
     return pb.VideoInfo(
         index=v.index,
         tier=v.tier,
-        grid=_grid(v.plan),
+        grid=grid_message(v.plan),
         tokens=v.plan.tokens,
         frames=len(sampling.indices),
         timestamps=sampling.timestamps,
@@ -269,51 +188,6 @@ def _video_info(v: PreparedVideo) -> pb.VideoInfo:
         source_frames=sampling.source_frames,
         frame_indices=sampling.indices,
     )
-
-
-# The decoder could not read an image's held embeddings: their holder lost them (restart,
-# expiry) or could not be reached. Encoding again (a new holder) can still answer.
-REF_LOST_REASONS = frozenset({"EMBEDDING_REF_GONE", "EMBEDDING_HOLDER_UNAVAILABLE"})
-
-
-def _inline_bytes(emb: tensor_pb2.ImageEmbedding) -> int:
-    """Embedding bytes that travel inside ``emb`` (0 for one sent by reference)."""
-    return 0 if emb.HasField("ref") else tensors.payload_nbytes(emb.embeddings)
-
-
-def _ref_attributes(span: trace.Span, embeddings: Sequence[tensor_pb2.ImageEmbedding]) -> None:
-    """Which transport carries each image's embeddings, from which holder, how many bytes
-    (the bytes themselves never pass through the gateway)."""
-    refs = [e.ref for e in embeddings if e.HasField("ref")]
-    span.set_attribute(
-        "splitvl.embedding.transports", [handoff.transport_name(r.transport) for r in refs]
-    )
-    span.set_attribute("splitvl.embedding.holders", [r.service for r in refs])
-    span.set_attribute("splitvl.embedding.ref_bytes", [r.nbytes for r in refs])
-
-
-def _grid(plan: ResizePlan) -> tensor_pb2.GridTHW:
-    return tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w)
-
-
-def _thw(grid: tuple[int, int, int]) -> tensor_pb2.GridTHW:
-    return tensor_pb2.GridTHW(t=grid[0], h=grid[1], w=grid[2])
-
-
-def _remaining(context: grpc.aio.ServicerContext | None, cap: float | None = None) -> float | None:
-    """Seconds left of the request's deadline (capped); None when neither bounds it.
-
-    Raises:
-        ServiceError: DEADLINE_EXCEEDED when no time is left.
-    """
-    left = context.time_remaining() if context is not None else None
-    if left is not None and left <= 0:
-        raise ServiceError(
-            grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED", "the request's deadline expired"
-        )
-    if cap is None:
-        return left
-    return cap if left is None else min(left, cap)
 
 
 # How much the decode threads lower their own OS priority (nice), relative to the
@@ -360,6 +234,25 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.down = downstream
         self.default_policy = CACHE_POLICIES[settings.default_cache_policy]
         self.transport = handoff.TRANSPORTS[settings.embedding_transport]
+        # The stages over the downstream services (gateway.stages); this servicer runs the
+        # intake and the decode itself and the stages in order.
+        self.releaser = downstream.releaser or handoff.Reader()
+        self.cache_stage = CacheStage(
+            downstream.cache,
+            spec=spec,
+            revision=revision,
+            transport=self.transport,
+            timeout_s=settings.cache_timeout_s,
+            put_timeout_s=settings.cache_put_timeout_s,
+            releaser=self.releaser,
+        )
+        self.encode_stage = EncodeStage(
+            downstream.encoder,
+            transport=self.transport,
+            timeout_s=settings.encode_timeout_s,
+            releaser=self.releaser,
+        )
+        self.decode_stage = DecodeStage(downstream.decoder, releaser=self.releaser)
         self._background: set[asyncio.Task[None]] = set()
         self.fetcher = UrlFetcher(settings)
         self._preprocess = ThreadPoolExecutor(
@@ -546,7 +439,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             return videos
         with tracer.start_as_current_span("gateway.fetch_urls") as span:
             span.set_attribute("splitvl.videos", len(urls))
-            fetched = await self.video_fetcher.fetch_all(urls, _remaining(context))
+            fetched = await self.video_fetcher.fetch_all(urls, remaining(context))
             span.set_attribute("splitvl.transfer_bytes", sum(map(len, fetched.values())))
         return [
             dataclasses.replace(v, file=fetched[v.index]) if isinstance(v.file, ImageUrl) else v
@@ -660,7 +553,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             return [src for src in sources if isinstance(src, bytes)]
         with tracer.start_as_current_span("gateway.fetch_urls") as span:
             span.set_attribute("splitvl.images", len(urls))
-            fetched = await self.fetcher.fetch_all(urls, _remaining(context))
+            fetched = await self.fetcher.fetch_all(urls, remaining(context))
             span.set_attribute("splitvl.transfer_bytes", sum(map(len, fetched.values())))
         return [fetched[i] if isinstance(src, ImageUrl) else src for i, src in enumerate(sources)]
 
@@ -925,7 +818,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 ``preprocess_threads + preprocess_queue`` requests are already there; what
                 ``work`` raises.
         """
-        left = _remaining(context)
+        left = remaining(context)
         deadline = None if left is None else time.monotonic() + left
         stop = threading.Event()
         # In the thread, under the current span: image.decode/image.resize are its children.
@@ -974,6 +867,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         hi: int,
         policy: int,
         context: grpc.aio.ServicerContext,
+        held: HeldRefs | None = None,
     ) -> tuple[list[PreparedImage], float, bool]:
         """Every image of the request, prepared; decoded only where its file's digest missed.
 
@@ -1002,7 +896,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             self._read_files, datas, lo, hi, True, context=context, headers_only=True
         )
         t = time.perf_counter()
-        hits = await self._lookup_files(files, context)
+        hits = await self.cache_stage.lookup_files(files, context, held)
         lookup_ms = (time.perf_counter() - t) * 1000
         todo = [i for i in range(len(datas)) if hits is None or i not in hits]
         decoded: list[PreparedImage] = []
@@ -1062,405 +956,148 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             (time.perf_counter() - started) * 1000,
         )
 
-    def _usable_hit(
-        self, emb: tensor_pb2.ImageEmbedding, im: PreparedImage, *, similar: bool = False
-    ) -> bool:
-        """Trust a cache hit only if its tensor fits this image and this model.
-
-        Its grid must be the plan's, or (``similar``: a similarity hit) one of the plan's
-        aspect class (``im.reusable``); its rows must be that grid's token count. A bad
-        entry (wrong rows for the grid, wrong width, bad byte count, NaN) would make the
-        decoder refuse the request; treated as a miss, the image is encoded instead.
-        """
-        grid = (emb.grid.t, emb.grid.h, emb.grid.w)
-        if grid != im.plan.grid and not (similar and grid in im.reusable):
-            return False
-        shape = list(emb.embeddings.shape)
-        if shape != [self.spec.tokens(*grid), self.spec.embedding_width]:
-            return False
-        if emb.HasField("ref"):
-            # By reference: the bytes are the decoder's to check (once, finiteness
-            # included); the cache checked them when they were put.
-            return emb.ref.nbytes == tensors.payload_nbytes(emb.embeddings) and bool(emb.ref.ticket)
-        try:
-            data = tensors.validate(emb.embeddings, field="cache", dtypes=EMBEDDING_DTYPES)
-        except ServiceError:
-            return False
-        return bool(np.isfinite(tensors.to_numpy(emb.embeddings, data)).all())
-
-    # -- stages -------------------------------------------------------------------------
-    async def _lookup_files(
-        self, files: list[EncodedFile | None], context: grpc.aio.ServicerContext
-    ) -> dict[int, PreparedImage] | None:
-        """``CacheService/Lookup`` by bytes key, exact tier only, before any decode.
-
-        Returns:
-            The images the cache answered, by request index (exact hits, never decoded);
-            None when the cache failed or answered malformed (counted in
-            ``splitvl_gateway_cache_failures_total{op="lookup"}``; the request then asks
-            the cache no more and encodes).
-        """
-        cache = self.down.cache
-        asked = [(i, f) for i, f in enumerate(files) if f is not None and f.bytes_key]
-        if cache is None or not asked:
-            return {}
-        request = cache_service_pb2.LookupRequest(
-            policy=generation_pb2.CACHE_POLICY_EXACT_ONLY,
-            include_embeddings=True,
-            bytes_keys=True,
-            transport=self.transport,
-        )
-        for _, f in asked:
-            request.queries.add(key=f.bytes_key, grid=_grid(f.plan), revision=self.revision)
-        hits: dict[int, PreparedImage] = {}
-        with tracer.start_as_current_span("cache.lookup_bytes") as span:
-            try:
-                response = await cache.Lookup(
-                    request, timeout=_remaining(context, self.settings.cache_timeout_s)
-                )
-            except grpc.aio.AioRpcError as err:
-                CACHE_FAILURES.labels(op="lookup").inc()
-                span.set_attribute("splitvl.cache.error", err.code().name)
-                log.warning("cache lookup failed (%s); encoding instead", err.code().name)
-                return None
-            if len(response.results) != len(asked):
-                CACHE_FAILURES.labels(op="lookup").inc()
-                log.warning(
-                    "cache answered %d results for %d queries; encoding instead",
-                    len(response.results),
-                    len(asked),
-                )
-                return None
-            received = 0
-            for (index, f), result in zip(asked, response.results, strict=True):
-                if result.tier != generation_pb2.CACHE_TIER_EXACT:
-                    continue
-                im = PreparedImage(
-                    index=index,
-                    plan=f.plan,
-                    key=result.matched_key or result.embedding.key,
-                    decoded=False,
-                    bytes_key=f.bytes_key,
-                    tier=result.tier,
-                    similarity=result.similarity,
-                    embedding=result.embedding,
-                )
-                if not self._usable_hit(result.embedding, im):
-                    CACHE_FAILURES.labels(op="bad_entry").inc()
-                    log.warning("cache returned an unusable entry for %s", f.bytes_key[:16])
-                    continue  # decoded and looked up by pixel key instead
-                hits[index] = im
-                metrics.CACHE_LOOKUPS.labels(tier="exact").inc()
-                received += _inline_bytes(result.embedding)
-                span.add_event("image", {"splitvl.image.index": index})
-            metrics.EMBEDDING_RECEIVED_BYTES.labels(source="cache").inc(received)
-            span.set_attribute(
-                "splitvl.cache.tiers", ["exact" if i in hits else "miss" for i, _ in asked]
-            )
-            span.set_attribute("splitvl.embedding.bytes", received)
-        return hits
-
-    async def _lookup(
-        self, images: list[PreparedImage], policy: int, context: grpc.aio.ServicerContext
-    ) -> None:
-        """``CacheService/Lookup`` by pixel key (exact, then similarity) for decoded images.
-
-        An image whose file digest was computed sends it as the query's ``alias_key``: on
-        an exact hit the cache makes it an alias of the entry, so that file is found again
-        without decoding (the same pixels sent as another file, say a PNG copy of a JPEG).
-        """
-        if self.down.cache is None or policy == generation_pb2.CACHE_POLICY_OFF or not images:
-            return
-        request = cache_service_pb2.LookupRequest(
-            policy=policy, include_embeddings=True, transport=self.transport
-        )
-        for im in images:
-            luma, chroma = _verification(im)
-            request.queries.add(
-                key=im.key,
-                descriptor=_descriptor(im),
-                grid=_grid(im.plan),
-                verification=luma,
-                verification_chroma=chroma,
-                revision=self.revision,
-                alias_key=im.bytes_key,
-                reusable_grids=[_thw(g) for g in im.reusable],
-                video=isinstance(im, PreparedVideo),
-            )
-        with tracer.start_as_current_span("cache.lookup") as span:
-            try:
-                response = await self.down.cache.Lookup(
-                    request, timeout=_remaining(context, self.settings.cache_timeout_s)
-                )
-            except grpc.aio.AioRpcError as err:
-                # The cache is an optimisation: serve by encoding, count the failure.
-                CACHE_FAILURES.labels(op="lookup").inc()
-                span.set_attribute("splitvl.cache.error", err.code().name)
-                log.warning("cache lookup failed (%s); encoding instead", err.code().name)
-                return
-            if len(response.results) != len(images):
-                CACHE_FAILURES.labels(op="lookup").inc()
-                log.warning(
-                    "cache answered %d results for %d queries; encoding instead",
-                    len(response.results),
-                    len(images),
-                )
-                return
-            for im, result in zip(images, response.results, strict=True):
-                im.similarity = result.similarity
-                if result.tier in (
-                    generation_pb2.CACHE_TIER_EXACT,
-                    generation_pb2.CACHE_TIER_SIMILAR,
-                ):
-                    similar = result.tier == generation_pb2.CACHE_TIER_SIMILAR
-                    if not self._usable_hit(result.embedding, im, similar=similar):
-                        CACHE_FAILURES.labels(op="bad_entry").inc()
-                        log.warning("cache returned an unusable entry for %s", im.key[:16])
-                        continue  # never bind embeddings that do not fit
-                    im.tier = result.tier
-                    im.embedding = result.embedding
-            received = 0
-            for im in images:
-                metrics.CACHE_LOOKUPS.labels(tier=_tier(im.tier)).inc()
-                if im.embedding is not None:
-                    received += _inline_bytes(im.embedding)
-                span.add_event(
-                    "image",
-                    {
-                        "splitvl.image.index": im.index,
-                        "splitvl.cache.tier": _tier(im.tier),
-                        "splitvl.cache.similarity": im.similarity,
-                        # A similarity hit may serve the stored entry's grid (docs/cache.md).
-                        "splitvl.cache.requested_grid": list(im.plan.grid),
-                        "splitvl.cache.served_grid": list(im.served_grid),
-                        "splitvl.cache.grid_changed": im.served_grid != im.plan.grid,
-                    },
-                )
-            metrics.EMBEDDING_RECEIVED_BYTES.labels(source="cache").inc(received)
-            span.set_attribute("splitvl.cache.tiers", [_tier(im.tier) for im in images])
-            span.set_attribute("splitvl.cache.similarities", [im.similarity for im in images])
-            span.set_attribute(
-                "splitvl.cache.grid_changed", [im.served_grid != im.plan.grid for im in images]
-            )
-            span.set_attribute("splitvl.embedding.bytes", received)
-
-    async def _encode(
-        self, misses: list[PreparedImage], context: grpc.aio.ServicerContext, *, readers: int = 1
-    ) -> None:
-        """``EncoderService/Encode`` for the misses: the encoder holds their embeddings for
-        ``readers`` readers (the decoder, and the cache when it stores them) and answers
-        refs (an encoder that answers the bytes inline is relayed as it is)."""
-        request = encoder_service_pb2.EncodeRequest(transport=self.transport, readers=readers)
-        for im in misses:
-            if im.pixels is None:  # a file-digest hit has its embedding: never a miss
-                raise ServiceError(
-                    grpc.StatusCode.INTERNAL, "INTERNAL", f"images[{im.index}] has no pixels"
-                )
-            request.images.add(
-                key=im.key,
-                pixels=tensors.from_numpy(im.pixels),
-                plan=tensor_pb2.ResizePlan(
-                    resized_height=im.plan.resized_height,
-                    resized_width=im.plan.resized_width,
-                    grid=_grid(im.plan),
-                ),
-            )
-        with tracer.start_as_current_span("gateway.encode") as span:
-            span.set_attribute("splitvl.images", len(misses))
-            span.set_attribute("splitvl.transfer_bytes", request.ByteSize())
-            try:
-                response = await self.down.encoder.Encode(
-                    request, timeout=_remaining(context, self.settings.encode_timeout_s)
-                )
-            except grpc.aio.AioRpcError as err:
-                raise from_rpc_error(err, dependency="encoder") from err
-            if len(response.embeddings) != len(misses):
-                raise ServiceError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "ENCODER_BAD_RESPONSE",
-                    f"encoder answered {len(response.embeddings)} embeddings for "
-                    f"{len(misses)} images",
-                    {"dependency": "encoder"},
-                )
-            received = sum(_inline_bytes(e) for e in response.embeddings)
-            metrics.EMBEDDING_RECEIVED_BYTES.labels(source="encoder").inc(received)
-            span.set_attribute("splitvl.embedding.bytes", received)
-            _ref_attributes(span, response.embeddings)
-        for im, emb in zip(misses, response.embeddings, strict=True):
-            im.embedding = emb
-
-    async def _put(
-        self,
-        fresh: list[PreparedImage],
-        policy: int,
-        context: grpc.aio.ServicerContext | None,
-        timings: pb.StageTimings | None = None,
-    ) -> None:
-        if self.down.cache is None or policy == generation_pb2.CACHE_POLICY_OFF or not fresh:
-            return
-        request = cache_service_pb2.PutRequest()
-        for im in fresh:
-            luma, chroma = _verification(im)
-            request.entries.add(
-                key=im.key,
-                descriptor=_descriptor(im),
-                embedding=im.embedding,
-                verification=luma,
-                verification_chroma=chroma,
-                revision=self.revision,
-                alias_key=im.bytes_key,
-                video=isinstance(im, PreparedVideo),
-            )
-        t0 = time.perf_counter()
-        with tracer.start_as_current_span("gateway.cache_put") as span:
-            span.set_attribute("splitvl.transfer_bytes", request.ByteSize())
-            sent = sum(_inline_bytes(im.embedding) for im in fresh if im.embedding)
-            span.set_attribute("splitvl.embedding.bytes", sent)
-            _ref_attributes(span, [im.embedding for im in fresh if im.embedding])
-            metrics.EMBEDDING_SENT_BYTES.labels(destination="cache").inc(sent)
-            try:
-                await self.down.cache.Put(
-                    request, timeout=_remaining(context, self.settings.cache_put_timeout_s)
-                )
-            except grpc.aio.AioRpcError as err:
-                CACHE_FAILURES.labels(op="put").inc()
-                log.warning("cache put failed (%s)", err.code().name)
-        seconds = time.perf_counter() - t0
-        # Observed here, once the put has run: it ends after the stream, which used to
-        # record the put stage as 0 whenever the decode finished first.
-        metrics.STAGE_SECONDS.labels(stage="put").observe(seconds)
-        if timings is not None:
-            timings.put_ms = seconds * 1000
-
     # -- the RPC ------------------------------------------------------------------------
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        call = None
+        held = HeldRefs()
+        try:
+            async with contextlib.aclosing(self._generate(request, context, held)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            # Failed (or cancelled) before the decoder took its refs over: release them,
+            # so no hit stays leased and no segment stays held until its TTL.
+            if held.refs:
+                self.releaser.release_unread(held.refs)
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, held: HeldRefs
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         t_start = time.perf_counter()
         request_span = trace.get_current_span()  # the Generate server span
         timings = pb.StageTimings()
-        try:
-            sampling = request.sampling
-            if sampling.HasField("max_tokens"):
-                check_max_tokens(sampling.max_tokens, self.settings.max_tokens_limit)
-            check_sampling_ranges(sampling)  # before any image is decoded or encoded
-            if request.cache_policy not in generation_pb2.CachePolicy.values():
-                raise invalid_argument(
-                    "CACHE_POLICY_INVALID",
-                    f"cache_policy {request.cache_policy} is not a CachePolicy value",
-                    field="cache_policy",
+        sampling = request.sampling
+        if sampling.HasField("max_tokens"):
+            check_max_tokens(sampling.max_tokens, self.settings.max_tokens_limit)
+        check_sampling_ranges(sampling)  # before any image is decoded or encoded
+        if request.cache_policy not in generation_pb2.CachePolicy.values():
+            raise invalid_argument(
+                "CACHE_POLICY_INVALID",
+                f"cache_policy {request.cache_policy} is not a CachePolicy value",
+                field="cache_policy",
+            )
+        policy = request.cache_policy or self.default_policy
+        with tracer.start_as_current_span("gateway.preprocess") as span:
+            video_sources: list[VideoSource] = []
+            messages, sources = self._parse(request, video_sources)
+            lo, hi = self._budget(request)
+            datas = await self._fetch_urls(sources, context)
+            images, bytes_lookup_ms, ask_cache = await self._prepare(
+                datas, lo, hi, policy, context, held
+            )
+            videos: list[PreparedVideo] = []
+            if video_sources:
+                video_sources = await self._fetch_video_urls(video_sources, context)
+                videos = await self._run_preprocess(
+                    self._prepare_videos, video_sources, context=context
                 )
-            policy = request.cache_policy or self.default_policy
-            with tracer.start_as_current_span("gateway.preprocess") as span:
-                video_sources: list[VideoSource] = []
-                messages, sources = self._parse(request, video_sources)
-                lo, hi = self._budget(request)
-                datas = await self._fetch_urls(sources, context)
-                images, bytes_lookup_ms, ask_cache = await self._prepare(
-                    datas, lo, hi, policy, context
+            span.set_attribute("splitvl.videos", len(videos))
+            span.set_attribute("splitvl.images", len(images))
+            span.set_attribute("splitvl.grids", [str(im.plan.grid) for im in images])
+            span.set_attribute("splitvl.decoded", [im.decoded for im in images])
+        # The bytes-key lookup ran inside this span; its time is the lookup stage's.
+        timings.preprocess_ms = (time.perf_counter() - t_start) * 1000 - bytes_lookup_ms
+        metrics.IMAGES.inc(len(images))
+        metrics.VIDEOS.inc(len(videos))
+        request_span.set_attribute("splitvl.request.model", self.settings.model)
+        request_span.set_attribute("splitvl.request.images", len(images))
+        request_span.set_attribute("splitvl.request.videos", len(videos))
+        request_span.set_attribute(
+            "splitvl.request.video_tokens", sum(v.plan.tokens for v in videos)
+        )
+
+        t = time.perf_counter()
+        lookups = []
+        if ask_cache:
+            lookups.append(
+                self.cache_stage.lookup([im for im in images if im.decoded], policy, context, held)
+            )
+        if videos and self.down.cache is not None and policy != generation_pb2.CACHE_POLICY_OFF:
+            # Videos have no similarity tier: exact keys only, whatever the policy.
+            lookups.append(
+                self.cache_stage.lookup(
+                    list(videos), generation_pb2.CACHE_POLICY_EXACT_ONLY, context, held
                 )
-                videos: list[PreparedVideo] = []
-                if video_sources:
-                    video_sources = await self._fetch_video_urls(video_sources, context)
-                    videos = await self._run_preprocess(
-                        self._prepare_videos, video_sources, context=context
+            )
+        await asyncio.gather(*lookups)
+        timings.lookup_ms = (time.perf_counter() - t) * 1000 + bytes_lookup_ms
+
+        misses = [im for im in [*images, *videos] if im.embedding is None]
+        if misses:
+            t = time.perf_counter()
+            stores = self.down.cache is not None and policy != generation_pb2.CACHE_POLICY_OFF
+            await self.encode_stage.encode(misses, context, readers=2 if stores else 1, held=held)
+            timings.encode_ms = (time.perf_counter() - t) * 1000
+            # The put runs beside the decode: the decoder already has the embeddings, so
+            # TTFT does not wait for the cache (its duration lands in timings.put_ms).
+            put = asyncio.create_task(self.cache_stage.put(misses, policy, None, timings))
+            self._background.add(put)
+            put.add_done_callback(self._background.discard)
+
+        for attempt in (0, 1):
+            decode_request = decoder_service_pb2.GenerateRequest(
+                request_id=uuid.uuid4().hex[:16], messages=messages, sampling=sampling
+            )
+            # The copy of every image's embeddings into the decoder's request; the bytes
+            # then travel inside the DecoderService/Generate client span.
+            with tracer.start_as_current_span("embedding.transfer") as span:
+                for im in images:
+                    decode_request.images.append(im.embedding)
+                for v in videos:
+                    assert v.video is not None
+                    decode_request.videos.add(
+                        embedding=v.embedding, timestamps=v.video.patch_timestamps
                     )
-                span.set_attribute("splitvl.videos", len(videos))
-                span.set_attribute("splitvl.images", len(images))
-                span.set_attribute("splitvl.grids", [str(im.plan.grid) for im in images])
-                span.set_attribute("splitvl.decoded", [im.decoded for im in images])
-            # The bytes-key lookup ran inside this span; its time is the lookup stage's.
-            timings.preprocess_ms = (time.perf_counter() - t_start) * 1000 - bytes_lookup_ms
-            metrics.IMAGES.inc(len(images))
-            metrics.VIDEOS.inc(len(videos))
-            request_span.set_attribute("splitvl.request.model", self.settings.model)
-            request_span.set_attribute("splitvl.request.images", len(images))
-            request_span.set_attribute("splitvl.request.videos", len(videos))
+                sent = sum(inline_bytes(im.embedding) for im in [*images, *videos] if im.embedding)
+                span.set_attribute("splitvl.embedding.bytes", sent)
+                span.set_attribute("splitvl.embedding.destination", "decoder")
+                ref_attributes(span, [im.embedding for im in [*images, *videos] if im.embedding])
+                span.set_attribute("splitvl.request.images", len(images))
+                metrics.EMBEDDING_SENT_BYTES.labels(destination="decoder").inc(sent)
+            infos = [
+                pb.ImageInfo(
+                    index=i,
+                    tier=im.tier,
+                    similarity=im.similarity,
+                    # What the language model got: the served grid and its token count.
+                    grid=thw_message(im.served_grid),
+                    tokens=self.spec.tokens(*im.served_grid),
+                    key=im.key,
+                    decoded=im.decoded,
+                    served_grid=thw_message(im.served_grid),
+                    requested_grid=grid_message(im.plan),
+                )
+                for i, im in enumerate(images)
+            ]
+            video_infos = [_video_info(v) for v in videos]
             request_span.set_attribute(
-                "splitvl.request.video_tokens", sum(v.plan.tokens for v in videos)
+                "splitvl.served_grids", [str(im.served_grid) for im in images]
             )
 
-            t = time.perf_counter()
-            lookups = []
-            if ask_cache:
-                lookups.append(self._lookup([im for im in images if im.decoded], policy, context))
-            if videos and self.down.cache is not None and policy != generation_pb2.CACHE_POLICY_OFF:
-                # Videos have no similarity tier: exact keys only, whatever the policy.
-                lookups.append(
-                    self._lookup(list(videos), generation_pb2.CACHE_POLICY_EXACT_ONLY, context)
-                )
-            await asyncio.gather(*lookups)
-            timings.lookup_ms = (time.perf_counter() - t) * 1000 + bytes_lookup_ms
-
-            misses = [im for im in [*images, *videos] if im.embedding is None]
-            if misses:
-                t = time.perf_counter()
-                stores = self.down.cache is not None and policy != generation_pb2.CACHE_POLICY_OFF
-                await self._encode(misses, context, readers=2 if stores else 1)
-                timings.encode_ms = (time.perf_counter() - t) * 1000
-                # The put runs beside the decode: the decoder already has the embeddings, so
-                # TTFT does not wait for the cache (its duration lands in timings.put_ms).
-                put = asyncio.create_task(self._put(misses, policy, None, timings))
-                self._background.add(put)
-                put.add_done_callback(self._background.discard)
-
-            for attempt in (0, 1):
-                decode_request = decoder_service_pb2.GenerateRequest(
-                    request_id=uuid.uuid4().hex[:16], messages=messages, sampling=sampling
-                )
-                # The copy of every image's embeddings into the decoder's request; the bytes
-                # then travel inside the DecoderService/Generate client span.
-                with tracer.start_as_current_span("embedding.transfer") as span:
-                    for im in images:
-                        decode_request.images.append(im.embedding)
-                    for v in videos:
-                        assert v.video is not None
-                        decode_request.videos.add(
-                            embedding=v.embedding, timestamps=v.video.patch_timestamps
-                        )
-                    sent = sum(
-                        _inline_bytes(im.embedding) for im in [*images, *videos] if im.embedding
-                    )
-                    span.set_attribute("splitvl.embedding.bytes", sent)
-                    span.set_attribute("splitvl.embedding.destination", "decoder")
-                    _ref_attributes(
-                        span, [im.embedding for im in [*images, *videos] if im.embedding]
-                    )
-                    span.set_attribute("splitvl.request.images", len(images))
-                    metrics.EMBEDDING_SENT_BYTES.labels(destination="decoder").inc(sent)
-                infos = [
-                    pb.ImageInfo(
-                        index=i,
-                        tier=im.tier,
-                        similarity=im.similarity,
-                        # What the language model got: the served grid and its token count.
-                        grid=_thw(im.served_grid),
-                        tokens=self.spec.tokens(*im.served_grid),
-                        key=im.key,
-                        decoded=im.decoded,
-                        served_grid=_thw(im.served_grid),
-                        requested_grid=_grid(im.plan),
-                    )
-                    for i, im in enumerate(images)
-                ]
-                video_infos = [_video_info(v) for v in videos]
-                request_span.set_attribute(
-                    "splitvl.served_grids", [str(im.served_grid) for im in images]
-                )
-
-                t_decode = time.perf_counter()
-                with tracer.start_as_current_span("gateway.decode") as span:
-                    span.set_attribute("splitvl.transfer_bytes", decode_request.ByteSize())
-                    call = self.down.decoder.Generate(decode_request, timeout=_remaining(context))
-                    first = True
-                    t_last = t_decode
-                    try:
-                        async for chunk in call:
+            t_decode = time.perf_counter()
+            with tracer.start_as_current_span("gateway.decode") as span:
+                span.set_attribute("splitvl.transfer_bytes", decode_request.ByteSize())
+                first = True
+                try:
+                    # aclosing: a cancelled client (GeneratorExit at the yield below)
+                    # closes the stream, which cancels the decoder call, which aborts
+                    # the vLLM request.
+                    held.hand_over()  # the decoder reads or releases each ref
+                    stream = self.decode_stage.stream(decode_request, context)
+                    async with contextlib.aclosing(stream) as chunks:
+                        async for chunk in chunks:
                             now = time.perf_counter()
-                            if chunk.token_ids and not first:
-                                metrics.ITL.observe((now - t_last) / len(chunk.token_ids))
-                            t_last = now
                             response = pb.GenerateResponse(
                                 token_ids=chunk.token_ids,
                                 text=chunk.text,
@@ -1479,55 +1116,51 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                                     "splitvl.usage.prompt_tokens", chunk.usage.prompt_tokens
                                 )
                                 request_span.set_attribute(
-                                    "splitvl.usage.completion_tokens", chunk.usage.completion_tokens
+                                    "splitvl.usage.completion_tokens",
+                                    chunk.usage.completion_tokens,
                                 )
                                 timings.decode_ms = (time.perf_counter() - t_decode) * 1000
                                 timings.total_ms = (time.perf_counter() - t_start) * 1000
                                 response.timings.CopyFrom(timings)
                             yield response
-                        break
-                    except grpc.aio.AioRpcError as err:
-                        info = error_info(err)
-                        lost = info is not None and info.reason in REF_LOST_REASONS
-                        if not (first and lost and attempt == 0):
-                            raise from_rpc_error(err, dependency="decoder") from err
-                        # A held entry was gone when the decoder came to read it (its holder
-                        # restarted, or it expired): encode every image again and decode once
-                        # more, within the same deadline. Nothing was streamed yet.
-                        log.warning(
-                            "decoder could not read held embeddings (%s); re-encoding",
-                            info.reason if info else "",
-                        )
-                        metrics.REENCODED.inc()
-                        span.set_attribute("splitvl.reencoded", True)
-                # An image answered by its file's digest was never decoded: decode it now.
-                undecoded = [i for i, im in enumerate(images) if im.pixels is None]
-                if undecoded:
-                    off = generation_pb2.CACHE_POLICY_OFF
-                    again, _, _ = await self._prepare(
-                        [datas[i] for i in undecoded], lo, hi, off, context
+                    break
+                except RefsLost as lost:
+                    if attempt == 1:
+                        raise lost.error from lost
+                    # A held entry was gone when the decoder came to read it (its holder
+                    # restarted, or it expired): encode every image again and decode once
+                    # more, within the same deadline. Nothing was streamed yet.
+                    log.warning(
+                        "decoder could not read held embeddings (%s); re-encoding",
+                        lost.error.reason,
                     )
-                    for i, im in zip(undecoded, again, strict=True):
-                        im.index = i
-                        images[i] = im
-                retry = [*images, *videos]
-                for im in retry:
-                    im.embedding, im.tier = None, generation_pb2.CACHE_TIER_MISS
-                t = time.perf_counter()
-                await self._encode(retry, context, readers=1)
-                timings.encode_ms += (time.perf_counter() - t) * 1000
-                misses = retry
-            # Only the stages that ran: a 0 for an encode that every hit skipped (or a
-            # lookup with the cache off) would dilute the histogram; the put observes
-            # itself when it ends (_put).
-            ran = ["preprocess"]
-            if images and self.down.cache is not None and policy != generation_pb2.CACHE_POLICY_OFF:
-                ran.append("lookup")
-            if misses:
-                ran.append("encode")
-            for name in (*ran, "decode"):
-                seconds = getattr(timings, f"{name}_ms") / 1000
-                metrics.STAGE_SECONDS.labels(stage=name).observe(seconds)
-        finally:
-            if call is not None and not call.done():
-                call.cancel()  # the decoder aborts the vLLM request
+                    metrics.REENCODED.inc()
+                    span.set_attribute("splitvl.reencoded", True)
+            # An image answered by its file's digest was never decoded: decode it now.
+            undecoded = [i for i, im in enumerate(images) if im.pixels is None]
+            if undecoded:
+                off = generation_pb2.CACHE_POLICY_OFF
+                again, _, _ = await self._prepare(
+                    [datas[i] for i in undecoded], lo, hi, off, context
+                )
+                for i, im in zip(undecoded, again, strict=True):
+                    im.index = i
+                    images[i] = im
+            retry = [*images, *videos]
+            for im in retry:
+                im.embedding, im.tier = None, generation_pb2.CACHE_TIER_MISS
+            t = time.perf_counter()
+            await self.encode_stage.encode(retry, context, readers=1, held=held)
+            timings.encode_ms += (time.perf_counter() - t) * 1000
+            misses = retry
+        # Only the stages that ran: a 0 for an encode that every hit skipped (or a
+        # lookup with the cache off) would dilute the histogram; the put observes
+        # itself when it ends (_put).
+        ran = ["preprocess"]
+        if images and self.down.cache is not None and policy != generation_pb2.CACHE_POLICY_OFF:
+            ran.append("lookup")
+        if misses:
+            ran.append("encode")
+        for name in (*ran, "decode"):
+            seconds = getattr(timings, f"{name}_ms") / 1000
+            metrics.STAGE_SECONDS.labels(stage=name).observe(seconds)

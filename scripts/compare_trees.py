@@ -95,8 +95,9 @@ def main() -> None:
         "B": start(args.new.resolve(), args.model, bases["B"], logs / "b"),
     }
     try:
-        for name in "AB":
-            wait_serving(f"127.0.0.1:{bases[name]}")
+        for name in "AB":  # the gateway, encoder, cache and decoder of each (base + 0..3)
+            for offset in range(4):
+                wait_serving(f"127.0.0.1:{bases[name] + offset}")
         results: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
         for k in range(args.requests + 2):  # two warm-up pairs
             order = "AB" if k % 2 == 0 else "BA"

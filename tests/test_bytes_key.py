@@ -228,7 +228,7 @@ async def prepare(servicer: GatewayServicer, data: bytes) -> PreparedImage:
     lo, hi = SPEC.min_pixels, SPEC.max_pixels
     images, _, ask_cache = await servicer._prepare([data], lo, hi, policy, None)  # type: ignore[arg-type]
     if ask_cache:
-        await servicer._lookup([im for im in images if im.decoded], policy, None)  # type: ignore[arg-type]
+        await servicer.cache_stage.lookup([im for im in images if im.decoded], policy, None)  # type: ignore[arg-type]
     (im,) = images
     if im.embedding is None:
         values = np.full((im.plan.tokens, SPEC.embedding_width), 0.5, np.float32)
@@ -237,7 +237,7 @@ async def prepare(servicer: GatewayServicer, data: bytes) -> PreparedImage:
             grid=tensor_pb2.GridTHW(t=im.plan.grid_t, h=im.plan.grid_h, w=im.plan.grid_w),
             key=im.key,
         )
-        await servicer._put([im], policy, None)
+        await servicer.cache_stage.put([im], policy, None)
     return im
 
 
