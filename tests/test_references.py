@@ -221,3 +221,48 @@ def test_a_request_the_decoder_refuses_before_reading_releases_its_refs(cluster)
         assert time.monotonic() < deadline, "the refused request's ref is still held"
         time.sleep(0.2)
     assert emb.ref.shm_name not in os.listdir("/dev/shm")
+
+
+def test_a_request_that_never_reaches_the_decoder_leaves_nothing_held(
+    cluster, tmp_path_factory
+) -> None:
+    """A gateway whose decoder cannot be reached: the miss's ref (the encoder holds it for
+    the decoder and the cache) and then the hit's (the cache holds it for the decoder)
+    are released by the gateway when the decode fails, not kept until their TTL (120 s)."""
+    import time
+
+    import grpc
+
+    from splitvl.client import build_request, generate
+    from tests.conftest import extra_service
+
+    def held(service: str) -> float:
+        return metric(cluster, service, "splitvl_handoff_held_bytes", {"service": service})
+
+    def settles(service: str, to: float) -> bool:
+        deadline = time.monotonic() + 10
+        while held(service) > to and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return held(service) <= to
+
+    image = png_bytes(rgb("chelsea.png").crop((7, 9, 331, 271)))
+    request = build_request([image], "Describe this image.", max_tokens=2)
+    logs = tmp_path_factory.mktemp("no-decoder")
+    env = {"GATEWAY_EMBEDDING_TRANSPORT": "shm"}
+    with extra_service(cluster, "gateway", env, logs, decoder="127.0.0.1:9") as gateway:
+        before = {s: held(s) for s in ("encoder", "cache")}
+        puts = metric(cluster, "cache", "splitvl_cache_puts_total")
+        exact = metric(cluster, "cache", "splitvl_cache_hits_total", {"tier": "exact"})
+        for tier in ("miss", "exact"):
+            with pytest.raises(grpc.RpcError) as err:
+                generate(gateway.address("gateway"), request, timeout_s=60)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "decoder" in (err.value.details() or "")
+            assert settles("encoder", before["encoder"]), tier
+            assert settles("cache", before["cache"]), tier
+            if tier == "miss":  # the cache stored it, reading its share of the encoder's ref
+                deadline = time.monotonic() + 10
+                while metric(cluster, "cache", "splitvl_cache_puts_total") == puts:
+                    assert time.monotonic() < deadline, "the miss was never stored"
+                    time.sleep(0.2)
+    assert metric(cluster, "cache", "splitvl_cache_hits_total", {"tier": "exact"}) == exact + 1
