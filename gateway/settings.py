@@ -22,8 +22,9 @@ class GatewaySettings(ServerSettings):
         1.0, gt=0, description="Lookup deadline; past it the request encodes instead."
     )
     # The put runs beside or after the decode, off the request's critical path; at real
-    # widths it carries 16 MiB per 1,024-token image (Qwen3-VL-2B, bf16), which a loaded
-    # host does not always move within the lookup's 1 s (docs/benchmarks.md, "wide").
+    # widths the cache reads 16 MiB per 1,024-token image (Qwen3-VL-2B, bf16) from the
+    # encoder within it, which a loaded host does not always do within the lookup's 1 s
+    # (docs/benchmarks.md, "wide").
     cache_put_timeout_s: float = Field(
         10.0, gt=0, description="Put deadline, seconds; past it the entry is not stored."
     )
