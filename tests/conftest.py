@@ -16,7 +16,11 @@ import grpc
 import pytest
 from PIL import Image
 
-CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+# The shared input cases (not in this repository): ../shared/cases beside it, as CI lays
+# it out, or wherever SPLITVL_CASES_DIR points.
+CASES = Path(
+    os.environ.get("SPLITVL_CASES_DIR") or Path(__file__).resolve().parents[2] / "shared" / "cases"
+)
 LONG_STREAM_TOKENS = 30000
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -24,7 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def case_file(name: str) -> Path:
     path = CASES / name
     if not path.exists():
-        pytest.fail(f"case file {path} is missing (../shared/cases must sit beside the repo)")
+        pytest.fail(
+            f"case file {path} is missing: ../shared/cases must sit beside the repository, "
+            "or SPLITVL_CASES_DIR name the folder"
+        )
     return path
 
 
