@@ -62,7 +62,8 @@ def run(stub, request, requests: int) -> str:  # type: ignore[no-untyped-def]
         for k in HISTOGRAMS
     }
     return (
-        f"client ITL median {statistics.median(itls):.2f} ms (n={len(itls)}); "
+        f"client ITL median {statistics.median(itls):.2f} ms, mean {statistics.mean(itls):.2f} "
+        f"(n={len(itls)}); "
         f"gateway mean {means['gateway']:.2f}; decoder mean {means['decoder']:.2f}"
     )
 
