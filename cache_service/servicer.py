@@ -24,7 +24,7 @@ from cache_service.store import (
     KeyGridConflictError,
     Match,
 )
-from vlcommon import tensors
+from vlcommon import handoff, tensors
 from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 from vlcommon.handoff import Holder, Reader, transport_name
 from vlcommon.request_rules import CACHE_POLICIES, CACHE_TIERS, check_grid
@@ -340,7 +340,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             )
             refs: list[tensor_pb2.EmbeddingRef | None] = []
             if by_ref:
-                refs = await asyncio.to_thread(self._hold_all, matches, request.transport)
+                # No hold outlives a call cancelled while it is made (by its client, or
+                # past its deadline): it would keep its entry leased until the TTL.
+                assert self.holder is not None
+                refs = await handoff.hold_on_thread(
+                    self.holder, functools.partial(self._hold_all, matches, request.transport)
+                )
             elif request.include_embeddings:
                 self._check_response_size(matches)
             response = pb.LookupResponse()
@@ -375,22 +380,32 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         refs: list[tensor_pb2.EmbeddingRef | None] = []
         span = trace.get_current_span()
         held = 0
-        for match in matches:
-            entry = match.entry
-            if entry is None:
-                refs.append(None)
-                continue
-            leased = self.store.lease(entry)
-            refs.append(
-                self.holder.hold(
-                    entry.data,
-                    entry.dtype,
-                    entry.shape,
-                    transport=transport,
-                    on_release=functools.partial(self.store.release, entry) if leased else None,
-                )
-            )
-            held += len(entry.data)
+        try:
+            for match in matches:
+                entry = match.entry
+                if entry is None:
+                    refs.append(None)
+                    continue
+                leased = self.store.lease(entry)
+                try:
+                    ref = self.holder.hold(
+                        entry.data,
+                        entry.dtype,
+                        entry.shape,
+                        transport=transport,
+                        on_release=functools.partial(self.store.release, entry) if leased else None,
+                    )
+                except BaseException:
+                    if leased:
+                        self.store.release(entry)
+                    raise
+                refs.append(ref)
+                held += len(entry.data)
+        except BaseException:  # HANDOFF_FULL part-way: free what this answer held
+            for ref in refs:
+                if ref is not None:
+                    self.holder.drop(ref.ticket)
+            raise
         span.set_attribute("splitvl.embedding.held_bytes", held)
         span.set_attribute(
             "splitvl.embedding.transports", [transport_name(r.transport) for r in refs if r]
@@ -493,6 +508,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         ]
         if refs:
             self._check_count(len(request.entries), "entries")
+            for i, emb in refs:  # before any byte is read: a ref's size fits its grid
+                self._check_ref_entry(request.entries[i], emb, f"entries[{i}]")
             timeout = context.time_remaining() if context is not None else None
             fetched = await asyncio.gather(
                 *(
@@ -521,6 +538,53 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         # a million entries) should not hold health checks and lookups. The store takes
         # its own lock.
         return await asyncio.to_thread(self._put, request, payloads)
+
+    def _check_ref_entry(
+        self, entry: pb.PutEntry, emb: tensor_pb2.ImageEmbedding, field: str
+    ) -> None:
+        """An entry sent by reference, checked before its bytes are read: its grid, its
+        rows against the grid, and its size against the byte budget (a forged 1 GiB ref
+        for a 4-token grid was allocated in full, then refused).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT naming the field; RESOURCE_EXHAUSTED
+                ``ENTRY_TOO_LARGE`` over ``capacity_bytes``.
+        """
+        grid = _grid(emb.grid, f"{field}.embedding.grid", self.merge, video=entry.video)
+        rows = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
+        self._check_rows(emb.embeddings, grid, rows, f"{field}.embedding.embeddings")
+        if emb.ref.nbytes > self.store.capacity_bytes:
+            metrics.PUTS_REFUSED.labels(reason="too_large").inc()
+            raise resource_exhausted(
+                "ENTRY_TOO_LARGE",
+                f"{field}.embedding.ref holds {emb.ref.nbytes} bytes; the cache's byte "
+                f"budget (capacity_bytes) is {self.store.capacity_bytes}",
+                field=f"{field}.embedding.ref",
+                limit=self.store.capacity_bytes,
+            )
+
+    def _check_rows(
+        self, emb: tensor_pb2.Tensor, grid: tuple[int, int, int], rows: int, field: str
+    ) -> None:
+        """Refuse embeddings whose rows are not the grid's tokens, or whose width is 0.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT ``EMBEDDING_SHAPE_MISMATCH`` naming ``field``.
+        """
+        shape = list(emb.shape)
+        if len(shape) != 2 or shape[0] != rows:
+            raise invalid_argument(
+                "EMBEDDING_SHAPE_MISMATCH",
+                f"{field} has shape {shape}; grid {list(grid)} needs {rows} rows "
+                f"(t*h*w/{self.merge}**2)",
+                field=field,
+            )
+        if shape[1] <= 0:
+            raise invalid_argument(
+                "EMBEDDING_SHAPE_MISMATCH",
+                f"{field} has shape {shape}; its width must be > 0",
+                field=field,
+            )
 
     def _put(
         self, request: pb.PutRequest, payloads: dict[int, bytes] | None = None
@@ -559,13 +623,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 data=payloads.get(i),
             )
             rows = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
-            if emb.shape[0] != rows or emb.shape[1] <= 0:
-                raise invalid_argument(
-                    "EMBEDDING_SHAPE_MISMATCH",
-                    f"{field}.embedding.embeddings has shape {list(emb.shape)}; grid "
-                    f"{list(grid)} needs {rows} rows (t*h*w/{self.merge}**2)",
-                    field=f"{field}.embedding.embeddings",
-                )
+            self._check_rows(emb, grid, rows, f"{field}.embedding.embeddings")
             if not np.isfinite(tensors.to_numpy(emb, data)).all():
                 raise invalid_argument(
                     "EMBEDDING_NOT_FINITE",

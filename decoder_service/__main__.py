@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -82,14 +83,20 @@ async def main_async(settings: DecoderSettings, engine_args: object) -> None:
     # kill -9 of the decoder's process group; the previous process's record lists them.
     handoff.sweep_dead_segments("decoder")
 
+    record: list[Path] = []
+
     async def startup() -> None:
         await engine.start()
         metrics.RUNNING.set_function(engine.num_unfinished)
-        handoff.record_owned_segments("decoder", handoff.mapped_segments(_process_tree()))
+        path = handoff.record_owned_segments("decoder", handoff.mapped_segments(_process_tree()))
+        if path is not None:
+            record.append(path)
 
     async def shutdown() -> None:
-        engine.shutdown()
+        engine.shutdown()  # vLLM removes its own segments on a clean stop
         await reader.close()
+        for path in record:  # so the record of them goes too
+            path.unlink(missing_ok=True)
 
     await serve(
         service_name="decoder",

@@ -82,7 +82,8 @@ class ImageInput:
     Attributes:
         embeddings: float32/bfloat16 ``[tokens, out_hidden*(1+n_deepstack)]``.
         grid: (t, h, w) in patches.
-        uuid: Identity of the content (the exact cache key).
+        uuid: Identity of the content for vLLM's caches
+            (:func:`decoder_service.validation.content_uuid`: a digest of the bytes).
     """
 
     embeddings: torch.Tensor

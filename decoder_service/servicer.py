@@ -22,6 +22,7 @@ from decoder_service.validation import (
     Limits,
     blank_texts,
     check_control_tokens,
+    check_embedding_shape,
     check_image,
     check_video,
     to_chat_messages,
@@ -176,6 +177,22 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             limits = dataclasses.replace(self.limits, max_images=self.engine.max_images)
             messages, order = to_chat_messages(request, self.engine.forbidden_tokens, limits)
             v_order = video_order(request, self.engine.max_videos)
+            # Every shape against its grid and the model before any byte is read: a ref's
+            # size is then bounded by what its grid needs (a forged 1 GiB ref for a
+            # 4-token grid was allocated, then refused).
+            for i in order:
+                check_embedding_shape(
+                    request.images[i], i, self.engine.spec, self.engine.max_image_tokens
+                )
+            for i in v_order:
+                check_embedding_shape(
+                    request.videos[i].embedding,
+                    i,
+                    self.engine.spec,
+                    self.engine.max_video_tokens,
+                    field=f"videos[{i}].embedding",
+                    video=True,
+                )
             # Embeddings sent by reference are read from their holders while the prompt is
             # rendered and tokenised (the reads wait on other processes, not on this loop).
             fetching = asyncio.ensure_future(

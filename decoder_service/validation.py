@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import torch
 from qwenvl.common.v1 import tensor_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2 as pb
@@ -215,6 +216,79 @@ def check_video(
     )
 
 
+def content_uuid(data: bytes | bytearray, dtype: int, grid: tuple[int, int, int]) -> str:
+    """vLLM's identity of one image's embeddings (``multi_modal_uuids``): BLAKE3 of the
+    bytes themselves, with their dtype and the grid, never a key the caller names.
+
+    vLLM's caches (its encoder cache and the prefix cache's multimodal hashes) trust the
+    uuid: two requests with one uuid share what was computed for the first. A key taken
+    from the request let a caller of the decoder's port bind its own embeddings to an
+    image's key, and the next genuine request for that image got them (found by an
+    adversarial probe). The digest costs 3.2 ms per 16 MiB here (``blake3``, the hasher
+    vLLM itself depends on), against an isfinite pass over the same bytes.
+    """
+    digest = blake3.blake3(data).hexdigest()[:32]
+    return f"{digest}:{tensors.dtype_name(dtype)}:{grid[0]}x{grid[1]}x{grid[2]}"
+
+
+def check_embedding_shape(
+    msg: tensor_pb2.ImageEmbedding,
+    index: int,
+    spec: VisionSpec,
+    max_tokens: int,
+    *,
+    field: str = "",
+    video: bool = False,
+) -> tuple[int, int, int]:
+    """Check one image's grid, dtype and shape against the model, from the message alone
+    (no payload): the decoder runs it before it reads any embedding sent by reference, so
+    a ref whose shape does not fit its grid is refused before its bytes are allocated.
+
+    Returns:
+        The grid ``(t, h, w)``.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming ``field`` (default ``images[index]``).
+    """
+    field = field or f"images[{index}]"
+    if not msg.HasField("grid"):
+        raise invalid_argument(
+            "GRID_MISSING",
+            f"{field}.grid is missing; image_grid_thw is required for every image",
+            field=f"{field}.grid",
+        )
+    m = spec.spatial_merge_size
+    grid = check_grid(msg.grid, f"{field}.grid", m, video=video)
+    if not msg.HasField("embeddings"):
+        raise invalid_argument(
+            "EMBEDDINGS_MISSING", f"{field}.embeddings is missing", field=f"{field}.embeddings"
+        )
+    emb = msg.embeddings
+    if emb.dtype not in EMBEDDING_DTYPES or len(emb.shape) != 2:
+        # validate names the dtype or the dimensions (it checks them before any payload)
+        tensors.validate(emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES, ndim=2)
+    expected = [math.prod(grid) // (m * m), spec.embedding_width]
+    if list(emb.shape) != expected:
+        raise invalid_argument(
+            "EMBEDDING_SHAPE_MISMATCH",
+            f"{field}.embeddings has shape {list(emb.shape)}; grid {list(grid)} needs "
+            f"{expected} (rows = t*h*w/{m}**2, width = out_hidden {spec.out_hidden_size} x "
+            f"(1 + {spec.n_deepstack} deepstack))",
+            field=f"{field}.embeddings",
+            expected=str(expected),
+            actual=str(list(emb.shape)),
+        )
+    if expected[0] > max_tokens:
+        raise invalid_argument(
+            "IMAGE_TOO_MANY_TOKENS",
+            f"{field} has {expected[0]} image tokens; the limit is {max_tokens} per image "
+            "(the decoder's encoder cache size)",
+            field=field,
+            limit=max_tokens,
+        )
+    return grid
+
+
 def check_image(
     msg: tensor_pb2.ImageEmbedding,
     index: int,
@@ -236,41 +310,11 @@ def check_image(
             shape (or the missing grid, or the bad dtype/byte count).
     """
     field = field or f"images[{index}]"
-    if not msg.HasField("grid"):
-        raise invalid_argument(
-            "GRID_MISSING",
-            f"{field}.grid is missing; image_grid_thw is required for every image",
-            field=f"{field}.grid",
-        )
-    m = spec.spatial_merge_size
-    grid = check_grid(msg.grid, f"{field}.grid", m, video=video)
-    if not msg.HasField("embeddings"):
-        raise invalid_argument(
-            "EMBEDDINGS_MISSING", f"{field}.embeddings is missing", field=f"{field}.embeddings"
-        )
+    grid = check_embedding_shape(msg, index, spec, max_tokens, field=field, video=video)
     emb = msg.embeddings
     data = tensors.validate(
         emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES, ndim=2, data=data
     )
-    expected = [math.prod(grid) // (m * m), spec.embedding_width]
-    if list(emb.shape) != expected:
-        raise invalid_argument(
-            "EMBEDDING_SHAPE_MISMATCH",
-            f"{field}.embeddings has shape {list(emb.shape)}; grid {list(grid)} needs "
-            f"{expected} (rows = t*h*w/{m}**2, width = out_hidden {spec.out_hidden_size} x "
-            f"(1 + {spec.n_deepstack} deepstack))",
-            field=f"{field}.embeddings",
-            expected=str(expected),
-            actual=str(list(emb.shape)),
-        )
-    if expected[0] > max_tokens:
-        raise invalid_argument(
-            "IMAGE_TOO_MANY_TOKENS",
-            f"{field} has {expected[0]} image tokens; the limit is {max_tokens} per image "
-            "(the decoder's encoder cache size)",
-            field=field,
-            limit=max_tokens,
-        )
     tensor = tensors.to_torch(emb, data)
     if not bool(torch.isfinite(tensor).all()):
         raise invalid_argument(
@@ -278,9 +322,7 @@ def check_image(
             f"{field}.embeddings holds NaN or inf",
             field=f"{field}.embeddings",
         )
-    # The uuid names the content for vLLM's caches: the key (a content digest) plus the grid.
-    # Without a key there is no identity, and vLLM hashes the embeddings itself.
-    uuid = f"{msg.key}:{grid[0]}x{grid[1]}x{grid[2]}" if msg.key else None
+    uuid = content_uuid(data, emb.dtype, grid)
     return ImageInput(embeddings=tensor, grid=grid, uuid=uuid)
 
 

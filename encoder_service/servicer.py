@@ -18,7 +18,7 @@ from qwenvl.encoder.v1 import encoder_service_pb2_grpc as pb_grpc
 from encoder_service import metrics
 from encoder_service.batcher import Batcher
 from encoder_service.engine import Preprocessed, VisionEngine
-from vlcommon import tensors
+from vlcommon import handoff, tensors
 from vlcommon.errors import (
     ServiceError,
     invalid_argument,
@@ -234,7 +234,21 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         # Casting one 1,024-token image at Qwen3-VL-2B's width to bf16 and copying its 16 MiB
         # into a segment took 14-49 ms here (median 21 of 9): off the event loop, which
         # serves the other calls (health, new Encodes, ReadEmbedding) meanwhile.
-        if sum(o.numel() * o.element_size() for o in outs) > ANSWER_ON_LOOP_BYTES:
+        big = sum(o.numel() * o.element_size() for o in outs) > ANSWER_ON_LOOP_BYTES
+        if by_ref:
+            assert self.holder is not None
+
+            def hold() -> list[tensor_pb2.EmbeddingRef | None]:
+                answer()
+                return [e.ref for e in response.embeddings]
+
+            # No hold outlives a call cancelled while it is made (by its client, or past
+            # its deadline): it would have no reader and stay held until the TTL.
+            if big:
+                await handoff.hold_on_thread(self.holder, hold)
+            else:
+                hold()  # no await between the holds and the answer
+        elif big:
             await asyncio.to_thread(answer)
         else:
             answer()
@@ -265,27 +279,36 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         Raises:
             ServiceError: RESOURCE_EXHAUSTED ``HANDOFF_FULL`` from the holder.
         """
-        for request_image, (_, _, plan), out in zip(request.images, prepared, outs, strict=True):
-            if out_dtype == tensor_pb2.DATA_TYPE_BF16:
-                out = out.to(torch.bfloat16)
-            elif out_dtype == tensor_pb2.DATA_TYPE_FP32:
-                out = out.to(torch.float32)
-            emb = response.embeddings.add(
-                grid=tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w),
-                key=request_image.key,
-            )
-            if by_ref:
-                assert self.holder is not None
-                dtype, data = tensors.torch_payload(out)
-                emb.embeddings.dtype, emb.embeddings.shape[:] = dtype, list(out.shape)
-                emb.ref.CopyFrom(
-                    self.holder.hold(
-                        data,
-                        dtype,
-                        tuple(out.shape),
-                        transport=request.transport,
-                        readers=request.readers or 1,
-                    )
+        try:
+            for request_image, (_, _, plan), out in zip(
+                request.images, prepared, outs, strict=True
+            ):
+                if out_dtype == tensor_pb2.DATA_TYPE_BF16:
+                    out = out.to(torch.bfloat16)
+                elif out_dtype == tensor_pb2.DATA_TYPE_FP32:
+                    out = out.to(torch.float32)
+                emb = response.embeddings.add(
+                    grid=tensor_pb2.GridTHW(t=plan.grid_t, h=plan.grid_h, w=plan.grid_w),
+                    key=request_image.key,
                 )
-            else:
-                emb.embeddings.CopyFrom(tensors.from_torch(out))
+                if by_ref:
+                    assert self.holder is not None
+                    dtype, data = tensors.torch_payload(out)
+                    emb.embeddings.dtype, emb.embeddings.shape[:] = dtype, list(out.shape)
+                    emb.ref.CopyFrom(
+                        self.holder.hold(
+                            data,
+                            dtype,
+                            tuple(out.shape),
+                            transport=request.transport,
+                            readers=request.readers or 1,
+                        )
+                    )
+                else:
+                    emb.embeddings.CopyFrom(tensors.from_torch(out))
+        except BaseException:  # HANDOFF_FULL part-way: free what this answer held
+            if by_ref and self.holder is not None:
+                for emb in response.embeddings:
+                    if emb.ref.ticket:
+                        self.holder.drop(emb.ref.ticket)
+            raise

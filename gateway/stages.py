@@ -13,11 +13,13 @@ runs the stages in order for each request and builds its responses.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -210,6 +212,45 @@ def release(
         releaser.release_unread(refs)
 
 
+R = TypeVar("R")
+
+
+async def answer_or_release(
+    releaser: handoff.Reader | None,
+    call: Awaitable[R],
+    embeddings: Callable[[R], Sequence[tensor_pb2.ImageEmbedding]],
+    readers: int = 1,
+) -> R:
+    """The answer of a unary call that holds embeddings for this request (Encode, a
+    Lookup by reference).
+
+    If the request is cancelled meanwhile (its client went away), the call is not
+    cancelled: an answer already on its way would be lost with the holds it names, which
+    no reader would then release before their TTL. It finishes within its own deadline,
+    and the refs in its answer are released once for each of their ``readers``.
+
+    Raises:
+        grpc.aio.AioRpcError: the call failed.
+        asyncio.CancelledError: the request was cancelled.
+    """
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+
+        def late(done: asyncio.Future[R]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                release(releaser, list(embeddings(done.result())) * readers)
+
+        task.add_done_callback(late)
+        _LATE.add(task)  # asyncio keeps only weak references to tasks
+        task.add_done_callback(_LATE.discard)
+        raise
+
+
+_LATE: set[asyncio.Future[Any]] = set()
+
+
 class CacheStage:
     """The cache stage: lookups and puts against ``CacheService``.
 
@@ -303,7 +344,11 @@ class CacheStage:
         hits: dict[int, PreparedImage] = {}
         with tracer.start_as_current_span("cache.lookup_bytes") as span:
             try:
-                response = await cache.Lookup(request, timeout=remaining(context, self.timeout_s))
+                response = await answer_or_release(
+                    self.releaser,
+                    cache.Lookup(request, timeout=remaining(context, self.timeout_s)),
+                    lambda r: [x.embedding for x in r.results],
+                )
             except grpc.aio.AioRpcError as err:
                 CACHE_FAILURES.labels(op="lookup").inc()
                 span.set_attribute("splitvl.cache.error", err.code().name)
@@ -383,8 +428,10 @@ class CacheStage:
             )
         with tracer.start_as_current_span("cache.lookup") as span:
             try:
-                response = await self.cache.Lookup(
-                    request, timeout=remaining(context, self.timeout_s)
+                response = await answer_or_release(
+                    self.releaser,
+                    self.cache.Lookup(request, timeout=remaining(context, self.timeout_s)),
+                    lambda r: [x.embedding for x in r.results],
                 )
             except grpc.aio.AioRpcError as err:
                 # The cache is an optimisation: serve by encoding, count the failure.
@@ -545,8 +592,11 @@ class EncodeStage:
             span.set_attribute("splitvl.images", len(misses))
             span.set_attribute("splitvl.transfer_bytes", request.ByteSize())
             try:
-                response = await self.encoder.Encode(
-                    request, timeout=remaining(context, self.timeout_s)
+                response = await answer_or_release(
+                    self.releaser,
+                    self.encoder.Encode(request, timeout=remaining(context, self.timeout_s)),
+                    lambda r: r.embeddings,
+                    readers,
                 )
             except grpc.aio.AioRpcError as err:
                 raise from_rpc_error(err, dependency="encoder") from err

@@ -41,7 +41,15 @@ def test_a_good_video_passes_with_its_timestamps() -> None:
     v = check_video(video(3, 6, 8), 0, SPEC, max_tokens=10_000)
     assert v.grid == (3, 6, 8) and tuple(v.embeddings.shape) == (36, 384)
     assert v.timestamps == (0.5, 1.5, 2.5)
-    assert v.uuid == "k:3x6x8"
+    # vLLM's identity of the content is a digest of its bytes, never the caller's key:
+    # the same key with other bytes is another identity, other keys on the same bytes one.
+    assert v.uuid is not None and v.uuid.endswith(":FP32:3x6x8")
+    forged = video(3, 6, 8)
+    forged.embedding.embeddings.CopyFrom(tensors.from_torch(torch.ones(36, 384)))
+    assert check_video(forged, 0, SPEC, max_tokens=10_000).uuid != v.uuid
+    renamed = video(3, 6, 8)
+    renamed.embedding.key = "another"
+    assert check_video(renamed, 0, SPEC, max_tokens=10_000).uuid == v.uuid
 
 
 def test_shapes_grids_and_timestamps_are_checked() -> None:

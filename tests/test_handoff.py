@@ -287,3 +287,145 @@ async def test_a_ref_over_the_size_bound_is_refused_before_anything_is_allocated
         "field": "videos[0].embedding.ref",
         "limit": str(handoff.MAX_REF_BYTES),
     }
+
+
+class _SlowHolding(hpb_grpc.HandoffServiceServicer):
+    """A handler that holds two entries for its caller on a worker thread, which takes
+    ``hold_s`` (as the encoder's and the cache's answers by reference do)."""
+
+    def __init__(self, holder: handoff.Holder, hold_s: float) -> None:
+        self.holder, self.hold_s = holder, hold_s
+        self.held: list[tensor_pb2.EmbeddingRef | None] = []
+
+    def _hold(self) -> list[tensor_pb2.EmbeddingRef | None]:
+        import time
+
+        time.sleep(self.hold_s)
+        t = embedding(rows=8, width=16)
+        self.held = [ref_message(self.holder, t, SHM, readers=2).ref for _ in range(2)]
+        return self.held
+
+    async def ReleaseEmbedding(self, request, context):  # type: ignore[no-untyped-def]
+        await handoff.hold_on_thread(self.holder, self._hold)
+        return hpb.ReleaseEmbeddingResponse()
+
+
+async def test_holds_made_while_their_call_is_cancelled_are_freed(shm_dir: Path) -> None:
+    """A caller that gives up (its deadline passes) while the holds are being made never
+    gets the refs: they are freed once made, not kept for their readers until the TTL
+    (found by an adversarial probe: a by-reference Lookup of 200 entries with a short
+    deadline left 200 segments held, and their entries leased, for 120 s)."""
+    import asyncio
+
+    holder = handoff.Holder("test", shm_dir=shm_dir)
+    slow = _SlowHolding(holder, hold_s=1.0)
+    async with in_process_server(
+        hpb_grpc.add_HandoffServiceServicer_to_server, slow, handoff.HANDOFF_SERVICE
+    ) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await hpb_grpc.HandoffServiceStub(channel).ReleaseEmbedding(
+                hpb.ReleaseEmbeddingRequest(ticket="x"), timeout=0.3
+            )
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for _ in range(60):
+            if slow.held and len(holder) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert len(slow.held) == 2 and len(holder) == 0 and holder.held_bytes == 0
+        assert segments(shm_dir) == []
+    fast = _SlowHolding(holder, hold_s=0.0)  # a call that is answered keeps its holds
+    async with in_process_server(
+        hpb_grpc.add_HandoffServiceServicer_to_server, fast, handoff.HANDOFF_SERVICE
+    ) as channel:
+        await hpb_grpc.HandoffServiceStub(channel).ReleaseEmbedding(
+            hpb.ReleaseEmbeddingRequest(ticket="x"), timeout=10
+        )
+        await asyncio.sleep(0.3)
+        assert len(holder) == 2
+    holder.close()
+
+
+class _SilentHolder(hpb_grpc.HandoffServiceServicer):
+    """Accepts ReadEmbedding and never streams a byte."""
+
+    async def ReadEmbedding(self, request, context):  # type: ignore[no-untyped-def]
+        import asyncio
+
+        await asyncio.sleep(30)
+        yield hpb.ReadEmbeddingResponse()
+
+
+def forged(holder: str, service: str = "test", shm_name: str = "") -> tensor_pb2.ImageEmbedding:
+    import secrets
+
+    msg = tensor_pb2.ImageEmbedding(grid=tensor_pb2.GridTHW(t=1, h=4, w=4))
+    msg.embeddings.dtype, msg.embeddings.shape[:] = tensor_pb2.DATA_TYPE_FP32, [4, 8]
+    ticket = secrets.token_hex(16)
+    msg.ref.CopyFrom(
+        tensor_pb2.EmbeddingRef(
+            holder=holder, ticket=ticket, nbytes=128, service=service,
+            transport=SHM if shm_name else GRPC,
+            shm_name=shm_name.format(ticket=ticket),
+        )
+    )  # fmt: skip
+    return msg
+
+
+async def test_a_holder_that_never_streams_fails_the_read_within_the_cap() -> None:
+    """With no deadline from the request, a read still ends (found by an adversarial
+    probe: a Put and a Generate waited on such a holder for over 60 s)."""
+    import time
+
+    ports: list[int] = []
+    async with in_process_server(
+        hpb_grpc.add_HandoffServiceServicer_to_server,
+        _SilentHolder(),
+        handoff.HANDOFF_SERVICE,
+        on_port=ports.append,
+    ):
+        address = f"127.0.0.1:{ports[0]}"
+        reader = handoff.Reader(max_read_s=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError) as err:
+            await reader.fetch(forged(address), field="images[0]", timeout=None)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 10
+        await reader.close()
+
+
+async def test_a_reader_keeps_a_bounded_number_of_holder_channels() -> None:
+    """Refs name their holder; a caller forging many addresses must not grow the reader's
+    channels forever (found by an adversarial probe: +77 MB for 2,000 addresses)."""
+    reader = handoff.Reader(max_channels=3)
+    for port in range(9, 9 + 10):
+        with pytest.raises(ServiceError):
+            await reader.fetch(forged(f"127.0.0.1:{port}"), field="images[0]", timeout=2)
+        assert len(reader._channels) <= 3
+    assert list(reader._channels) == [f"127.0.0.1:{p}" for p in (16, 17, 18)]
+    await reader.close()
+
+
+async def test_a_segment_of_another_service_than_the_refs_is_refused(shm_dir: Path) -> None:
+    """A ref naming the encoder as its service but a cache segment: read there and
+    released here, the cache's entry would stay held (found by an adversarial probe)."""
+    reader = handoff.Reader(shm_dir=shm_dir)
+    msg = forged("127.0.0.1:9", service="encoder", shm_name="splitvl-cache-1-{ticket}")
+    with pytest.raises(ServiceError) as err:
+        await reader.fetch(msg, field="images[0]", timeout=2)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "held by its service ('encoder')" in err.value.message
+    await reader.close()
+
+
+def test_a_record_of_owned_segments_is_private_and_only_its_owners_is_trusted(
+    shm_dir: Path,
+) -> None:
+    """The record is created 0600; a record of another user lists nothing to delete (one
+    planted by a local user must not make a service delete files it names)."""
+    (shm_dir / "psm_0badc0de").write_bytes(b"x")
+    path = handoff.record_owned_segments("decoder", ["psm_0badc0de"], shm_dir=shm_dir)
+    assert path is not None and (path.stat().st_mode & 0o777) == 0o600
+    assert handoff._owned_by(path) == ["psm_0badc0de"]
+    if os.getuid() == 0:  # only root can give the record to another user
+        os.chown(path, 65534, 65534)
+        assert handoff._owned_by(path) == []

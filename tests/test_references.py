@@ -266,3 +266,43 @@ def test_a_request_that_never_reaches_the_decoder_leaves_nothing_held(
                     assert time.monotonic() < deadline, "the miss was never stored"
                     time.sleep(0.2)
     assert metric(cluster, "cache", "splitvl_cache_hits_total", {"tier": "exact"}) == exact + 1
+
+
+def test_a_ref_whose_shape_does_not_fit_its_grid_is_refused_before_it_is_read(cluster) -> None:
+    """A forged ref of exactly 1 GiB (the largest allowed) for a 1x4x4 grid, which needs 4
+    rows: the decoder and the cache refuse it by its shape, before allocating or reading
+    anything (found by an adversarial probe: each such ref grew the decoder's and the
+    cache's memory by 1 GiB, then failed UNAVAILABLE at its unreachable holder)."""
+    import secrets
+
+    import grpc
+    from qwenvl.cache.v1 import cache_service_pb2 as cpb
+    from qwenvl.cache.v1 import cache_service_pb2_grpc as cpb_grpc
+    from qwenvl.common.v1 import tensor_pb2
+    from qwenvl.decoder.v1 import decoder_service_pb2 as dpb
+    from qwenvl.decoder.v1 import decoder_service_pb2_grpc as dpb_grpc
+
+    shape = [2**18, 1024]  # float32: 1 GiB
+    forged = tensor_pb2.ImageEmbedding(grid=tensor_pb2.GridTHW(t=1, h=4, w=4))
+    forged.embeddings.dtype, forged.embeddings.shape[:] = tensor_pb2.DATA_TYPE_FP32, shape
+    forged.ref.CopyFrom(
+        tensor_pb2.EmbeddingRef(
+            holder="127.0.0.1:9", ticket=secrets.token_hex(16), nbytes=2**30,
+            transport=tensor_pb2.TRANSPORT_GRPC, service="cache",
+        )
+    )  # fmt: skip
+    request = dpb.GenerateRequest(request_id="forged", images=[forged])
+    request.messages.add(role="user").parts.add(image_index=0)
+    with grpc.insecure_channel(cluster.ports.address("decoder")) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(dpb_grpc.DecoderServiceStub(channel).Generate(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"images[0].embeddings has shape {shape}; grid [1, 4, 4]")
+    put = cpb.PutRequest(entries=[cpb.PutEntry(key="forged-1gib", embedding=forged)])
+    with grpc.insecure_channel(cluster.ports.address("cache")) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            cpb_grpc.CacheServiceStub(channel).Put(put, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(
+        f"entries[0].embedding.embeddings has shape {shape}; grid [1, 4, 4] needs 4 rows"
+    )

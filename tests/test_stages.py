@@ -446,3 +446,64 @@ async def test_a_decode_request_that_never_reached_the_decoder_releases_its_refs
         assert await freed(holder)
         await channel.close()
     await releaser.close()
+
+
+class _SlowHoldingEncoder(encoder_service_pb2_grpc.EncoderServiceServicer):
+    """Holds one entry per image in a real holder and answers after ``answer_after_s``
+    (a servicer unit test's stand-in for an encoder whose answer is on its way)."""
+
+    def __init__(self, holder, answer_after_s: float) -> None:  # type: ignore[no-untyped-def]
+        self.holder, self.answer_after_s = holder, answer_after_s
+
+    async def Encode(self, request, context):  # type: ignore[no-untyped-def]
+        response = epb.EncodeResponse()
+        for image in request.images:
+            values = np.zeros((4, SPEC.embedding_width), np.float32)
+            emb = response.embeddings.add(key=image.key, grid=image.plan.grid)
+            emb.embeddings.dtype, emb.embeddings.shape[:] = tensor_pb2.DATA_TYPE_FP32, [4, 8]
+            emb.ref.CopyFrom(
+                self.holder.hold(
+                    values.tobytes(), tensor_pb2.DATA_TYPE_FP32, values.shape,
+                    transport=tensor_pb2.TRANSPORT_SHM, readers=2,
+                )
+            )  # fmt: skip
+        # The holds are made; the answer takes a while to reach the gateway.
+        await asyncio.sleep(self.answer_after_s)
+        return response
+
+
+async def test_a_request_cancelled_while_its_encode_is_answered_releases_the_answer(
+    tmp_path,
+) -> None:
+    """The client goes away while the Encode is in flight. The call is left to finish, and
+    the refs of its answer (held for two readers, the decoder and the cache) are freed;
+    cancelling the call would lose an answer already on its way, and its holds would
+    stay until their TTL (found by an adversarial probe: a miss cancelled 20-30 ms after
+    it was sent left its image held for 120 s)."""
+    from tests.test_handoff import serving
+    from vlcommon import handoff
+
+    holder = handoff.Holder("encoder", shm_dir=tmp_path)
+    releaser = handoff.Reader()
+    async with serving(holder):
+        async with in_process_server(
+            encoder_service_pb2_grpc.add_EncoderServiceServicer_to_server,
+            _SlowHoldingEncoder(holder, answer_after_s=0.5),
+            "qwenvl.encoder.v1.EncoderService",
+        ) as channel:
+            stage = EncodeStage(
+                encoder_service_pb2_grpc.EncoderServiceStub(channel),
+                transport=tensor_pb2.TRANSPORT_SHM,
+                timeout_s=10,
+                releaser=releaser,
+            )
+            misses = [fresh(image(1)), fresh(image(2))]
+            task = asyncio.ensure_future(stage.encode(misses, None, readers=2))  # type: ignore[arg-type]
+            await asyncio.sleep(0.2)
+            assert len(holder) == 2
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await freed(holder)
+    await releaser.close()
+    holder.close()

@@ -77,6 +77,11 @@ EXPIRED = Counter(
     ["service"],
 )
 _SEGMENT = re.compile(r"^splitvl-([a-z]+)-(\d+)-([0-9a-f]{32})$")
+# Longest wait for one ReadEmbedding, seconds, when the request set no deadline (or a
+# longer one): 16 MiB over gRPC takes well under a second on loopback.
+MAX_READ_S = 60.0
+# Holder channels a Reader keeps open (one per address; the oldest closed beyond).
+MAX_CHANNELS = 64
 
 
 def transport_name(transport: int) -> str:
@@ -142,6 +147,10 @@ def _owned_by(path: Path) -> list[str]:
     for a held-embedding segment)."""
     try:
         with open(path, "rb") as f:
+            # Only a record this user wrote is trusted: one planted by another local user
+            # must not make this service delete files it names.
+            if os.fstat(f.fileno()).st_uid != os.getuid():
+                return []
             head = f.read(len(_OWNED_MAGIC))
             if head != _OWNED_MAGIC:
                 return []
@@ -182,7 +191,9 @@ def record_owned_segments(service: str, names: list[str], shm_dir: Path = SHM_DI
         return None
     path = shm_dir / f"splitvl-{service}-{os.getpid()}-{secrets.token_hex(16)}"
     try:
-        path.write_bytes(_OWNED_MAGIC + "\n".join(names).encode() + b"\n")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(_OWNED_MAGIC + "\n".join(names).encode() + b"\n")
     except OSError as err:
         log.warning("could not record the shared-memory segments of %s: %s", service, err)
         return None
@@ -337,6 +348,21 @@ class Holder:
             self._bytes -= held.nbytes
         self._free(held)
         return 1, 0
+
+    def drop(self, ticket: str) -> bool:
+        """Free ``ticket`` whatever its readers left (the call that made it never
+        delivered the ref).
+
+        Returns:
+            Whether the ticket was held.
+        """
+        with self._lock:
+            held = self._held.pop(ticket, None)
+            if held is None:
+                return False
+            self._bytes -= held.nbytes
+        self._free(held)
+        return True
 
     def expire(self) -> int:
         """Free entries past their TTL; returns how many."""
@@ -494,20 +520,34 @@ class Reader:
         *,
         max_message_bytes: int = 256 * MiB,
         shm_dir: Path = SHM_DIR,
+        max_read_s: float = MAX_READ_S,
+        max_channels: int = MAX_CHANNELS,
     ) -> None:
         self.security = security or ClientSecurity()
         self.max_message_bytes = max_message_bytes
         self.shm_dir = shm_dir
+        self.max_read_s = max_read_s
+        self.max_channels = max_channels
+        # Most recently used last; the oldest is closed past max_channels (a ref names
+        # its holder, so a caller that forges many addresses must not grow this forever).
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.HandoffServiceStub]] = {}
         self._background: set[asyncio.Task[Any]] = set()
 
     def _stub(self, address: str) -> pb_grpc.HandoffServiceStub:
-        if address not in self._channels:
+        found = self._channels.pop(address, None)
+        if found is None:
             channel = aio_channel(
                 address, self.security, options=channel_options(self.max_message_bytes)
             )
-            self._channels[address] = (channel, pb_grpc.HandoffServiceStub(channel))
-        return self._channels[address][1]
+            found = (channel, pb_grpc.HandoffServiceStub(channel))
+            while len(self._channels) >= self.max_channels:
+                oldest = next(iter(self._channels))
+                old, _ = self._channels.pop(oldest)
+                task = asyncio.ensure_future(old.close(grace=5.0))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        self._channels[address] = found
+        return found[1]
 
     async def close(self) -> None:
         if self._background:
@@ -573,11 +613,13 @@ class Reader:
 
     async def _read_segment(self, ref: tensor_pb2.EmbeddingRef, field: str) -> bytearray | None:
         m = _SEGMENT.match(ref.shm_name)
-        if m is None or m.group(3) != ref.ticket:
+        if m is None or m.group(3) != ref.ticket or m.group(1) != ref.service:
+            # The service in the name is the holder's: a segment of another holder would
+            # be read here and released there, at a holder that never held it.
             raise invalid_argument(
                 "EMBEDDING_REF_INVALID",
                 f"{field}.ref.shm_name {ref.shm_name[:80]!r} is not a splitvl segment of "
-                "its ticket",
+                f"its ticket held by its service ({ref.service!r})",
                 field=f"{field}.ref.shm_name",
             )
         path = self.shm_dir / ref.shm_name
@@ -599,6 +641,9 @@ class Reader:
     async def _read_grpc(
         self, ref: tensor_pb2.EmbeddingRef, field: str, timeout: float | None
     ) -> bytearray:
+        # A holder that accepts the call and never streams must not hold a request that
+        # set no deadline forever.
+        timeout = self.max_read_s if timeout is None else min(timeout, self.max_read_s)
         out = bytearray(ref.nbytes)
         got = 0
         try:
@@ -700,3 +745,33 @@ async def expire_periodically(holder: Holder, every_s: float = 5.0) -> None:
     while True:
         await asyncio.sleep(every_s)
         await asyncio.to_thread(holder.expire)
+
+
+async def hold_on_thread(
+    holder: Holder, make: Callable[[], list[tensor_pb2.EmbeddingRef | None]]
+) -> list[tensor_pb2.EmbeddingRef | None]:
+    """Run ``make`` (which holds entries and returns their refs) on a worker thread for
+    one RPC, so that no hold outlives a call that will not deliver it: when the call is
+    cancelled (by its client, or past its deadline) while ``make`` runs, its holds are
+    freed once it ends. (A response lost after the handler returned cannot be seen from
+    here: grpc's aio context reports no cancellation then; the caller releases what it
+    received late, ``gateway.stages``, and the TTL bounds the rest.)
+
+    Raises:
+        asyncio.CancelledError: the call was cancelled (the holds are freed).
+        ServiceError: as ``make`` (RESOURCE_EXHAUSTED ``HANDOFF_FULL``).
+    """
+    task = asyncio.ensure_future(asyncio.to_thread(make))
+    try:
+        refs = await asyncio.shield(task)
+    except asyncio.CancelledError:
+
+        def drop(done: asyncio.Future[list[tensor_pb2.EmbeddingRef | None]]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                for ref in done.result():
+                    if ref is not None:
+                        holder.drop(ref.ticket)
+
+        task.add_done_callback(drop)
+        raise
+    return refs
