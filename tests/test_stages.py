@@ -378,6 +378,21 @@ class _Cache(cache_service_pb2_grpc.CacheServiceServicer):
         return cpb.LookupResponse(results=self.results)
 
 
+@contextlib.asynccontextmanager
+async def scripted_cache_stage(results, releaser):  # type: ignore[no-untyped-def]
+    """A CacheStage (shared-memory refs) over a cache that answers ``results``."""
+    async with in_process_server(
+        cache_service_pb2_grpc.add_CacheServiceServicer_to_server,
+        _Cache(results),
+        "qwenvl.cache.v1.CacheService",
+    ) as channel:
+        yield CacheStage(
+            cache_service_pb2_grpc.CacheServiceStub(channel),
+            spec=SPEC, revision="r1", transport=tensor_pb2.TRANSPORT_SHM, timeout_s=10,
+            put_timeout_s=10, releaser=releaser,
+        )  # fmt: skip
+
+
 async def test_a_hit_the_gateway_will_not_use_is_released_at_its_holder(tmp_path) -> None:
     """An exact hit of the wrong width is not bound (a miss), and its held entry is
     released at once, not kept leased until its TTL; a usable hit is kept for the decoder
@@ -388,16 +403,7 @@ async def test_a_hit_the_gateway_will_not_use_is_released_at_its_holder(tmp_path
     releaser = handoff.Reader()
     async with held_entries(tmp_path, 2, width=6) as (holder, bad):
         results = [cpb.LookupResult(tier=generation_pb2.CACHE_TIER_EXACT, embedding=bad[0])]
-        async with in_process_server(
-            cache_service_pb2_grpc.add_CacheServiceServicer_to_server,
-            _Cache(results),
-            "qwenvl.cache.v1.CacheService",
-        ) as channel:
-            stage = CacheStage(
-                cache_service_pb2_grpc.CacheServiceStub(channel),
-                spec=SPEC, revision="r1", transport=tensor_pb2.TRANSPORT_SHM, timeout_s=10,
-                put_timeout_s=10, releaser=releaser,
-            )  # fmt: skip
+        async with scripted_cache_stage(results, releaser) as stage:
             held = HeldRefs()
             asked = [fresh(image(1))]
             await stage.lookup(asked, SIMILAR, None, held)  # type: ignore[arg-type]
@@ -410,16 +416,7 @@ async def test_a_hit_the_gateway_will_not_use_is_released_at_its_holder(tmp_path
             assert await freed(holder)
     async with held_entries(tmp_path, 1) as (holder, good):
         results = [cpb.LookupResult(tier=generation_pb2.CACHE_TIER_EXACT, embedding=good[0])]
-        async with in_process_server(
-            cache_service_pb2_grpc.add_CacheServiceServicer_to_server,
-            _Cache(results),
-            "qwenvl.cache.v1.CacheService",
-        ) as channel:
-            stage = CacheStage(
-                cache_service_pb2_grpc.CacheServiceStub(channel),
-                spec=SPEC, revision="r1", transport=tensor_pb2.TRANSPORT_SHM, timeout_s=10,
-                put_timeout_s=10, releaser=releaser,
-            )  # fmt: skip
+        async with scripted_cache_stage(results, releaser) as stage:
             held = HeldRefs()
             asked = [fresh(image(1))]
             await stage.lookup(asked, SIMILAR, None, held)  # type: ignore[arg-type]
