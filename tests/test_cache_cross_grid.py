@@ -107,25 +107,32 @@ def test_a_4_percent_resize_is_served_with_the_stored_grid_and_half_size_misses(
     assert miss["usage"]["prompt_tokens"] == stored["usage"]["prompt_tokens"] - (256 - 64)
 
     # The trace says so: the gateway's cache.lookup span marks the grid change, and the
-    # cache's names both grids.
-    def spans() -> list[dict]:
+    # cache's names both grids. Each process exports its spans in its own batches, so the two
+    # arrive in either order: wait for both.
+    def grid_changed() -> list[dict]:
         return [
             s
             for s in otlp_receiver.snapshot()
-            if s["name"] == "cache.lookup" and "splitvl.cache.grid_changed" in s["attributes"]
+            if s["name"] == "cache.lookup"
+            and "splitvl.cache.grid_changed" in s["attributes"]
+            and True in _array(s["attributes"]["splitvl.cache.grid_changed"])
         ]
 
-    deadline = time.monotonic() + 10
-    while not any(True in _array(s["attributes"]["splitvl.cache.grid_changed"]) for s in spans()):
+    def served() -> list[dict]:
+        return [
+            s
+            for s in otlp_receiver.snapshot()
+            if s["service"] == "splitvl-cache" and "splitvl.cache.served_grid" in s["attributes"]
+        ]
+
+    deadline = time.monotonic() + 15
+    while not grid_changed():
         assert time.monotonic() < deadline, "no cache.lookup span with a grid change"
         time.sleep(0.2)
-    served = [
-        s
-        for s in otlp_receiver.snapshot()
-        if s["service"] == "splitvl-cache" and "splitvl.cache.served_grid" in s["attributes"]
-    ]
-    assert served, "the cache's span names the served grid"
-    attrs = served[-1]["attributes"]
+    while not served():
+        assert time.monotonic() < deadline, "the cache's span names the served grid"
+        time.sleep(0.2)
+    attrs = served()[-1]["attributes"]
     assert _array(attrs["splitvl.cache.served_grid"]) == [1, 32, 32]
     assert _array(attrs["splitvl.cache.requested_grid"]) == [1, 30, 30]
 
