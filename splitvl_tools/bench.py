@@ -955,7 +955,7 @@ def add_parser(sub: Any) -> None:
         type=non_negative_int,
         default=0,
         help="requests per closed-loop run; 0 = the scenario's own (64, --quick 32; photos "
-        "32 / 8; video 16 / 8; openai 32)",
+        "32 / 8; video 16 / 8; openai 4x the concurrency, at least 16)",
     )
     p.add_argument(
         "--requests-conc1",

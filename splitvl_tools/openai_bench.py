@@ -81,11 +81,20 @@ def write_repeat_dataset(folder: Path, name: str, n: int, factory: Any, seed: in
 WARM_UP = (-1, 0)
 
 
+def prompts_for(concurrency: int, requests: int = 0) -> int:
+    """Requests in one run at ``concurrency``: ``requests`` when given, else four times the
+    concurrency (at least 16). One burst of exactly ``concurrency`` requests measures the
+    ramp (every request starts at once, the last ones wait for all the image work), not the
+    steady state vLLM's client is meant to show."""
+    return requests or max(16, 4 * concurrency)
+
+
 def run_inputs(
     work: Path, rounds: int, concurrencies: list[int], n: int, side: int, seed: int
 ) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], Path]]:
     """Each run's random-mm seed and repeat50 file, keyed by (round, concurrency), and the
-    warm-up's (:data:`WARM_UP`, 4 requests). No two runs share an image."""
+    warm-up's (:data:`WARM_UP`, 4 requests). ``n``: requests per run (0: :func:`prompts_for`
+    each concurrency). No two runs share an image."""
     from splitvl_tools.workload import ImageFactory
 
     factory = ImageFactory(side=side, seed=seed)
@@ -93,7 +102,11 @@ def run_inputs(
     seeds = {key: 1000 * seed + i + 1 for i, key in enumerate(keys)}
     files = {
         key: write_repeat_dataset(
-            work, f"repeat50-r{key[0]}-c{key[1]}", 4 if key == WARM_UP else n, factory, s
+            work,
+            f"repeat50-r{key[0]}-c{key[1]}",
+            4 if key == WARM_UP else prompts_for(key[1], n),
+            factory,
+            s,
         )
         for key, s in seeds.items()
     }
@@ -218,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     model = str(args.model or bench_model())
     work = Path(tempfile.mkdtemp(prefix="splitvl-openai-bench-"))
     concurrencies = [int(c) for c in args.openai_concurrency.split(",")]
-    n = args.requests or 32
+    n = args.requests  # 0: prompts_for(concurrency)
     seeds, files = run_inputs(work, args.rounds, concurrencies, n, args.image_side, args.seed)
     results: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {
         s: {d: {} for d in DATASETS} for s in SYSTEMS
@@ -264,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
                             dataset,
                             files[round_, conc],
                             conc,
-                            n,
+                            prompts_for(conc, n),
                             args.max_tokens,
                             args.image_side,
                             work / f"{system}-{dataset}-c{conc}-{round_}.json",

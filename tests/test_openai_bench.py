@@ -10,7 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from splitvl_tools.openai_bench import WARM_UP, client_args, run_inputs
+from splitvl_tools.openai_bench import WARM_UP, client_args, prompts_for, run_inputs
 
 
 def _images(jsonl: Path) -> list[str]:
@@ -39,3 +39,16 @@ def test_the_seed_reaches_vllms_client(tmp_path: Path) -> None:
         "http://x", "m", "distinct", tmp_path / "f.jsonl", 1, 4, 8, 64, tmp_path / "r.json", 1234
     )
     assert argv[argv.index("--seed") + 1] == "1234"
+
+
+def test_without_requests_each_concurrency_runs_four_times_its_prompts(tmp_path: Path) -> None:
+    """One burst of exactly 32 requests at concurrency 32 measured the ramp, not the steady
+    state; the default is now four bursts' worth (at least 16)."""
+    assert [prompts_for(c) for c in (1, 8, 32)] == [16, 32, 128]
+    assert prompts_for(32, requests=10) == 10
+    _, files = run_inputs(tmp_path, rounds=1, concurrencies=[1, 8], n=0, side=64, seed=0)
+    assert {key: len(_images(path)) for key, path in files.items()} == {
+        WARM_UP: 4,
+        (0, 1): 16,
+        (0, 8): 32,
+    }
