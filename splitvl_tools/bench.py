@@ -1022,6 +1022,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--openai-concurrency", default="1,8,32", help="with --openai: concurrencies to run"
     )
+    p.add_argument(
+        "--openai-datasets",
+        default="distinct,repeat50,reencoded50",
+        help="with --openai: datasets to run, of distinct, repeat50, reencoded50 and "
+        "repeat100 (the all-hits probe that bounds repeat50's ratio)",
+    )
     instead.add_argument(
         "--video",
         action="store_true",

@@ -8,7 +8,16 @@ fails on its package name). Two datasets, each at several concurrencies:
 * ``distinct``: vLLM's ``random-mm`` (one 448x448 image of i.i.d. random pixels per request,
   all distinct, so no cache helps) with a short random prompt;
 * ``repeat50``: vLLM's ``custom_image`` JSONL over bundled photos (448x448, sent as data
-  URLs), half of the requests naming an image an earlier request sent.
+  URLs), half of the requests naming an image an earlier request sent, byte for byte;
+* ``reencoded50``: the same, but each repeat is a new JPEG encoding of the earlier image (a
+  quality of its own, 94 down), as when a photo comes back through another app: its pixels
+  differ, so hashes of the image (vLLM's processor, encoder and prefix caches, splitvl's
+  exact key) miss and only a similarity tier can reuse it;
+* ``repeat100`` (not run unless asked): every request names one of the warm-up's images,
+  which both servers have served, so no request runs the ViT or an image prefill on either.
+  It is the probe for a ceiling: splitvl's req/s here bounds its req/s at any share of
+  exact repeats, and divided by ``vllm serve``'s repeat50 req/s of the same round it bounds
+  ``rps_ratio_repeat50`` (``ceiling_rps_ratio_repeat50`` in the report).
 
 32 output tokens, ``--ignore-eos``, temperature 0. Every run (round, dataset, concurrency,
 and the unmeasured warm-up) gets images no earlier run sent: ``random-mm`` a seed of its
@@ -39,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 SYSTEMS = ("vllm_serve", "splitvl")
-DATASETS = ("distinct", "repeat50")
+DATASETS = ("distinct", "repeat50", "reencoded50", "repeat100")
 METRICS = (
     "request_throughput",
     "mean_ttft_ms",
@@ -54,26 +63,61 @@ METRICS = (
 )
 
 
-def write_repeat_dataset(folder: Path, name: str, n: int, factory: Any, seed: int) -> Path:
+def write_repeat_dataset(
+    folder: Path, name: str, n: int, factory: Any, seed: int, reencode: bool = False
+) -> Path:
     """A ``custom_image`` JSONL of ``n`` requests, about half repeating an earlier image of
     the same file; the new images come from ``factory`` (an :class:`ImageFactory`, shared by
-    every dataset of a bench so that no two datasets hold similar images)."""
+    every dataset of a bench so that no two datasets hold similar images).
+
+    ``reencode``: a repeat is not the earlier file but a new JPEG of the earlier image's
+    pixels, each copy of one image at a quality of its own (94, 93, ...), so no two
+    requests of the file send the same pixels."""
+    from PIL import Image
+
     folder = folder / name
     folder.mkdir()
     rng = random.Random(seed)
-    paths: list[Path] = []
+    originals: list[Path] = []
+    copies: dict[Path, int] = {}
     lines = []
     for i in range(n):
-        if paths and rng.random() < 0.5:
-            path = rng.choice(paths)
+        if originals and rng.random() < 0.5:
+            path = rng.choice(originals)
+            if reencode:
+                copies[path] = copies.get(path, 0) + 1
+                quality = max(50, 95 - copies[path])
+                copy = folder / f"image{i:03d}-{path.stem}-q{quality}.jpg"
+                with Image.open(path) as original:
+                    original.convert("RGB").save(copy, format="JPEG", quality=quality)
+                path = copy
         else:
             path = folder / f"image{i:03d}.png"
             buf = io.BytesIO()
             factory.make().save(buf, format="PNG")
             path.write_bytes(buf.getvalue())
-            paths.append(path)
+            originals.append(path)
         lines.append(json.dumps({"prompt": "Describe this image.", "image_files": [str(path)]}))
-    out = folder / "repeat50.jsonl"
+    out = folder / f"{name.split('-')[0]}.jsonl"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def write_hits_dataset(folder: Path, name: str, n: int, warm_up: Path) -> Path:
+    """A ``custom_image`` JSONL of ``n`` requests cycling over the images of the warm-up's
+    file ``warm_up`` (which both servers have served before any measured run)."""
+    images = list(
+        dict.fromkeys(
+            json.loads(line)["image_files"][0] for line in warm_up.read_text().splitlines()
+        )
+    )
+    folder = folder / name
+    folder.mkdir()
+    out = folder / "repeat100.jsonl"
+    lines = [
+        json.dumps({"prompt": "Describe this image.", "image_files": [images[i % len(images)]]})
+        for i in range(n)
+    ]
     out.write_text("\n".join(lines) + "\n")
     return out
 
@@ -91,25 +135,34 @@ def prompts_for(concurrency: int, requests: int = 0) -> int:
 
 def run_inputs(
     work: Path, rounds: int, concurrencies: list[int], n: int, side: int, seed: int
-) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], Path]]:
-    """Each run's random-mm seed and repeat50 file, keyed by (round, concurrency), and the
-    warm-up's (:data:`WARM_UP`, 4 requests). ``n``: requests per run (0: :func:`prompts_for`
-    each concurrency). No two runs share an image."""
+) -> tuple[dict[tuple[int, int], int], dict[str, dict[tuple[int, int], Path]]]:
+    """Each run's random-mm seed, keyed by (round, concurrency), and its ``custom_image``
+    file per dataset (``files[dataset][round, concurrency]``), with the warm-up's
+    (:data:`WARM_UP`, 4 requests; repeat100 has none of its own: it repeats the warm-up's
+    repeat50 images). ``n``: requests per run (0: :func:`prompts_for` each concurrency).
+    No two runs share an image, except that every repeat100 run sends the warm-up's."""
     from splitvl_tools.workload import ImageFactory
 
     factory = ImageFactory(side=side, seed=seed)
     keys = [WARM_UP] + [(r, c) for r in range(rounds) for c in concurrencies]
     seeds = {key: 1000 * seed + i + 1 for i, key in enumerate(keys)}
-    files = {
-        key: write_repeat_dataset(
+    files: dict[str, dict[tuple[int, int], Path]] = {"repeat50": {}, "reencoded50": {}}
+    for dataset, reencode in (("repeat50", False), ("reencoded50", True)):
+        for key, s in seeds.items():
+            count = 4 if key == WARM_UP else prompts_for(key[1], n)
+            name = f"{dataset}-r{key[0]}-c{key[1]}"
+            files[dataset][key] = write_repeat_dataset(work, name, count, factory, s, reencode)
+    files["repeat100"] = {
+        key: write_hits_dataset(
             work,
-            f"repeat50-r{key[0]}-c{key[1]}",
-            4 if key == WARM_UP else prompts_for(key[1], n),
-            factory,
-            s,
+            f"repeat100-r{key[0]}-c{key[1]}",
+            prompts_for(key[1], n),
+            files["repeat50"][WARM_UP],
         )
-        for key, s in seeds.items()
+        for key in keys
+        if key != WARM_UP
     }
+    files["distinct"] = {}
     return seeds, files
 
 
@@ -206,6 +259,24 @@ def splitvl_front(model: str, log_dir: Path, progress: Any) -> Iterator[str]:
         yield f"http://127.0.0.1:{cluster.ports.http}"
 
 
+def cache_tiers(base_url: str) -> dict[str, float]:
+    """The gateway's ``splitvl_gateway_cache_lookups_total`` by tier (exact, similar,
+    miss), scraped from the front's ``GET /metrics``; empty for a server without it."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{base_url}/metrics", timeout=10)
+    if response.status_code != 200:
+        return {}
+    return {
+        sample.labels["tier"]: sample.value
+        for family in text_string_to_metric_families(response.text)
+        if family.name == "splitvl_gateway_cache_lookups"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
     import httpx
 
@@ -228,13 +299,18 @@ def run(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    try:
+        datasets = parse_datasets(args.openai_datasets)
+    except ValueError as exc:
+        say(str(exc))
+        return 2
     model = str(args.model or bench_model())
     work = Path(tempfile.mkdtemp(prefix="splitvl-openai-bench-"))
     concurrencies = [int(c) for c in args.openai_concurrency.split(",")]
     n = args.requests  # 0: prompts_for(concurrency)
     seeds, files = run_inputs(work, args.rounds, concurrencies, n, args.image_side, args.seed)
     results: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {
-        s: {d: {} for d in DATASETS} for s in SYSTEMS
+        s: {d: {} for d in datasets} for s in SYSTEMS
     }
     client_log = (work / "client.log").open("w")
     block = args.block_size or 32
@@ -251,12 +327,15 @@ def run(args: argparse.Namespace) -> int:
                 server = splitvl_front(model, work / "splitvl-logs", say)
             bases[system] = servers.enter_context(server)
         for system in SYSTEMS:  # unmeasured requests: first-use costs of both servers
-            for dataset in DATASETS:
+            # repeat50's warm-up images are also repeat100's, so it always runs.
+            for dataset in ("distinct", "repeat50", "reencoded50"):
+                if dataset == "reencoded50" and dataset not in datasets:
+                    continue
                 warm = client_args(
                     bases[system],
                     model,
                     dataset,
-                    files[WARM_UP],
+                    files.get(dataset, {}).get(WARM_UP, work),
                     1,
                     2,
                     4,
@@ -267,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
                 run_client(warm, client_log)
         step = 0
         for round_ in range(args.rounds):
-            for dataset in DATASETS:
+            for dataset in datasets:
                 for conc in concurrencies:
                     # Which server goes first alternates from one pair to the next.
                     for system in SYSTEMS if step % 2 == 0 else SYSTEMS[::-1]:
@@ -275,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
                             bases[system],
                             model,
                             dataset,
-                            files[round_, conc],
+                            files[dataset].get((round_, conc), work),
                             conc,
                             prompts_for(conc, n),
                             args.max_tokens,
@@ -283,7 +362,13 @@ def run(args: argparse.Namespace) -> int:
                             work / f"{system}-{dataset}-c{conc}-{round_}.json",
                             seeds[round_, conc],
                         )
+                        before = cache_tiers(bases[system]) if system == "splitvl" else {}
                         result = run_client(argv, client_log)
+                        if system == "splitvl":  # how the cache answered this run's images
+                            after = cache_tiers(bases[system])
+                            result["cache_tiers"] = {
+                                t: after[t] - before.get(t, 0.0) for t in sorted(after)
+                            }
                         results[system][dataset].setdefault(str(conc), []).append(result)
                         say(
                             f"  round {round_ + 1}/{args.rounds} {system} {dataset} c={conc}: "
@@ -292,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
                             f"failed {result.get('failed', 0)}"
                         )
                     step += 1
-    report = summarize(results, concurrencies)
+    report = summarize(results, concurrencies, datasets)
     report["command"] = "splitvl bench --openai " + " ".join(sys.argv[3:])
     report["work_dir"] = str(work)
     if args.json:
@@ -302,15 +387,40 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["failed"] == 0 else 1
 
 
+def parse_datasets(text: str) -> list[str]:
+    """``--openai-datasets``: a comma-separated subset of :data:`DATASETS`, in that order.
+
+    Raises ``ValueError`` naming an unknown one."""
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    unknown = [d for d in names if d not in DATASETS]
+    if unknown or not names:
+        given = ",".join(unknown) or "none given"
+        raise ValueError(f"--openai-datasets: {given}; choose from {','.join(DATASETS)}")
+    return [d for d in DATASETS if d in names]
+
+
+def _median_spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
+
+
 def summarize(
-    results: dict[str, dict[str, dict[str, list[dict[str, Any]]]]], concurrencies: list[int]
+    results: dict[str, dict[str, dict[str, list[dict[str, Any]]]]],
+    concurrencies: list[int],
+    datasets: list[str] | tuple[str, ...] = DATASETS,
 ) -> dict[str, Any]:
     """Medians over rounds per system, dataset and concurrency; ratios splitvl / vllm serve
-    (median of the per-round ratios, with their min and max)."""
+    (median of the per-round ratios, with their min and max). With repeat100 and repeat50
+    both run, ``ceiling_rps_ratio_repeat50_c<N>``: per round, splitvl's repeat100 req/s over
+    ``vllm serve``'s repeat50 req/s, the most ``rps_ratio_repeat50_c<N>`` could be when
+    splitvl serves every exact repeat at its all-hits rate and every miss for free."""
     table: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
     failed = 0
-    for dataset in DATASETS:
+    for dataset in datasets:
         for conc in map(str, concurrencies):
             key = f"{dataset}_c{conc}"
             row: dict[str, Any] = {}
@@ -322,6 +432,11 @@ def summarize(
                     for m in METRICS
                     if runs and m in runs[0]
                 }
+                tiers = [r["cache_tiers"] for r in runs if "cache_tiers" in r]
+                if tiers:  # summed over the rounds
+                    row[system]["cache_tiers"] = {
+                        t: sum(x.get(t, 0.0) for x in tiers) for t in sorted(tiers[0])
+                    }
             per_round = [
                 float(s["request_throughput"]) / float(v["request_throughput"])
                 for v, s in zip(
@@ -332,11 +447,18 @@ def summarize(
             ]
             table[key] = row
             if per_round:
-                ratios[f"rps_ratio_{key}"] = {
-                    "median": round(statistics.median(per_round), 3),
-                    "min": round(min(per_round), 3),
-                    "max": round(max(per_round), 3),
-                }
+                ratios[f"rps_ratio_{key}"] = _median_spread(per_round)
+    for conc in map(str, concurrencies):
+        ceiling = [
+            float(s["request_throughput"]) / float(v["request_throughput"])
+            for v, s in zip(
+                results["vllm_serve"].get("repeat50", {}).get(conc, []),
+                results["splitvl"].get("repeat100", {}).get(conc, []),
+                strict=False,
+            )
+        ]
+        if ceiling:
+            ratios[f"ceiling_rps_ratio_repeat50_c{conc}"] = _median_spread(ceiling)
     return {"table": table, "ratios": ratios, "failed": failed}
 
 
@@ -351,12 +473,13 @@ def print_table(report: dict[str, Any]) -> None:
         "median_itl_ms",
         "p99_itl_ms",
     )
-    print("| run | system | " + " | ".join(cols) + " |")
-    print("|" + "---|" * (len(cols) + 2))
+    print("| run | system | " + " | ".join(cols) + " | cache tiers (splitvl) |")
+    print("|" + "---|" * (len(cols) + 3))
     for key, row in report["table"].items():
         for system, m in row.items():
             cells = " | ".join(f"{m.get(k, float('nan')):.2f}" for k in keys)
-            print(f"| {key} | {system} | {cells} |")
+            tiers = ", ".join(f"{t} {int(v)}" for t, v in m.get("cache_tiers", {}).items())
+            print(f"| {key} | {system} | {cells} | {tiers} |")
     print()
     print("| ratio (splitvl / vllm serve, req/s) | median | min | max |")
     print("|---|---|---|---|")
