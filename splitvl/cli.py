@@ -237,19 +237,21 @@ def build_parser() -> argparse.ArgumentParser:
             "--base-port",
             type=base_port,
             default=DEFAULT_BASE_PORT,
-            help="gateway port; encoder, cache, decoder take the next three",
+            help="gateway port; encoder, cache, decoder take the next three (default %(default)s)",
         )
         p.add_argument(
             "--metrics-base-port",
             type=base_port_or_off,
             default=DEFAULT_METRICS_BASE_PORT,
-            help="Prometheus port of the gateway, +1..+3 for the others; 0 = off",
+            help="Prometheus port of the gateway, +1..+3 for the others; 0 = off "
+            "(default %(default)s)",
         )
         p.add_argument(
             "--http-port",
             type=port_or_off,
             default=DEFAULT_HTTP_PORT,
-            help="the gateway's OpenAI-compatible HTTP front (/v1/chat/completions); 0 = off",
+            help="the gateway's OpenAI-compatible HTTP front (/v1/chat/completions); 0 = off "
+            "(default %(default)s)",
         )
         p.add_argument(
             "--log-dir",
