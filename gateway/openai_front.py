@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import ssl
 import time
 import uuid
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -182,14 +184,26 @@ class Converted:
 
     request: pb.GenerateRequest
     fields: dict[str, str]
+    # gRPC names whose every sub-field is the one OpenAI field (an image's ``url`` and
+    # ``data_url`` are both its ``image_url.url``; a string content's ``parts[0].text`` is
+    # the ``content``).
+    whole: frozenset[str] = frozenset()
 
     def openai_param(self, field: str | None) -> str | None:
+        """The OpenAI name of a gRPC field name, by the longest mapped prefix of it."""
         if not field:
             return field
-        for grpc_name, openai_name in self.fields.items():
-            if field == grpc_name or field.startswith((grpc_name + ".", grpc_name + "[")):
-                return (openai_name + field[len(grpc_name) :]).lstrip(".")
-        return field
+        matches = [
+            name
+            for name in self.fields
+            if field == name or field.startswith((name + ".", name + "["))
+        ]
+        if not matches:
+            return field
+        name = max(matches, key=len)
+        if name in self.whole:
+            return self.fields[name]
+        return (self.fields[name] + field[len(name) :]).lstrip(".")
 
 
 def to_generate_request(
@@ -226,10 +240,13 @@ def to_generate_request(
             )
     request = pb.GenerateRequest()
     fields: dict[str, str] = {}
+    whole: set[str] = set()
     images = 0
     videos = 0
     for i, message in enumerate(body.messages):
         msg = request.messages.add(role=_utf8(message.role, f"messages[{i}].role"))
+        fields[f"messages[{i}].parts"] = f"messages[{i}].content"
+        whole.update((f"messages[{i}].parts", f"messages[{i}].parts[0]"))
         content = message.content
         if content is None:
             continue
@@ -237,6 +254,7 @@ def to_generate_request(
             fields[f"messages[{i}].parts[0]"] = f"messages[{i}].content"
             msg.parts.add(text=_utf8(content, f"messages[{i}].content"))
             continue
+        whole.discard(f"messages[{i}].parts[0]")
         for k, part in enumerate(content):
             field = f"messages[{i}].content[{k}]"
             fields[f"messages[{i}].parts[{k}]"] = field
@@ -269,6 +287,7 @@ def to_generate_request(
                     )
                 url = _utf8(url, f"{field}.image_url.url")
                 fields[f"images[{images}]"] = f"{field}.image_url.url"
+                whole.add(f"images[{images}]")
                 images += 1
                 image = pb.ImageInput(data_url=url) if url[:5].lower() == "data:" else None
                 msg.parts.add(image=image or pb.ImageInput(url=url))
@@ -283,6 +302,7 @@ def to_generate_request(
                     )
                 url = _utf8(url, f"{field}.video_url.url")
                 fields[f"videos[{videos}]"] = f"{field}.video_url.url"
+                whole.add(f"videos[{videos}]")
                 videos += 1
                 file = pb.VideoFile(data_url=url) if url[:5].lower() == "data:" else None
                 msg.parts.add(video=pb.VideoInput(file=file or pb.VideoFile(url=url)))
@@ -298,8 +318,11 @@ def to_generate_request(
         sampling.max_tokens = check_max_tokens(max_tokens, max_tokens_limit, name)
     fields["sampling"] = ""
     # OpenAI's and vLLM's default temperature is 1.0; the gRPC API's 0 means greedy.
-    sampling.temperature = 1.0 if body.temperature is None else body.temperature
+    sampling.temperature = (
+        1.0 if body.temperature is None else _float32(body.temperature, "temperature")
+    )
     if body.top_p is not None:
+        _float32(body.top_p, "top_p")
         if not 0.0 < body.top_p <= 1.0:  # the gRPC API's 0 means "unset"; vLLM refuses 0
             raise invalid_argument(
                 "TOP_P_OUT_OF_RANGE", f"top_p is {body.top_p}; allowed (0, 1]", field="top_p"
@@ -317,7 +340,23 @@ def to_generate_request(
         stops = [body.stop] if isinstance(body.stop, str) else body.stop
         sampling.stop.extend(_utf8(stop, f"stop[{k}]") for k, stop in enumerate(stops))
     sampling.ignore_eos = body.ignore_eos
-    return Converted(request, fields)
+    return Converted(request, fields, frozenset(whole))
+
+
+def _float32(value: float, field: str) -> float:
+    """``value`` unchanged, if the gRPC API's 32-bit float keeps it: one that would become
+    infinite (``1e300``) or zero (``1e-50``, and the gRPC API's 0 means "unset") is
+    refused with INVALID_ARGUMENT naming ``field``, before the range rules see the wrong
+    value."""
+    with np.errstate(over="ignore"):
+        single = float(np.float32(value)) if math.isfinite(value) else value
+    if math.isfinite(value) and (math.isinf(single) or (value != 0 and single == 0)):
+        raise invalid_argument(
+            f"{field.upper()}_OUT_OF_RANGE",
+            f"{field} is {value!r}; not representable as a 32-bit float",
+            field=field,
+        )
+    return value
 
 
 class HttpCallContext:

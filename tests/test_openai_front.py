@@ -657,6 +657,14 @@ def _chat(**fields: Any) -> dict[str, Any]:
             "messages[0].content",
             "messages[0].content: Input should be",
         ),
+        # A 32-bit float made 1e-50 a 0 (the gRPC API's "unset": top_p 1.0 was served) and
+        # 1e300 an inf (the message named inf, not what the client sent).
+        (_chat(top_p=1e-50), "top_p", "top_p is 1e-50; not representable as a 32-bit float"),
+        (
+            _chat(temperature=1e300),
+            "temperature",
+            "temperature is 1e+300; not representable as a 32-bit float",
+        ),
     ],
 )
 def test_bad_values_are_400_naming_the_openai_field(
@@ -730,9 +738,15 @@ def test_pipeline_field_names_come_back_as_the_clients_own() -> None:
     converted = to_generate_request(body, (MODEL,))
     for grpc_name, openai_name in [
         ("images[0]", "messages[0].content[1].image_url.url"),
-        ("images[0].data_url", "messages[0].content[1].image_url.url.data_url"),
+        # An image's url and data_url are both its image_url.url (this was ...url.data_url,
+        # and ...url.url for a URL: the suffix of the gRPC name appended to the OpenAI one).
+        ("images[0].data_url", "messages[0].content[1].image_url.url"),
+        ("images[0].url", "messages[0].content[1].image_url.url"),
         ("messages[0].parts[0].text", "messages[0].content[0].text"),
-        ("messages[1].parts[0].text", "messages[1].content.text"),
+        ("messages[0].parts", "messages[0].content"),
+        # A string content is the whole text part (this was messages[1].content.text).
+        ("messages[1].parts[0].text", "messages[1].content"),
+        ("messages[1].parts", "messages[1].content"),
         ("sampling.temperature", "temperature"),
         ("sampling.max_tokens", "max_tokens"),
         ("messages", "messages"),
@@ -828,3 +842,4 @@ def test_a_video_url_part_becomes_a_video_file_in_order() -> None:
     assert parts[0].video.file.url == "https://h/clip.mp4"
     assert parts[2].video.file.data_url == "data:video/mp4;base64,AAAA"
     assert converted.openai_param("videos[1]") == "messages[0].content[2].video_url.url"
+    assert converted.openai_param("videos[1].file.url") == "messages[0].content[2].video_url.url"
