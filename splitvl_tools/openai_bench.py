@@ -134,20 +134,30 @@ def prompts_for(concurrency: int, requests: int = 0) -> int:
 
 
 def run_inputs(
-    work: Path, rounds: int, concurrencies: list[int], n: int, side: int, seed: int
+    work: Path,
+    rounds: int,
+    concurrencies: list[int],
+    n: int,
+    side: int,
+    seed: int,
+    datasets: list[str] | tuple[str, ...] = DATASETS,
 ) -> tuple[dict[tuple[int, int], int], dict[str, dict[tuple[int, int], Path]]]:
     """Each run's random-mm seed, keyed by (round, concurrency), and its ``custom_image``
     file per dataset (``files[dataset][round, concurrency]``), with the warm-up's
     (:data:`WARM_UP`, 4 requests; repeat100 has none of its own: it repeats the warm-up's
     repeat50 images). ``n``: requests per run (0: :func:`prompts_for` each concurrency).
-    No two runs share an image, except that every repeat100 run sends the warm-up's."""
+    No two runs share an image, except that every repeat100 run sends the warm-up's. Only
+    the ``datasets`` to run get files (repeat50 always: its warm-up is repeat100's)."""
     from splitvl_tools.workload import ImageFactory
 
     factory = ImageFactory(side=side, seed=seed)
     keys = [WARM_UP] + [(r, c) for r in range(rounds) for c in concurrencies]
     seeds = {key: 1000 * seed + i + 1 for i, key in enumerate(keys)}
-    files: dict[str, dict[tuple[int, int], Path]] = {"repeat50": {}, "reencoded50": {}}
+    files: dict[str, dict[tuple[int, int], Path]] = {"distinct": {}, "repeat100": {}}
     for dataset, reencode in (("repeat50", False), ("reencoded50", True)):
+        if dataset != "repeat50" and dataset not in datasets:
+            continue
+        files[dataset] = {}
         for key, s in seeds.items():
             count = 4 if key == WARM_UP else prompts_for(key[1], n)
             name = f"{dataset}-r{key[0]}-c{key[1]}"
@@ -160,9 +170,8 @@ def run_inputs(
             files["repeat50"][WARM_UP],
         )
         for key in keys
-        if key != WARM_UP
+        if key != WARM_UP and "repeat100" in datasets
     }
-    files["distinct"] = {}
     return seeds, files
 
 
@@ -308,7 +317,9 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="splitvl-openai-bench-"))
     concurrencies = [int(c) for c in args.openai_concurrency.split(",")]
     n = args.requests  # 0: prompts_for(concurrency)
-    seeds, files = run_inputs(work, args.rounds, concurrencies, n, args.image_side, args.seed)
+    seeds, files = run_inputs(
+        work, args.rounds, concurrencies, n, args.image_side, args.seed, datasets
+    )
     results: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {
         s: {d: {} for d in datasets} for s in SYSTEMS
     }
@@ -329,13 +340,13 @@ def run(args: argparse.Namespace) -> int:
         for system in SYSTEMS:  # unmeasured requests: first-use costs of both servers
             # repeat50's warm-up images are also repeat100's, so it always runs.
             for dataset in ("distinct", "repeat50", "reencoded50"):
-                if dataset == "reencoded50" and dataset not in datasets:
+                if dataset not in files:
                     continue
                 warm = client_args(
                     bases[system],
                     model,
                     dataset,
-                    files.get(dataset, {}).get(WARM_UP, work),
+                    files[dataset].get(WARM_UP, work),
                     1,
                     2,
                     4,

@@ -89,6 +89,11 @@ def test_repeat100_sends_only_the_warm_ups_images(tmp_path: Path) -> None:
     for key, path in files["repeat100"].items():
         images = _images(path)
         assert len(images) == 10 and set(images) == warm, key
+    # Only what runs gets files; repeat50 always (its warm-up is repeat100's).
+    (tmp_path / "only").mkdir()
+    _, only = run_inputs(tmp_path / "only", 1, [1], 4, 64, 0, ["distinct", "repeat100"])
+    assert sorted(only) == ["distinct", "repeat100", "repeat50"]
+    assert set(only["repeat100"]) == {(0, 1)} and only["distinct"] == {}
 
 
 def test_the_ceiling_divides_splitvls_all_hits_rate_by_vllms_repeat50_rate() -> None:
