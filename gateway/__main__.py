@@ -80,6 +80,7 @@ async def main_async(settings: GatewaySettings) -> None:
             timeout_s=settings.http_timeout_s,
             max_tokens_limit=settings.max_tokens_limit,
             max_body_bytes=settings.max_message_bytes,
+            body_read_timeout_s=settings.http_body_timeout_s,
         )
         http = HttpFront(
             app,

@@ -16,7 +16,8 @@ the Host header and TLS SNI stay the URL's own host. Environment proxies are ign
 
 Statuses (each names the URL's host, never the full URL, whose query may hold secrets):
 
-- URLs disabled: FAILED_PRECONDITION ``IMAGE_URLS_DISABLED``.
+- URLs disabled: FAILED_PRECONDITION ``IMAGE_URLS_DISABLED`` (``VIDEO_URLS_DISABLED`` for
+  the video fetcher; every message and field names its noun).
 - Not http/https, no host, too long, a host name that cannot be encoded (IDNA), bad
   redirect target, too many redirects, a forbidden address: INVALID_ARGUMENT.
 - Upstream HTTP 4xx: INVALID_ARGUMENT ``URL_FETCH_REJECTED`` with the status (the
@@ -198,9 +199,9 @@ class UrlFetcher:
             # Each fetch may buffer max_image_bytes: a bound on memory, answered at once.
             raise resource_exhausted(
                 "URL_FETCHES_BUSY",
-                f"{self.inflight} image URL fetches are in flight; this request's "
+                f"{self.inflight} {self.noun[:-1]} URL fetches are in flight; this request's "
                 f"{len(pending)} would pass the limit of {s.url_max_inflight}; retry shortly",
-                field="images",
+                field=self.noun,
                 limit=s.url_max_inflight,
                 retry_after_ms=s.retry_after_ms,
             )
@@ -255,23 +256,23 @@ class UrlFetcher:
                 raise ServiceError(
                     grpc.StatusCode.UNAVAILABLE,
                     "URL_FETCH_FAILED",
-                    f"fetching image URLs failed ({type(first).__name__})",
-                    {"field": "images"},
+                    f"fetching {self.noun[:-1]} URLs failed ({type(first).__name__})",
+                    {"field": self.noun},
                 ) from first
             except TimeoutError as exc:
                 if deadline_bound:
                     raise ServiceError(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         "DEADLINE_EXCEEDED",
-                        "the request's deadline expired while fetching image URLs",
+                        f"the request's deadline expired while fetching {self.noun[:-1]} URLs",
                     ) from exc
                 hosts = ", ".join(sorted({_host(URL(u)) for _, u in pending}))
                 raise ServiceError(
                     grpc.StatusCode.UNAVAILABLE,
                     "URL_FETCH_FAILED",
-                    f"fetching image URLs from {hosts} took longer than the limit of "
+                    f"fetching {self.noun[:-1]} URLs from {hosts} took longer than the limit of "
                     f"{s.url_total_timeout_s:g} s",
-                    {"field": "images", "limit": f"{s.url_total_timeout_s:g}s"},
+                    {"field": self.noun, "limit": f"{s.url_total_timeout_s:g}s"},
                 ) from exc
         return {index: task.result() for (index, _), task in zip(pending, tasks, strict=True)}
 
@@ -282,7 +283,7 @@ class UrlFetcher:
         if not s.allow_urls:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "IMAGE_URLS_DISABLED",
+                f"{self.noun[:-1].upper()}_URLS_DISABLED",
                 f"{field}: {self.noun[:-1]} URLs are disabled on this server "
                 "(GATEWAY_ALLOW_URLS); "
                 "send the bytes or a data URL",
@@ -334,8 +335,8 @@ class UrlFetcher:
     def _forbidden(self, field: str, url: URL, kind: str) -> ServiceError:
         return invalid_argument(
             "URL_ADDRESS_FORBIDDEN",
-            f"{field}: host {_host(url)} is refused: its address is {kind} (image URLs may "
-            "reach only public addresses)",
+            f"{field}: host {_host(url)} is refused: its address is {kind} "
+            f"({self.noun[:-1]} URLs may reach only public addresses)",
             field=field,
             host=_host(url),
             address_kind=kind,

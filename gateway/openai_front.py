@@ -447,6 +447,7 @@ def create_app(
     timeout_s: float | None = 600.0,
     max_tokens_limit: int = INT32_MAX,
     max_body_bytes: int = 256 * 1024 * 1024,
+    body_read_timeout_s: float = 30.0,
 ) -> FastAPI:
     """The FastAPI application of the front.
 
@@ -461,6 +462,8 @@ def create_app(
         max_tokens_limit: The gateway's ``max_tokens_limit`` (named in the refusal).
         max_body_bytes: Largest request body, bytes (the gRPC server's message limit);
             a larger one is refused with 413 while it streams in, before it is parsed.
+        body_read_timeout_s: Longest wait for the next byte of a body still due,
+            seconds; past it, 408 (:class:`BodyGuard`).
     """
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -468,7 +471,7 @@ def create_app(
     app = FastAPI(title="splitvl", docs_url=None, redoc_url=None, openapi_url=None)
     served = (served_model_name,)
 
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, read_timeout_s=body_read_timeout_s)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_json(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -783,16 +786,44 @@ class _Stream(StreamingResponse):
             await self._on_close()
 
 
-class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is refused with 413 in OpenAI's
-    shape as it streams in (by Content-Length at once, else by counting), so a 1 GB body
-    is never buffered or parsed. The gRPC server's message limit, applied to HTTP."""
+class BodyGuard:
+    """ASGI middleware for the request body, before FastAPI reads it, each refusal in
+    OpenAI's shape:
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    - over ``max_bytes``: 413 ``REQUEST_TOO_LARGE`` as it streams in (by Content-Length
+      at once, else by counting), so a 1 GB body is never buffered or parsed (the gRPC
+      server's message limit, applied to HTTP);
+    - no byte of a body still due for ``read_timeout_s`` seconds (a client that sent a
+      Content-Length and less body, or stalled mid-upload): 408 ``BODY_READ_TIMEOUT``.
+      uvicorn bounds the idle time between requests (``timeout_keep_alive``), not a
+      body that stops arriving, which used to hold the connection and its request
+      open with no answer;
+    - a ``Content-Encoding`` other than ``identity`` (gzip, br, ...): 415
+      ``CONTENT_ENCODING_UNSUPPORTED`` (it used to be read as JSON and refused as not
+      JSON). ``vllm serve`` does not decompress bodies either.
+    """
+
+    def __init__(self, app: Any, max_bytes: int, read_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
 
-    def _refusal(self) -> JSONResponse:
+    def _refusal(self, kind: str) -> JSONResponse:
+        if kind == "timeout":
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "the request body stopped arriving: no byte for "
+                        f"{self.read_timeout_s:g} s before it was complete "
+                        "(Content-Length larger than the body sent?)",
+                        "type": "invalid_request_error",
+                        "param": "body",
+                        "code": "BODY_READ_TIMEOUT",
+                    }
+                },
+                status_code=408,
+                headers={"Connection": "close"},
+            )
         return _error_response(
             ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -807,23 +838,41 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"", b"identity"):
+            name = encoding.decode("latin-1")
+            await JSONResponse(
+                {
+                    "error": {
+                        "message": f"Content-Encoding {name!r} is not supported; "
+                        "send the JSON body uncompressed (identity)",
+                        "type": "invalid_request_error",
+                        "param": "body",
+                        "code": "CONTENT_ENCODING_UNSUPPORTED",
+                    }
+                },
+                status_code=415,
+            )(scope, receive, send)
+            return
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refusal()(scope, receive, send)
+            await self._refusal("size")(scope, receive, send)
             return
         seen = 0
-        too_large = False
+        refused: str | None = None  # "size" or "timeout" once the body is refused
         replaced = False
+        complete = False
 
         async def guarded_send(message: Any) -> None:
-            # Over the limit, whatever the app answers (FastAPI turns the aborted body into
-            # its own 400) is replaced by the 413.
+            # Once the body is refused, whatever the app answers (FastAPI turns the
+            # aborted body into its own 400) is replaced by the refusal.
             nonlocal replaced
-            if not too_large:
+            if refused is None:
                 await send(message)
             elif not replaced:
                 replaced = True
-                refusal = self._refusal()
+                refusal = self._refusal(refused)
                 await send(
                     {
                         "type": "http.response.start",
@@ -833,20 +882,33 @@ class BodyLimit:
                 )
                 await send({"type": "http.response.body", "body": refusal.body})
 
-        async def counted_receive() -> Any:
-            nonlocal seen, too_large
-            message = await receive()
+        async def guarded_receive() -> Any:
+            nonlocal seen, refused, complete
+            if complete:  # after the body: the wait for http.disconnect has no bound
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except TimeoutError:
+                refused = "timeout"
+                raise _BodyRefused from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    too_large = True
-                    raise _TooLarge
+                    refused = "size"
+                    raise _BodyRefused
+                complete = not message.get("more_body", False)
+            else:
+                complete = True
             return message
 
-        await self.app(scope, counted_receive, guarded_send)
+        try:
+            await self.app(scope, guarded_receive, guarded_send)
+        except _BodyRefused:
+            if not replaced and refused is not None:
+                await guarded_send(None)
 
 
-class _TooLarge(Exception):
+class _BodyRefused(Exception):
     pass
 
 

@@ -135,6 +135,12 @@ class GatewaySettings(ServerSettings):
     http_timeout_s: float = Field(
         600.0, gt=0, description="Deadline of one HTTP chat completion, seconds."
     )
+    http_body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest wait for the next byte of an HTTP request body still due, "
+        "seconds; past it, 408 BODY_READ_TIMEOUT.",
+    )
 
     @model_validator(mode="after")
     def _public_message_limit(self) -> "GatewaySettings":

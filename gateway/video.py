@@ -347,7 +347,9 @@ def decode_video(
 
     Raises:
         ServiceError: INVALID_ARGUMENT ``VIDEO_UNDECODABLE`` (not a container FFmpeg reads),
-            ``VIDEO_NO_VIDEO_STREAM`` (e.g. audio only, case C18), ``VIDEO_TRUNCATED`` (the
+            ``VIDEO_NO_VIDEO_STREAM`` (e.g. audio only, case C18), ``VIDEO_IS_AN_IMAGE`` (a
+            still image FFmpeg would read as one frame: PNG, JPEG, WebP, ...),
+            ``VIDEO_TRUNCATED`` (the
             index lists frames the file does not hold, or a kept frame does not decode,
             case C17); RESOURCE_EXHAUSTED ``VIDEO_BYTES_TOO_LARGE``, ``VIDEO_TOO_LONG``,
             ``VIDEO_FRAME_TOO_LARGE`` naming the GATEWAY_* limit; what ``check`` raises.
@@ -381,6 +383,16 @@ def decode_video(
             )
         stream: Any = streams[0]
         fmt = container.format.name
+        if fmt.endswith("_pipe"):
+            # FFmpeg's still-image demuxers (png_pipe, jpeg_pipe, webp_pipe, ...) read a
+            # photo as a one-frame "video", which was served as one: refuse it by name.
+            # An animated GIF (demuxer "gif") stays a video.
+            kind = fmt.removesuffix("_pipe").upper()
+            raise invalid_argument(
+                "VIDEO_IS_AN_IMAGE",
+                f"{field} is a still image ({kind}), not a video; send it as an image part",
+                field=field,
+            )
         codec = stream.codec_context.name
         time_base = float(stream.time_base or 0) or 1e-6
         # Demux only (no decoding): every frame's presentation time and key-frame flag.

@@ -715,6 +715,74 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed() -> None:
     assert len(servicer.requests) == 1  # the large ones never reached the pipeline
 
 
+def _raw_exchange(url: str, head: bytes, body_parts: list[tuple[float, bytes]]) -> bytes:
+    """Send ``head`` then each ``(delay_s, bytes)`` on a plain socket; the whole answer
+    (until the server closes or 10 s pass)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port), timeout=10) as sock:
+        sock.sendall(head)
+        for delay, part in body_parts:
+            time.sleep(delay)
+            sock.sendall(part)
+        answer = b""
+        with contextlib.suppress(TimeoutError):
+            while chunk := sock.recv(65536):  # "Connection: close": until it closes
+                answer += chunk
+    return answer
+
+
+def test_a_body_that_stops_arriving_is_408_and_a_slow_one_is_served() -> None:
+    """A Content-Length larger than the body sent got no answer at all (the adversarial
+    review waited 60 s); uvicorn bounds idle keep-alive, not a stalled body."""
+    servicer = ScriptedServicer()
+    body = json.dumps(_chat()).encode()
+    with serving(servicer, body_read_timeout_s=0.5) as url:
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (len(body) + 10)
+        )
+        t = time.monotonic()
+        short = _raw_exchange(url, head, [(0, body)])
+        waited = time.monotonic() - t
+        # Slow but never idle for 0.5 s: three pieces 0.3 s apart, served.
+        exact = head.replace(b"%d" % (len(body) + 10), b"%d" % len(body))
+        thirds = [body[: len(body) // 3], body[len(body) // 3 : -5], body[-5:]]
+        slow = _raw_exchange(url, exact, [(0.3, part) for part in thirds])
+    assert short.startswith(b"HTTP/1.1 408"), short[:200]
+    error = json.loads(short.split(b"\r\n\r\n", 1)[1])["error"]
+    assert (error["code"], error["param"]) == ("BODY_READ_TIMEOUT", "body")
+    assert "0.5 s" in error["message"]
+    assert 0.4 < waited < 5
+    assert slow.startswith(b"HTTP/1.1 200"), slow[:300]
+    assert len(servicer.requests) == 1  # only the slow one reached the pipeline
+
+
+def test_a_compressed_body_is_415_naming_the_encoding() -> None:
+    import gzip
+
+    servicer = ScriptedServicer()
+    with serving(servicer) as url:
+        packed = _post(
+            url,
+            content=gzip.compress(json.dumps(_chat()).encode()),
+            headers={"content-type": "application/json", "content-encoding": "gzip"},
+        )
+        plain = _post(
+            url,
+            content=json.dumps(_chat()).encode(),
+            headers={"content-type": "application/json", "content-encoding": "identity"},
+        )
+    assert packed.status_code == 415, packed.text
+    error = packed.json()["error"]
+    assert error["code"] == "CONTENT_ENCODING_UNSUPPORTED" and "'gzip'" in error["message"]
+    assert plain.status_code == 200
+    assert len(servicer.requests) == 1
+
+
 def test_size_limits_are_413_and_only_capacity_is_429() -> None:
     size = ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "IMAGE_BYTES_TOO_LARGE", "too big")
     assert error_body(size)[0] == 413 and error_body(size)[2] == {}

@@ -200,6 +200,21 @@ def test_c18_audio_only_has_no_video_stream(spec, config) -> None:  # type: igno
     assert "videos[0] has no video stream (streams: audio)" in str(err)
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_a_still_image_as_a_video_is_refused_by_name(spec, config, fmt) -> None:  # type: ignore[no-untyped-def]
+    """FFmpeg reads a PNG as a one-frame video; it was served as one."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 40, 40)).save(out, fmt)
+    err = refused(out.getvalue(), spec, config)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.reason == "VIDEO_IS_AN_IMAGE"
+    assert f"videos[0] is a still image ({fmt}), not a video" in str(err)
+
+
 def test_c19_long_clip_within_budgets(spec, config) -> None:  # type: ignore[no-untyped-def]
     data = case("c19_long_5min_1fps.mp4").read_bytes()
     video = decode(data, spec, config, VideoRequest(max_frames=64))
@@ -251,8 +266,8 @@ def test_frame_pixels_and_overrides_are_bounded(spec, config) -> None:  # type: 
 def test_images_and_junk_sent_as_video_never_internal(spec, config) -> None:  # type: ignore[no-untyped-def]
     png = io.BytesIO()
     Image.fromarray(pan_frames("astronaut.png", 1, (64, 64))[0]).save(png, format="PNG")
-    still = decode(png.getvalue(), spec, config)  # a PNG is a one-frame video to FFmpeg
-    assert still.sampling.source_frames == 1 and still.plan.grid_t == 1
+    # A PNG is a one-frame video to FFmpeg; it was served as one, now refused by name.
+    assert refused(png.getvalue(), spec, config).reason == "VIDEO_IS_AN_IMAGE"
     frames = [Image.fromarray(f) for f in pan_frames("chelsea.png", 6, (64, 64))]
     animated = io.BytesIO()
     frames[0].save(animated, format="GIF", save_all=True, append_images=frames[1:], duration=100)

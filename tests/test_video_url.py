@@ -55,6 +55,23 @@ async def test_video_urls_follow_the_switch(tiny_model) -> None:
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "videos[0].url" in err.details() and "GATEWAY_ALLOW_URLS" in err.details()
         assert "video URLs are disabled" in err.details()  # it said "image URLs"
+        from tests.test_intake import error_info
+
+        assert error_info(err).reason == "VIDEO_URLS_DISABLED"  # it was IMAGE_URLS_DISABLED
+
+
+async def test_a_video_fetch_failure_names_videos_not_images() -> None:
+    """Every message of the shared fetcher said "image URLs" and field "images"."""
+    busy = video_fetcher(url_allow_private=True, url_max_inflight=1)
+    with pytest.raises(ServiceError) as info:
+        await busy.fetch_all([(0, "http://127.0.0.1:9/v.mp4"), (1, "http://127.0.0.1:9/w.mp4")], 30)
+    assert info.value.reason == "URL_FETCHES_BUSY"
+    assert "video URL fetches are in flight" in str(info.value)
+    assert info.value.metadata["field"] == "videos"
+    with pytest.raises(ServiceError) as info:
+        await video_fetcher().fetch_all([(2, "http://10.0.0.1/v.mp4")], 30)
+    assert info.value.reason == "URL_ADDRESS_FORBIDDEN"
+    assert "video URLs may reach only public addresses" in str(info.value)
 
 
 async def test_request_video_limits_name_field_and_limit(tiny_model, server) -> None:  # type: ignore[no-untyped-def]
