@@ -47,7 +47,9 @@ def _data_url_bytes(
     if len(url) > max_bytes * 4 // 3 + 1024:
         raise resource_exhausted(
             f"{noun.upper()}_BYTES_TOO_LARGE",
-            f"{field}.data_url is {len(url)} characters; the {noun} limit is {max_bytes} bytes",
+            f"{field}.data_url is {len(url)} characters, about "
+            f"{(len(url) - url.find(',') - 1) * 3 // 4} bytes once base64-decoded; the "
+            f"{noun} limit is {max_bytes} bytes",
             field=f"{field}.data_url",
             limit=max_bytes,
         )

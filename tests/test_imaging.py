@@ -257,6 +257,9 @@ def test_pillow_bomb_guard_reports_our_limit() -> None:
         decode(bytes(png))
     assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert exc.value.metadata["limit"] == str(MAX_PIXELS)
+    # One limit in the message, ours; Pillow's own ("exceeds limit of ...") is not quoted.
+    assert f"is 10000000000 pixels; the limit is {MAX_PIXELS} decoded pixels" in str(exc.value)
+    assert "exceeds limit" not in str(exc.value)
 
 
 # -- every mode and container, with the composited values -------------------------------

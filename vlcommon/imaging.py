@@ -184,11 +184,13 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
         if im is not None:
             im.close()
         # Pillow's own guard fires first for headers past 2x its MAX_IMAGE_PIXELS: report it
-        # with our limit, the same way as the check above.
+        # with our limit only, the same way as the check above (quoting Pillow's message
+        # put its limit beside ours: two limits in one refusal).
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"{found.group(1)} pixels" if found else "larger than the limit"
         raise resource_exhausted(
             "IMAGE_TOO_LARGE",
-            f"{field} is too large to decode ({_clean(exc)}); the limit is "
-            f"{max_decoded_pixels} decoded pixels",
+            f"{field} is {size}; the limit is {max_decoded_pixels} decoded pixels",
             field=field,
             limit=max_decoded_pixels,
         ) from exc
