@@ -51,6 +51,26 @@ def test_the_cache_and_the_decoder_refuse_a_grid_with_the_same_words(grid, video
     assert at_cache.message.startswith(f"images[0].grid is {list(grid)}; ")
 
 
+@pytest.mark.parametrize("grid", [(1, 2**32, 2**32), (2**40, 2**12, 2**12), (1, 4096, 4098)])
+def test_a_grid_past_the_patch_limit_is_refused_at_both_hops(grid) -> None:  # type: ignore[no-untyped-def]
+    """int64 fields: a forged grid's product had no bound. 4096 x 4098 is the smallest
+    h x w past 2**24 with even sides."""
+    from vlcommon.request_rules import MAX_GRID_PATCHES
+
+    msg = tensor_pb2.GridTHW(t=grid[0], h=grid[1], w=grid[2])
+    at_cache = refusal(_grid, msg, "images[0].grid", 2, video=True)
+    embedding = tensor_pb2.ImageEmbedding(
+        grid=msg, embeddings=tensors.from_numpy(np.zeros((1, SPEC.embedding_width), np.float32))
+    )
+    at_decoder = refusal(check_image, embedding, 0, SPEC, 1024, video=True)
+    assert at_cache.reason == at_decoder.reason == "GRID_TOO_LARGE"
+    assert at_cache.metadata["limit"] == str(MAX_GRID_PATCHES) == "16777216"
+    assert f"{grid[0] * grid[1] * grid[2]} patches; the limit is 16777216" in at_decoder.message
+    # Just under the limit passes the grid rule (4096 x 4096 = 2**24).
+    ok = tensor_pb2.GridTHW(t=1, h=4096, w=4096)
+    assert _grid(ok, "images[0].grid", 2) == (1, 4096, 4096)
+
+
 def test_a_video_grid_may_have_t_above_1_at_both_hops() -> None:
     msg = tensor_pb2.GridTHW(t=3, h=4, w=4)
     assert _grid(msg, "videos[0].grid", 2, video=True) == (3, 4, 4)

@@ -141,16 +141,25 @@ def check_no_control_tokens(text: str, forbidden: tuple[str, ...], field: str) -
             )
 
 
+#: Most patches (t * h * w) one grid may have: 2**24, i.e. 4,194,304 tokens at a merge of
+#: 2, sixteen times the longest context of any Qwen3-VL. The fields are int64: without a
+#: bound, a forged grid's product (up to 2**189) reached the shape checks and the grid
+#: comparisons of the cache and the decoder, and its message quoted a 57-digit count.
+MAX_GRID_PATCHES = 2**24
+
+
 def check_grid(grid: Any, field: str, merge: int, *, video: bool = False) -> tuple[int, int, int]:
     """The ``(t, h, w)`` of a ``GridTHW`` (in patches), checked by one rule everywhere an
     embedding's grid arrives (the cache's Lookup and Put, the decoder).
 
     A still image has ``t == 1``: vLLM asserts it for image items, and a ``t > 1`` image
     killed its engine; a video (``video_grid_thw``) has any ``t >= 1``. ``h`` and ``w`` are
-    positive multiples of ``spatial_merge_size`` (``merge``).
+    positive multiples of ``spatial_merge_size`` (``merge``), and ``t * h * w`` is at most
+    :data:`MAX_GRID_PATCHES`.
 
     Raises:
-        ServiceError: INVALID_ARGUMENT ``GRID_INVALID`` naming ``field`` and the rule.
+        ServiceError: INVALID_ARGUMENT ``GRID_INVALID`` naming ``field`` and the rule, or
+            ``GRID_TOO_LARGE`` naming ``field`` and the limit.
     """
     thw = (int(grid.t), int(grid.h), int(grid.w))
     if (thw[0] != 1 and not video) or min(thw) <= 0 or thw[1] % merge or thw[2] % merge:
@@ -159,5 +168,14 @@ def check_grid(grid: Any, field: str, merge: int, *, video: bool = False) -> tup
             "GRID_INVALID",
             f"{field} is {list(thw)}; {what} and h, w > 0, multiples of spatial_merge_size {merge}",
             field=field,
+        )
+    patches = thw[0] * thw[1] * thw[2]
+    if patches > MAX_GRID_PATCHES:
+        raise invalid_argument(
+            "GRID_TOO_LARGE",
+            f"{field} is {list(thw)}: {patches} patches; the limit is {MAX_GRID_PATCHES} "
+            "patches (t*h*w)",
+            field=field,
+            limit=MAX_GRID_PATCHES,
         )
     return thw
