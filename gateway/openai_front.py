@@ -106,13 +106,18 @@ INT64_MAX = 2**63 - 1
 
 class ChatMessage(BaseModel):
     # Content parts are checked by hand (to_generate_request), so that each refusal names
-    # its own field (a pydantic union reports only its first branch's error).
+    # its own field (a pydantic union reports only its first branch's error). Other keys
+    # are refused by name unless "off" (MESSAGE_NO_OP_DEFAULTS); they used to be ignored.
+    model_config = ConfigDict(extra="allow")
+
     role: StrictStr
     content: StrictStr | list[Any] | None = None
     name: StrictStr | None = None
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # refused by name unless off, as above
+
     include_usage: StrictBool = False
 
 
@@ -157,6 +162,36 @@ NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "metadata": (None, {}),
     "store": (None, False),
 }
+
+
+#: Keys of a message or of ``stream_options`` that OpenAI's or vLLM's API define and that
+#: splitvl does not implement, accepted only "off" (an assistant turn replayed by a client
+#: carries ``tool_calls: []`` or ``refusal: null``).
+MESSAGE_NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "tool_calls": (None, []),
+    "tool_call_id": (None,),
+    "function_call": (None,),
+    "refusal": (None,),
+    "audio": (None,),
+    "reasoning_content": (None,),
+}
+STREAM_OPTIONS_NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "continuous_usage_stats": (None, False),  # vLLM's
+}
+
+
+def _check_extra(
+    extra: dict[str, Any] | None, allowed: dict[str, tuple[Any, ...]], where: str
+) -> None:
+    """Refuse a key splitvl does not serve by its full name (``where`` + key), unless its
+    value is the one that means "off" (``allowed``)."""
+    for name, value in (extra or {}).items():
+        field = f"{where}.{name}" if where else name
+        values = allowed.get(name)
+        if values is None:
+            raise _refused(field, f"{field} is not a parameter splitvl serves")
+        if value not in values:
+            raise _refused(field, f"{field}={value!r} is not supported; leave it unset")
 
 
 def _refused(field: str, message: str) -> ServiceError:
@@ -225,12 +260,11 @@ def to_generate_request(
             f"model {body.model!r} is not served here; this server serves {served[0]!r}",
             {"field": "model"},
         )
-    for name, value in (body.model_extra or {}).items():
-        allowed = NO_OP_DEFAULTS.get(name)
-        if allowed is None:
-            raise _refused(name, f"{name} is not a parameter splitvl serves")
-        if value not in allowed:
-            raise _refused(name, f"{name}={value!r} is not supported; leave it unset")
+    _check_extra(body.model_extra, NO_OP_DEFAULTS, "")
+    if body.stream_options is not None:
+        _check_extra(
+            body.stream_options.model_extra, STREAM_OPTIONS_NO_OP_DEFAULTS, "stream_options"
+        )
     if body.n not in (None, 1):
         raise _refused("n", f"n is {body.n}; only n=1 is served")
     if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -244,6 +278,7 @@ def to_generate_request(
     images = 0
     videos = 0
     for i, message in enumerate(body.messages):
+        _check_extra(message.model_extra, MESSAGE_NO_OP_DEFAULTS, f"messages[{i}]")
         msg = request.messages.add(role=_utf8(message.role, f"messages[{i}].role"))
         fields[f"messages[{i}].parts"] = f"messages[{i}].content"
         whole.update((f"messages[{i}].parts", f"messages[{i}].parts[0]"))
@@ -299,6 +334,15 @@ def to_generate_request(
                     raise _refused(
                         f"{field}.video_url",
                         f"{field}: a video_url part is {{'type', 'video_url': {{'url': string}}}}",
+                    )
+                assert isinstance(spec, dict)
+                if set(spec) - {"url"}:
+                    # Sampling of a video is set by the server (GATEWAY_VIDEO_*), not per
+                    # part: a key such as "fps" used to be ignored silently.
+                    extra = sorted(set(spec) - {"url"})
+                    raise _refused(
+                        f"{field}.video_url",
+                        f"{field}.video_url takes only 'url' (got {', '.join(extra)})",
                     )
                 url = _utf8(url, f"{field}.video_url.url")
                 fields[f"videos[{videos}]"] = f"{field}.video_url.url"

@@ -137,6 +137,46 @@ def test_an_absent_temperature_is_openais_default_of_one_not_greedy() -> None:
             grpc.StatusCode.INVALID_ARGUMENT,
             "messages[0].content[0]: a video_url part is {'type', 'video_url': {'url': string}}",
         ),
+        # Nested keys were ignored silently; now refused by their full name.
+        (
+            {"stream": True, "stream_options": {"include_usage": True, "every": 1}},
+            "stream_options.every",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stream_options.every is not a parameter splitvl serves",
+        ),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stream_options.continuous_usage_stats=True is not supported; leave it unset",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]},
+            "messages[0].tool_call_id",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "messages[0].tool_call_id='c1' is not supported; leave it unset",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "colour": "red"}]},
+            "messages[0].colour",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "messages[0].colour is not a parameter splitvl serves",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "video_url", "video_url": {"url": "data:,", "fps": 4}}
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0].video_url",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "messages[0].content[0].video_url takes only 'url' (got fps)",
+        ),
         (
             {"max_tokens": 5, "max_completion_tokens": 6},
             "max_completion_tokens",
@@ -155,6 +195,24 @@ def test_what_the_front_does_not_serve_is_refused_by_name(
         param,
         message,
     )
+
+
+def test_off_values_of_unserved_nested_keys_are_accepted() -> None:
+    """What clients replay or send by default passes: an assistant turn with empty
+    tool_calls and a null refusal, vLLM's continuous_usage_stats off."""
+    converted = to_generate_request(
+        _request(
+            messages=[
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "y", "tool_calls": [], "refusal": None},
+                {"role": "user", "content": "z"},
+            ],
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": False},
+        ),
+        (MODEL,),
+    )
+    assert [m.role for m in converted.request.messages] == ["user", "assistant", "user"]
 
 
 def test_error_bodies_have_openais_shape_and_the_grpc_codes_http_status() -> None:
