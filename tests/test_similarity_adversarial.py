@@ -269,12 +269,16 @@ def test_too_many_reusable_grids_is_invalid_argument_with_the_limit() -> None:
     }
 
 
-def test_duplicate_and_huge_reusable_grids_are_accepted_as_a_set() -> None:
-    """Duplicates collapse; a huge grid (int64 max) is only a set member (it can match no
-    entry), so it costs nothing and is not an error; the limit counts the sent list."""
+def test_duplicate_reusable_grids_collapse_and_a_huge_one_is_refused_by_the_grid_rule() -> None:
+    """Duplicates collapse; the limit counts the sent list. A huge grid (int64 max) used
+    to be accepted as a set member (it can match no entry); one grid rule holds wherever
+    a grid arrives, so it is GRID_TOO_LARGE naming its place in the list."""
     big = 2**63 - 2
-    grids = [(1, 16, 16), (1, 16, 16), (1, big, big)]
-    assert _reusable(_grid_msgs(grids), "q", 2) == {(1, 16, 16), (1, big, big)}  # type: ignore[arg-type]
+    assert _reusable(_grid_msgs([(1, 16, 16), (1, 16, 16)]), "q", 2) == {(1, 16, 16)}  # type: ignore[arg-type]
+    with pytest.raises(ServiceError) as info:
+        _reusable(_grid_msgs([(1, 16, 16), (1, big, big)]), "q", 2)  # type: ignore[arg-type]
+    assert info.value.reason == "GRID_TOO_LARGE"
+    assert info.value.metadata["field"] == "q[1]"
     dupes = [(1, 16, 16)] * (MAX_REUSABLE_GRIDS + 1)
     with pytest.raises(ServiceError):
         _reusable(_grid_msgs(dupes), "q", 2)  # type: ignore[arg-type]
