@@ -11,6 +11,8 @@ core and worker) to core 0 on odd runs, to A/B the placement within one process.
     python scripts/profile_repeat50.py --system splitvl --runs 6 --place dec0
     python scripts/profile_repeat50.py --system vllm --runs 2 --py-spy
 
+``--env KEY=VALUE`` (repeatable) sets an environment variable of the four services.
+
 Needs py-spy (``pip install py-spy``) for ``--py-spy``; not a dependency of the project.
 """
 
@@ -118,6 +120,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--place", choices=("up", "dec0"), default="up")
     ap.add_argument("--py-spy", action="store_true", help="profile vLLM's worker, last run")
+    ap.add_argument(
+        "--env", action="append", default=[], help="KEY=VALUE for the four services (splitvl)"
+    )
     args = ap.parse_args()
     model = str(bench_model())
     work = Path(tempfile.mkdtemp(prefix="profile-repeat50-"))
@@ -137,7 +142,7 @@ def main() -> int:
                 ports=ports,
                 log_dir=work / "logs",
                 decoder_args=["--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0})],
-                env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+                env={"VLLM_CPU_KVCACHE_SPACE": "2", **dict(e.split("=", 1) for e in args.env)},
                 progress=lambda line: print(line, file=sys.stderr),
             )
             stack.enter_context(cluster)
@@ -181,10 +186,12 @@ def main() -> int:
             result = ob.run_client(argv, log)
             wall = time.time() - w0
             c1, k1, p1 = cpu_seconds(procs), counters(ports), psutil.cpu_times(True)
+            median_ttft = result["median_ttft_ms"]
             report: dict[str, Any] = {
                 "run": r,
                 "placement": "dec0" if args.place == "dec0" and r % 2 else "up",
                 "req_s": round(result["request_throughput"], 3),
+                "median_ttft_ms": round(median_ttft),
                 "failed": result.get("failed", 0),
                 "busy_per_core": [
                     round(1 - (b.idle - a.idle) / wall, 2) for a, b in zip(p0, p1, strict=True)
