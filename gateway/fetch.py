@@ -175,6 +175,7 @@ class UrlFetcher:
         # The gateway's video fetcher is another instance: fields read videos[i].url and
         # bodies stop at the video byte limit (GATEWAY_MAX_VIDEO_BYTES).
         self.noun = noun
+        self.item = noun[:-1]  # "image" or "video", in messages and reasons
         self.max_bytes = max_bytes or settings.max_image_bytes
 
     async def fetch_all(
@@ -199,7 +200,7 @@ class UrlFetcher:
             # Each fetch may buffer max_image_bytes: a bound on memory, answered at once.
             raise resource_exhausted(
                 "URL_FETCHES_BUSY",
-                f"{self.inflight} {self.noun[:-1]} URL fetches are in flight; this request's "
+                f"{self.inflight} {self.item} URL fetches are in flight; this request's "
                 f"{len(pending)} would pass the limit of {s.url_max_inflight}; retry shortly",
                 field=self.noun,
                 limit=s.url_max_inflight,
@@ -228,17 +229,15 @@ class UrlFetcher:
             limit=len(pending),
             use_dns_cache=False,
         )
-        async with (
-            aiohttp.ClientSession(
-                connector=connector,
-                trust_env=False,  # no proxies from the environment: the guard must see the peer
-                timeout=aiohttp.ClientTimeout(
-                    sock_connect=min(s.url_connect_timeout_s, budget),
-                    sock_read=min(s.url_read_timeout_s, budget),
-                ),
-                headers={"User-Agent": "splitvl-gateway", "Accept": f"{self.noun[:-1]}/*"},
-            ) as session
-        ):
+        async with aiohttp.ClientSession(
+            connector=connector,
+            trust_env=False,  # no proxies from the environment: the guard must see the peer
+            timeout=aiohttp.ClientTimeout(
+                sock_connect=min(s.url_connect_timeout_s, budget),
+                sock_read=min(s.url_read_timeout_s, budget),
+            ),
+            headers={"User-Agent": "splitvl-gateway", "Accept": f"{self.item}/*"},
+        ) as session:
             try:
                 async with asyncio.timeout(budget):
                     # A TaskGroup cancels the other fetches as soon as one fails.
@@ -256,7 +255,7 @@ class UrlFetcher:
                 raise ServiceError(
                     grpc.StatusCode.UNAVAILABLE,
                     "URL_FETCH_FAILED",
-                    f"fetching {self.noun[:-1]} URLs failed ({type(first).__name__})",
+                    f"fetching {self.item} URLs failed ({type(first).__name__})",
                     {"field": self.noun},
                 ) from first
             except TimeoutError as exc:
@@ -264,13 +263,13 @@ class UrlFetcher:
                     raise ServiceError(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         "DEADLINE_EXCEEDED",
-                        f"the request's deadline expired while fetching {self.noun[:-1]} URLs",
+                        f"the request's deadline expired while fetching {self.item} URLs",
                     ) from exc
                 hosts = ", ".join(sorted({_host(URL(u)) for _, u in pending}))
                 raise ServiceError(
                     grpc.StatusCode.UNAVAILABLE,
                     "URL_FETCH_FAILED",
-                    f"fetching {self.noun[:-1]} URLs from {hosts} took longer than the limit of "
+                    f"fetching {self.item} URLs from {hosts} took longer than the limit of "
                     f"{s.url_total_timeout_s:g} s",
                     {"field": self.noun, "limit": f"{s.url_total_timeout_s:g}s"},
                 ) from exc
@@ -283,8 +282,8 @@ class UrlFetcher:
         if not s.allow_urls:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"{self.noun[:-1].upper()}_URLS_DISABLED",
-                f"{field}: {self.noun[:-1]} URLs are disabled on this server "
+                f"{self.item.upper()}_URLS_DISABLED",
+                f"{field}: {self.item} URLs are disabled on this server "
                 "(GATEWAY_ALLOW_URLS); "
                 "send the bytes or a data URL",
                 {"field": field},
@@ -336,7 +335,7 @@ class UrlFetcher:
         return invalid_argument(
             "URL_ADDRESS_FORBIDDEN",
             f"{field}: host {_host(url)} is refused: its address is {kind} "
-            f"({self.noun[:-1]} URLs may reach only public addresses)",
+            f"({self.item} URLs may reach only public addresses)",
             field=field,
             host=_host(url),
             address_kind=kind,
@@ -439,7 +438,7 @@ class UrlFetcher:
     def _too_large(self, field: str, url: URL, what: str, limit: int) -> ServiceError:
         return resource_exhausted(
             "IMAGE_BYTES_TOO_LARGE" if self.noun == "images" else "VIDEO_BYTES_TOO_LARGE",
-            f"{field}: host {_host(url)} {what}; the {self.noun[:-1]} limit is {limit} bytes",
+            f"{field}: host {_host(url)} {what}; the {self.item} limit is {limit} bytes",
             field=field,
             limit=limit,
             host=_host(url),

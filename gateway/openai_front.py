@@ -336,10 +336,10 @@ def to_generate_request(
                         f"{field}: a video_url part is {{'type', 'video_url': {{'url': string}}}}",
                     )
                 assert isinstance(spec, dict)
-                if set(spec) - {"url"}:
-                    # Sampling of a video is set by the server (GATEWAY_VIDEO_*), not per
-                    # part: a key such as "fps" used to be ignored silently.
-                    extra = sorted(set(spec) - {"url"})
+                # Sampling of a video is set by the server (GATEWAY_VIDEO_*), not per
+                # part: a key such as "fps" used to be ignored silently.
+                extra = sorted(set(spec) - {"url"})
+                if extra:
                     raise _refused(
                         f"{field}.video_url",
                         f"{field}.video_url takes only 'url' (got {', '.join(extra)})",
@@ -448,6 +448,22 @@ def _error_response(err: ServiceError, converted: Converted | None = None) -> JS
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _http_error(
+    status: int, code: str, message: str, param: str | None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An error of the HTTP layer itself (no gRPC code maps to it: 404 path, 405, 408,
+    415, an unparsable body) in OpenAI's shape."""
+    body = {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPE.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def _extension(first: pb.GenerateResponse, last: pb.GenerateResponse | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "images": [
@@ -551,15 +567,8 @@ def create_app(
         if status == 400 and "parsing the body" in str(exc.detail):
             message = "the body could not be parsed as JSON (invalid UTF-8 or too deeply nested)"
         codes = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
-        body = {
-            "error": {
-                "message": message,
-                "type": ERROR_TYPE.get(status, "invalid_request_error"),
-                "param": "body" if status == 400 else None,
-                "code": codes.get(status, "REQUEST_INVALID"),
-            }
-        }
-        return JSONResponse(body, status_code=status)
+        param = "body" if status == 400 else None
+        return _http_error(status, codes.get(status, "REQUEST_INVALID"), message, param)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -854,19 +863,13 @@ class BodyGuard:
 
     def _refusal(self, kind: str) -> JSONResponse:
         if kind == "timeout":
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "the request body stopped arriving: no byte for "
-                        f"{self.read_timeout_s:g} s before it was complete "
-                        "(Content-Length larger than the body sent?)",
-                        "type": "invalid_request_error",
-                        "param": "body",
-                        "code": "BODY_READ_TIMEOUT",
-                    }
-                },
-                status_code=408,
-                headers={"Connection": "close"},
+            return _http_error(
+                408,
+                "BODY_READ_TIMEOUT",
+                f"the request body stopped arriving: no byte for {self.read_timeout_s:g} s "
+                "before it was complete (Content-Length larger than the body sent?)",
+                "body",
+                {"Connection": "close"},
             )
         return _error_response(
             ServiceError(
@@ -886,17 +889,12 @@ class BodyGuard:
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
         if encoding not in (b"", b"identity"):
             name = encoding.decode("latin-1")
-            await JSONResponse(
-                {
-                    "error": {
-                        "message": f"Content-Encoding {name!r} is not supported; "
-                        "send the JSON body uncompressed (identity)",
-                        "type": "invalid_request_error",
-                        "param": "body",
-                        "code": "CONTENT_ENCODING_UNSUPPORTED",
-                    }
-                },
-                status_code=415,
+            await _http_error(
+                415,
+                "CONTENT_ENCODING_UNSUPPORTED",
+                f"Content-Encoding {name!r} is not supported; "
+                "send the JSON body uncompressed (identity)",
+                "body",
             )(scope, receive, send)
             return
         length = headers.get(b"content-length")
