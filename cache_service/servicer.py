@@ -30,7 +30,9 @@ from vlcommon.handoff import Holder, Reader, transport_name
 from vlcommon.request_rules import CACHE_POLICIES, CACHE_TIERS, check_grid
 from vlcommon.verification import (
     CHROMA_SCALE,
+    JPEG_MAX_CLIPPED_SHARE,
     MAX_VERIFICATION_BYTES,
+    JpegLuma,
     VerificationImage,
     chroma_shape,
 )
@@ -56,11 +58,16 @@ def _check_video(msg: pb.LookupQuery | pb.PutEntry, field: str) -> None:
         ServiceError: INVALID_ARGUMENT ``VIDEO_NOT_EXACT`` naming the field.
     """
     names = ["descriptor", "verification", "verification_chroma"]
+    lists = [
+        "verification_jpeg_quantization",
+        "verification_jpeg_clipped_index",
+        "verification_jpeg_clipped_luma",
+    ]
     if isinstance(msg, pb.LookupQuery):
-        names.append("reusable_grids")
-    for name in names:
+        lists.append("reusable_grids")
+    for name in names + lists:
         value = getattr(msg, name)
-        if len(value) if name == "reusable_grids" else (value.shape or value.data):
+        if len(value) if name in lists else (value.shape or value.data):
             raise invalid_argument(
                 "VIDEO_NOT_EXACT",
                 f"{field}.{name} is set on a video ({field}.video); a video is found only "
@@ -166,17 +173,34 @@ def _descriptor(msg: tensor_pb2.Tensor, dim: int, field: str) -> np.ndarray | No
     return tensors.to_numpy(msg, data)
 
 
-def _verification(
-    luma: tensor_pb2.Tensor, chroma: tensor_pb2.Tensor, field: str, chroma_field: str
-) -> VerificationImage | None:
-    """The verification image (vlcommon.verification) from its luma, UINT8 [h, w], and
-    chroma, UINT8 [ceil(h / 2), ceil(w / 2), 2]; None when the luma is unset, or sent
-    without chroma (older gateways): then no similarity hit.
+def _verification(msg: pb.LookupQuery | pb.PutEntry, prefix: str) -> VerificationImage | None:
+    """The verification image (vlcommon.verification) of a query or an entry from its
+    ``verification`` (luma, UINT8 [h, w]) and ``verification_chroma`` (UINT8 [ceil(h / 2),
+    ceil(w / 2), 2]), with its JPEG fields (:func:`_jpeg`); None when the luma is unset,
+    or sent without chroma (older gateways): then no similarity hit.
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming the field when a shape or dtype is wrong or
-            the luma holds more than MAX_VERIFICATION_BYTES.
+            the luma holds more than MAX_VERIFICATION_BYTES; as :func:`_jpeg`.
     """
+    luma, chroma = msg.verification, msg.verification_chroma
+    field, chroma_field = f"{prefix}.verification", f"{prefix}.verification_chroma"
+    jpeg_set = [
+        name
+        for name in (
+            "verification_jpeg_quantization",
+            "verification_jpeg_clipped_index",
+            "verification_jpeg_clipped_luma",
+        )
+        if len(getattr(msg, name))
+    ]
+    if jpeg_set and not (luma.shape or luma.data):
+        raise invalid_argument(
+            "VERIFICATION_JPEG_INVALID",
+            f"{prefix}.{jpeg_set[0]} is set without {field}: it describes the verification "
+            "image's JPEG",
+            field=f"{prefix}.{jpeg_set[0]}",
+        )
     if not luma.shape and not luma.data:
         return None
     data = tensors.validate(luma, field=field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=2)
@@ -188,6 +212,7 @@ def _verification(
             field=f"{field}.shape",
             limit=MAX_VERIFICATION_BYTES,
         )
+    jpeg = _jpeg(msg, prefix, (int(luma.shape[0]), int(luma.shape[1])))
     if not chroma.shape and not chroma.data:
         return None
     expected = list(chroma_shape(*luma.shape))
@@ -202,7 +227,76 @@ def _verification(
             f"ceil(w / {CHROMA_SCALE}), 2)",
             field=f"{chroma_field}.shape",
         )
-    return VerificationImage(tensors.to_numpy(luma, data), tensors.to_numpy(chroma, chroma_data))
+    return VerificationImage(
+        tensors.to_numpy(luma, data), tensors.to_numpy(chroma, chroma_data), jpeg
+    )
+
+
+def _jpeg(
+    msg: pb.LookupQuery | pb.PutEntry, prefix: str, shape: tuple[int, int]
+) -> JpegLuma | None:
+    """The verification image's JPEG fields (vlcommon.verification.JpegLuma):
+    ``verification_jpeg_quantization``, 64 values in 1..255, and where the JPEG's Y channel
+    differs from the luma of ``shape`` [h, w], ``verification_jpeg_clipped_index`` (strictly
+    increasing flat indices below h * w, at most h * w * JPEG_MAX_CLIPPED_SHARE of them)
+    and ``verification_jpeg_clipped_luma`` (one byte each). None when none is set.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``VERIFICATION_JPEG_INVALID`` naming the field and
+            the rule it breaks.
+    """
+    table = msg.verification_jpeg_quantization
+    index, values = msg.verification_jpeg_clipped_index, msg.verification_jpeg_clipped_luma
+    table_field = f"{prefix}.verification_jpeg_quantization"
+    index_field = f"{prefix}.verification_jpeg_clipped_index"
+    values_field = f"{prefix}.verification_jpeg_clipped_luma"
+    if not table:
+        if index or values:
+            name = index_field if index else values_field
+            raise invalid_argument(
+                "VERIFICATION_JPEG_INVALID",
+                f"{name} is set without {table_field} (64 values)",
+                field=name,
+            )
+        return None
+    if len(table) != 64 or min(table) < 1 or max(table) > 255:
+        raise invalid_argument(
+            "VERIFICATION_JPEG_INVALID",
+            f"{table_field} has {len(table)} values from {min(table)} to {max(table)}; it "
+            "must be a baseline JPEG luma table: 64 values in 1..255",
+            field=table_field,
+            limit=64,
+        )
+    pixels = shape[0] * shape[1]
+    limit = int(JPEG_MAX_CLIPPED_SHARE * pixels)
+    if len(index) > limit:
+        raise invalid_argument(
+            "VERIFICATION_JPEG_INVALID",
+            f"{index_field} has {len(index)} indices; at most {limit} "
+            f"({JPEG_MAX_CLIPPED_SHARE:g} of the {pixels} pixels of {prefix}.verification)",
+            field=index_field,
+            limit=limit,
+        )
+    if len(values) != len(index):
+        raise invalid_argument(
+            "VERIFICATION_JPEG_INVALID",
+            f"{values_field} has {len(values)} bytes; it must have one per index of "
+            f"{index_field} ({len(index)})",
+            field=values_field,
+        )
+    flat = np.asarray(index, dtype=np.int64)
+    if flat.size and (flat[-1] >= pixels or (flat.size > 1 and np.any(np.diff(flat) <= 0))):
+        raise invalid_argument(
+            "VERIFICATION_JPEG_INVALID",
+            f"{index_field} must be strictly increasing flat indices below {pixels} "
+            f"(h * w of {prefix}.verification)",
+            field=index_field,
+        )
+    return JpegLuma(
+        np.asarray(table, dtype=np.uint16),
+        flat.astype(np.uint32),
+        np.frombuffer(values, dtype=np.uint8).copy(),
+    )
 
 
 def _embedding_proto(
@@ -318,12 +412,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         _key(query.key, field),
                         _grid(query.grid, f"{field}.grid", self.merge, video=query.video),
                         _descriptor(query.descriptor, self.store.dim, f"{field}.descriptor"),
-                        _verification(
-                            query.verification,
-                            query.verification_chroma,
-                            f"{field}.verification",
-                            f"{field}.verification_chroma",
-                        ),
+                        _verification(query, field),
                         query.revision,
                         _key(query.alias_key, field, name="alias_key", optional=True),
                         _reusable(query.reusable_grids, f"{field}.reusable_grids", self.merge),
@@ -604,12 +693,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 entry.embedding.grid, f"{field}.embedding.grid", self.merge, video=entry.video
             )
             descriptor = _descriptor(entry.descriptor, self.store.dim, f"{field}.descriptor")
-            verification = _verification(
-                entry.verification,
-                entry.verification_chroma,
-                f"{field}.verification",
-                f"{field}.verification_chroma",
-            )
+            verification = _verification(entry, field)
             emb = entry.embedding.embeddings
             data = tensors.validate(
                 emb,

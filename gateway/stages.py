@@ -123,17 +123,29 @@ def descriptor_tensor(im: PreparedImage) -> tensor_pb2.Tensor:
     return tensors.from_numpy(im.descriptor)
 
 
-def verification_tensors(im: PreparedImage) -> tuple[tensor_pb2.Tensor, tensor_pb2.Tensor]:
-    """The image's verification image as UINT8 tensors, (luma, chroma), for a Lookup
-    query's or Put entry's ``verification`` and ``verification_chroma``.
+def verification_fields(v: VerificationImage | None) -> dict[str, Any]:
+    """A verification image as a Lookup query's or Put entry's fields:
+    ``verification`` and ``verification_chroma`` (UINT8 tensors) and, for an image decoded
+    from a JPEG of its own size, ``verification_jpeg_quantization`` (64 values) and the
+    pixels where the JPEG's Y channel differs from the luma (where the conversion to RGB
+    clipped): ``verification_jpeg_clipped_index`` and ``verification_jpeg_clipped_luma``.
 
-    ``GatewayServicer._prepare_images`` builds it whenever the gateway has a cache and the image is
-    verifiable, and only then are there lookups and puts; empty tensors (never a
-    similarity hit) when it is missing.
+    ``GatewayServicer._prepare_images`` builds an image's whenever the gateway has a cache
+    and the image is verifiable, and only then are there lookups and puts; no fields
+    (never a similarity hit) when it is missing.
     """
-    if im.verification is None:
-        return tensor_pb2.Tensor(), tensor_pb2.Tensor()
-    return tensors.from_numpy(im.verification.luma), tensors.from_numpy(im.verification.chroma)
+    if v is None:
+        return {}
+    fields: dict[str, Any] = {
+        "verification": tensors.from_numpy(v.luma),
+        "verification_chroma": tensors.from_numpy(v.chroma),
+    }
+    if v.jpeg is not None:
+        fields["verification_jpeg_quantization"] = v.jpeg.quantization.tolist()
+        if v.jpeg.clipped_index.size:
+            fields["verification_jpeg_clipped_index"] = v.jpeg.clipped_index.tolist()
+            fields["verification_jpeg_clipped_luma"] = v.jpeg.clipped_luma.tobytes()
+    return fields
 
 
 def tier_name(tier: int) -> str:
@@ -414,17 +426,15 @@ class CacheStage:
             policy=policy, include_embeddings=True, transport=self.transport
         )
         for im in images:
-            luma, chroma = verification_tensors(im)
             request.queries.add(
                 key=im.key,
                 descriptor=descriptor_tensor(im),
                 grid=grid_message(im.plan),
-                verification=luma,
-                verification_chroma=chroma,
                 revision=self.revision,
                 alias_key=im.bytes_key,
                 reusable_grids=[thw_message(g) for g in im.reusable],
                 video=isinstance(im, PreparedVideo),
+                **verification_fields(im.verification),
             )
         with tracer.start_as_current_span("cache.lookup") as span:
             try:
@@ -506,16 +516,14 @@ class CacheStage:
             return
         request = cache_service_pb2.PutRequest()
         for im in fresh:
-            luma, chroma = verification_tensors(im)
             request.entries.add(
                 key=im.key,
                 descriptor=descriptor_tensor(im),
                 embedding=im.embedding,
-                verification=luma,
-                verification_chroma=chroma,
                 revision=self.revision,
                 alias_key=im.bytes_key,
                 video=isinstance(im, PreparedVideo),
+                **verification_fields(im.verification),
             )
         t0 = time.perf_counter()
         with tracer.start_as_current_span("gateway.cache_put") as span:

@@ -25,8 +25,11 @@ from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service.servicer import CacheServicer
 from cache_service.store import EmbeddingStore
+from gateway.stages import verification_fields
 from splitvl_tools import cache_eval
 from tests.conftest import in_process_server, photo
+from tests.test_bytes_key import gateway_and_cache  # noqa: F401  (a fixture)
+from tests.test_bytes_key import prepare as gateway_prepare
 from vlcommon import tensors
 from vlcommon.grid_reuse import reusable_grids
 from vlcommon.imaging import (
@@ -83,7 +86,7 @@ def prepare(data: bytes, revision: str = REV, spec: VisionSpec = SPEC) -> Prepar
         descriptor=similarity_descriptor(image),
         grid=plan.grid,
         tokens=plan.tokens,
-        verification=verification_image(image),
+        verification=verification_image(image, data),
     )
 
 
@@ -100,9 +103,19 @@ def put_entry(p: Prepared, revision: str = REV, with_verification: bool = True) 
         revision=revision,
     )
     if with_verification:
-        entry.verification.CopyFrom(tensors.from_numpy(p.verification.luma))
-        entry.verification_chroma.CopyFrom(tensors.from_numpy(p.verification.chroma))
+        for name, value in verification_fields(p.verification).items():
+            _set(entry, name, value)
     return entry
+
+
+def _set(msg: pb.PutEntry | pb.LookupQuery, name: str, value: object) -> None:
+    """One of ``verification_fields``' values on a message: a list, bytes or a tensor."""
+    if isinstance(value, list):
+        getattr(msg, name).extend(value)
+    elif isinstance(value, bytes):
+        setattr(msg, name, value)
+    else:
+        getattr(msg, name).CopyFrom(value)
 
 
 def query(p: Prepared, revision: str = REV, with_verification: bool = True) -> pb.LookupQuery:
@@ -114,8 +127,8 @@ def query(p: Prepared, revision: str = REV, with_verification: bool = True) -> p
         revision=revision,
     )
     if with_verification:
-        q.verification.CopyFrom(tensors.from_numpy(p.verification.luma))
-        q.verification_chroma.CopyFrom(tensors.from_numpy(p.verification.chroma))
+        for name, value in verification_fields(p.verification).items():
+            _set(q, name, value)
     return q
 
 
@@ -355,6 +368,146 @@ async def test_verification_counts_in_the_budget_and_bad_ones_are_invalid(cache)
         f"queries[0].verification.shape [{h}, {w}] it must be {[-(-h // 2), -(-w // 2), 2]} "
         "(ceil(h / 2), ceil(w / 2), 2)"
     )
+
+
+def _grey_total(total: str) -> Image.Image:
+    """A dark app screen with a grey card and 11 px grey-on-grey text (ink 120 on 80)."""
+    from PIL import ImageDraw, ImageFont
+
+    image = cache_eval.ui_screen("", dark=True, size=11)
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((110, 60, 380, 280), fill=(80, 80, 80))
+    draw.text(
+        (120, 80), f"Total: {total}", fill=(120, 120, 120), font=ImageFont.load_default(size=11)
+    )
+    return image
+
+
+async def test_a_faint_edit_under_a_jpeg_is_a_miss_either_way_round(cache) -> None:
+    """The JPEG-matched check through the service: a screenshot and a JPEG (q90) of it with
+    one digit of faint 11 px type changed. Stored as the PNG, the JPEG query is a miss; a
+    JPEG of the same screenshot is a similarity hit. Stored as the JPEG (its table and luma
+    kept with the entry), the edited PNG is a miss and the PNG itself a hit. Before the
+    check both edits were served (2026-12-01)."""
+    stub, store = cache
+    original, edited = _grey_total("1,234.50"), _grey_total("1,284.50")
+    png, jpeg = prepare(encode(original)), prepare(encode(edited, "JPEG", quality=90))
+    assert jpeg.verification.jpeg is not None and png.verification.jpeg is None
+    await stub.Put(pb.PutRequest(entries=[put_entry(png)]))
+    edit, same = await lookup(
+        stub, query(jpeg), query(prepare(encode(original, "JPEG", quality=90)))
+    )
+    assert edit.tier == MISS and edit.similarity > 0.85
+    assert same.tier == SIMILAR and same.matched_key == png.key
+    # The other way round, under another revision (the PNG's entry cannot answer): the
+    # JPEG stored, lossless queries.
+    before = store.bytes
+    stored = prepare(encode(original, "JPEG", quality=90), revision="rev-B")
+    await stub.Put(pb.PutRequest(entries=[put_entry(stored, revision="rev-B")]))
+    assert store.bytes - before == stored.tokens * WIDTH * 4 + stored.verification.nbytes
+    edit, same = await lookup(
+        stub,
+        query(prepare(encode(edited), revision="rev-B"), revision="rev-B"),
+        query(prepare(encode(original), revision="rev-B"), revision="rev-B"),
+    )
+    assert edit.tier == MISS and edit.similarity > 0.85
+    assert same.tier == SIMILAR and same.matched_key == stored.key
+
+
+async def test_the_gateway_sends_a_jpegs_table_and_its_faint_edit_is_a_miss(
+    gateway_and_cache,  # noqa: F811  (the fixture imported above)
+) -> None:
+    """The same through the real gateway servicer (its preprocess stage reads the JPEG's
+    table from the file it decoded, its cache stage sends it) and a real CacheService: the
+    PNG screenshot is stored; a JPEG of it is a similarity hit; a JPEG of it with one
+    faint digit changed is a miss."""
+    servicer, _ = gateway_and_cache
+    original, edited = _grey_total("1,234.50"), _grey_total("1,284.50")
+    first = await gateway_prepare(servicer, encode(original))
+    assert first.tier == MISS and first.verification is not None
+    assert first.verification.jpeg is None
+    same = await gateway_prepare(servicer, encode(original, "JPEG", quality=90))
+    assert same.verification is not None and same.verification.jpeg is not None
+    assert same.tier == SIMILAR and same.embedding is not None
+    assert same.embedding.key == first.key
+    edit = await gateway_prepare(servicer, encode(edited, "JPEG", quality=90))
+    assert edit.tier == MISS and edit.similarity > 0.85
+
+
+async def test_bad_jpeg_fields_are_invalid(cache) -> None:
+    """verification_jpeg_quantization must be 64 values in 1..255; the clipped pixels'
+    indices strictly increasing, inside the image, at most a quarter of it, one value
+    each; and every JPEG field needs the verification image and the table:
+    INVALID_ARGUMENT naming the field and the rule."""
+    stub, _ = cache
+    p = prepare(encode(_grey_total("1,234.50"), "JPEG", quality=90))
+    h, w = p.verification.luma.shape
+
+    async def refused(q: pb.LookupQuery) -> str:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await lookup(stub, q)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return exc.value.details()
+
+    q = query(p)
+    del q.verification_jpeg_quantization[63]
+    table = list(q.verification_jpeg_quantization)
+    assert await refused(q) == (
+        f"queries[0].verification_jpeg_quantization has 63 values from {min(table)} to "
+        f"{max(table)}; it must be a baseline JPEG luma table: 64 values in 1..255"
+    )
+    q = query(p)
+    q.verification_jpeg_quantization[5] = 256
+    assert f"from {min(table)} to 256" in await refused(q)
+    q = query(p)
+    q.verification_jpeg_quantization[0] = 0
+    assert "from 0 to" in await refused(q)
+    pixels = h * w
+    q = query(p)
+    q.verification_jpeg_clipped_index.extend([5, 3])
+    q.verification_jpeg_clipped_luma = b"ab"
+    assert await refused(q) == (
+        "queries[0].verification_jpeg_clipped_index must be strictly increasing flat "
+        f"indices below {pixels} (h * w of queries[0].verification)"
+    )
+    q = query(p)
+    q.verification_jpeg_clipped_index.extend([3, pixels])
+    q.verification_jpeg_clipped_luma = b"ab"
+    assert "strictly increasing flat indices below" in await refused(q)
+    q = query(p)
+    q.verification_jpeg_clipped_index.extend([3, 5])
+    q.verification_jpeg_clipped_luma = b"a"
+    assert await refused(q) == (
+        "queries[0].verification_jpeg_clipped_luma has 1 bytes; it must have one per index "
+        "of queries[0].verification_jpeg_clipped_index (2)"
+    )
+    q = query(p)
+    q.verification_jpeg_clipped_index.extend(range(pixels // 4 + 1))
+    q.verification_jpeg_clipped_luma = bytes(pixels // 4 + 1)
+    assert await refused(q) == (
+        f"queries[0].verification_jpeg_clipped_index has {pixels // 4 + 1} indices; at "
+        f"most {pixels // 4} (0.25 of the {pixels} pixels of queries[0].verification)"
+    )
+    q = query(p)
+    q.ClearField("verification_jpeg_quantization")
+    q.verification_jpeg_clipped_index.append(3)
+    q.verification_jpeg_clipped_luma = b"a"
+    assert await refused(q) == (
+        "queries[0].verification_jpeg_clipped_index is set without "
+        "queries[0].verification_jpeg_quantization (64 values)"
+    )
+    q = query(p, with_verification=False)
+    q.verification_jpeg_quantization.extend([1] * 64)
+    assert await refused(q) == (
+        "queries[0].verification_jpeg_quantization is set without queries[0].verification: "
+        "it describes the verification image's JPEG"
+    )
+    entry = put_entry(p)
+    entry.verification_jpeg_quantization.append(3)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.Put(pb.PutRequest(entries=[entry]))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "entries[0].verification_jpeg_quantization has 65 values" in exc.value.details()
 
 
 async def test_luma_without_chroma_is_exact_only(cache) -> None:

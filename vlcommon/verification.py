@@ -58,6 +58,21 @@ Two verification images pass (:func:`verify`) when:
     light print, a watermark) changed by one digit leaves a residual under the absolute
     tolerance, but as large as its own contrast.
 
+A seventh check, **JPEG-matched**, runs where one of the two was decoded from a JPEG of the
+other's size (:class:`JpegLuma`: the file's luma quantization table and its Y channel as
+decoded, before the conversion to RGB). The other image's luma is encoded as a grayscale
+JPEG with that table (libjpeg, as Pillow does) and decoded: if the JPEG was made from the
+other picture by a libjpeg-compatible encoder (Pillow; OpenCV's and Chromium's are
+libjpeg-turbo too), the two are bit-identical in every 8x8 block where the pictures do not
+differ, since JPEG codes each block on its own. So where at least
+:data:`JPEG_MATCHED_SHARE` of the textured blocks are identical (the same encoder), the
+largest mean absolute difference of an 8x8 window at half-block stride must be within
+:data:`JPEG_TOLERANCE`: a re-encode leaves 0, one digit of grey-on-grey 11 px type or of
+an alpha-30 watermark 4.5-9 levels, however much JPEG residual the other checks must
+tolerate elsewhere. Another encoder (another DCT, ffmpeg's, trellis quantisation) leaves
+most textured blocks different (at most 33% identical measured); the check then does
+not apply, and the six checks decide alone.
+
 A block where one digit, word, cell or bar differs has a residual of tens of levels; JPEG
 re-encoding (q70-95) and resizes of up to 10% leave a few. The same functions run in the
 gateway (:func:`verification_image`), the cache service (:func:`verify`) and ``splitvl
@@ -68,6 +83,7 @@ memory: docs/cache.md.
 from __future__ import annotations
 
 import functools
+import io
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -141,6 +157,21 @@ MAX_PHOTOMETRIC_GAIN = 1.5
 # 10% resize rounded), aspect ratios within this relative difference.
 MAX_SIDE_RATIO = 1.12
 MAX_ASPECT_DIFFERENCE = 0.04
+# JPEG-matched check: an 8x8 block of the source luma is textured when its levels span at
+# least JPEG_TEXTURE; the encoder counts as the query's own when at least
+# JPEG_MATCHED_SHARE of the textured blocks (all blocks, if none is textured) decode
+# bit-identically (measured 2026-12-03: 0.98-1.00 for Pillow's encoder with an edit of one
+# digit or none, 0.02-0.33 for ffmpeg's encoder and for a float DCT); then no 8x8 window
+# (half-block stride) may differ by more than JPEG_TOLERANCE levels on average (0 for a
+# re-encode; 4.5-9 for the faint edits of tests/test_similarity_adversarial.py).
+JPEG_TEXTURE = 8
+JPEG_MATCHED_SHARE = 0.6
+JPEG_TOLERANCE = 1.0
+JPEG_BLOCK = 8
+# A JPEG whose Y channel differs from its verification luma (clipped by the conversion to
+# RGB) in more than this share of the pixels gets no JpegLuma: its differences are kept
+# sparse (5 bytes each), and past a quarter they would cost more than the luma itself.
+JPEG_MAX_CLIPPED_SHARE = 0.25
 # A verification luma image larger than this many bytes is refused (INVALID_ARGUMENT).
 # Larger than VERIFY_MAX_PIXELS so that older gateways' images (a quarter of a plan of up
 # to 16,777,216 pixels, sent without chroma: never a similarity hit) are still accepted.
@@ -169,6 +200,60 @@ def verifiable(width: int, height: int, plan_pixels: int) -> bool:
 
 
 @dataclass(frozen=True)
+class JpegLuma:
+    """What the JPEG-matched check needs of an image decoded from a JPEG.
+
+    The file's Y channel as libjpeg decodes it, before the conversion to RGB, equals the
+    verification image's luma except where that conversion clipped (saturated colours:
+    0.01-7% of the pixels of scikit-image's photos at q90), so only those pixels are kept.
+
+    Attributes:
+        quantization: uint16 [64]: the luma component's quantization table, in natural
+            (row-major) order as Pillow's ``JpegImageFile.quantization`` gives it, each
+            value in 1..255 (baseline precision).
+        clipped_index: uint32 [n]: the flat indices (row-major in the luma's [h, w]) where
+            the Y channel differs from the luma, strictly increasing; at most
+            :data:`JPEG_MAX_CLIPPED_SHARE` of the pixels.
+        clipped_luma: uint8 [n]: the Y channel there.
+    """
+
+    quantization: np.ndarray
+    clipped_index: np.ndarray
+    clipped_luma: np.ndarray
+
+    @classmethod
+    def of(cls, quantization: np.ndarray, y: np.ndarray, luma: np.ndarray) -> JpegLuma | None:
+        """From a JPEG's table and Y channel (:func:`read_jpeg`) and the verification
+        image's ``luma`` of the same shape; None when more than
+        :data:`JPEG_MAX_CLIPPED_SHARE` of the pixels differ."""
+        index = np.flatnonzero(y.reshape(-1) != luma.reshape(-1))
+        if index.size > JPEG_MAX_CLIPPED_SHARE * luma.size:
+            return None
+        return cls(
+            np.asarray(quantization, dtype=np.uint16),
+            index.astype(np.uint32),
+            y.reshape(-1)[index].astype(np.uint8),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.quantization.nbytes + self.clipped_index.nbytes + self.clipped_luma.nbytes)
+
+    def y(self, luma: np.ndarray) -> np.ndarray:
+        """The Y channel, uint8 [h, w], rebuilt on the verification image's ``luma``."""
+        if not self.clipped_index.size:
+            return luma
+        out = np.array(luma, dtype=np.uint8, copy=True)
+        out.reshape(-1)[self.clipped_index] = self.clipped_luma
+        return out
+
+    def copy(self) -> JpegLuma:
+        return JpegLuma(
+            self.quantization.copy(), self.clipped_index.copy(), self.clipped_luma.copy()
+        )
+
+
+@dataclass(frozen=True)
 class VerificationImage:
     """What the cache verifies a similarity candidate on.
 
@@ -177,19 +262,25 @@ class VerificationImage:
             :data:`VERIFY_MAX_PIXELS` pixels.
         chroma: uint8 [ceil(h / CHROMA_SCALE), ceil(w / CHROMA_SCALE), 2]: Cb and Cr
             (Pillow ``YCbCr``) area-averaged :data:`CHROMA_SCALE` x :data:`CHROMA_SCALE`.
+        jpeg: for an image decoded from a JPEG whose verification image is the file's own
+            pixels (same size and orientation: :func:`read_jpeg`), what the JPEG-matched
+            check needs; None otherwise.
     """
 
     luma: np.ndarray
     chroma: np.ndarray
+    jpeg: JpegLuma | None = None
 
     @property
     def nbytes(self) -> int:
-        return int(self.luma.nbytes + self.chroma.nbytes)
+        extra = 0 if self.jpeg is None else self.jpeg.nbytes
+        return int(self.luma.nbytes + self.chroma.nbytes + extra)
 
     def copy(self) -> VerificationImage:
         return VerificationImage(
             np.array(self.luma, dtype=np.uint8, copy=True),
             np.array(self.chroma, dtype=np.uint8, copy=True),
+            None if self.jpeg is None else self.jpeg.copy(),
         )
 
 
@@ -198,12 +289,54 @@ def chroma_shape(height: int, width: int) -> tuple[int, int, int]:
     return -(-height // CHROMA_SCALE), -(-width // CHROMA_SCALE), 2
 
 
-def verification_image(image: Image.Image | np.ndarray) -> VerificationImage:
+_ORIENTATION = 0x0112  # EXIF orientation tag
+
+
+def read_jpeg(data: bytes, size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """What the JPEG-matched check reads of an encoded file: (its luma quantization table,
+    uint16 [64] in natural order; its Y channel as decoded, uint8 [height, width]), or None.
+
+    None unless ``data`` is a JPEG (JFIF or Exif; not MPO, not CMYK, not Adobe RGB-coded)
+    of ``size`` (width, height) pixels, at most :data:`VERIFY_MAX_PIXELS` (the verification
+    image is then the decoded pixels themselves), with no EXIF rotation (the decode's
+    transpose would move the 8x8 block grid), whose luma table is baseline (values
+    1..255). Costs one more decode of the luma alone (~5 ms for 2 MP: libjpeg skips the
+    chroma's inverse DCT for a grayscale output). Never raises: the caller has decoded
+    this file already, so a failure here only means an unusual file, which gets no check.
+    """
+    try:
+        im = Image.open(io.BytesIO(data))
+        if im.format != "JPEG" or im.size != size or size[0] * size[1] > VERIFY_MAX_PIXELS:
+            return None
+        if im.mode not in ("L", "RGB") or im.info.get("adobe_transform", 1) != 1:
+            return None
+        if im.getexif().get(_ORIENTATION, 1) != 1:
+            return None
+        # JpegImageFile's attributes: the components' (id, h, v, table) and the tables.
+        layer = getattr(im, "layer", None)
+        table_id = layer[0][3] if layer else 0
+        table = np.asarray(getattr(im, "quantization", {})[table_id], dtype=np.int64)
+        if table.shape != (64,) or table.min() < 1 or table.max() > 255:
+            return None
+        im.draft("L", size)
+        luma = np.asarray(im if im.mode == "L" else im.convert("L"), dtype=np.uint8)
+        if luma.shape != (size[1], size[0]):
+            return None
+        return table.astype(np.uint16), luma
+    except Exception:  # noqa: BLE001  (no check rather than an error: see above)
+        return None
+
+
+def verification_image(
+    image: Image.Image | np.ndarray, encoded: bytes | None = None
+) -> VerificationImage:
     """The verification image of one decoded image.
 
     Args:
         image: The decoded image (``vlcommon.imaging.decode_image``: upright 8-bit RGB) as
             a Pillow image, or uint8 [height, width, 3] RGB.
+        encoded: The file it was decoded from, if at hand: a JPEG gives the result its
+            :class:`JpegLuma` (:func:`read_jpeg`), for the JPEG-matched check.
 
     Returns:
         Its luma at the image's own size, or area-averaged (Pillow ``BOX``) to
@@ -229,7 +362,9 @@ def verification_image(image: Image.Image | np.ndarray) -> VerificationImage:
         small = small.resize((cw, ch), Image.Resampling.BOX)
     _, cb, cr = small.convert("YCbCr").split()
     chroma = np.stack([np.asarray(cb, dtype=np.uint8), np.asarray(cr, dtype=np.uint8)], -1)
-    return VerificationImage(luma, chroma)
+    read = read_jpeg(encoded, image.size) if encoded is not None else None
+    jpeg = JpegLuma.of(read[0], read[1], luma) if read is not None else None
+    return VerificationImage(luma, chroma, jpeg)
 
 
 def _block_sums(x: np.ndarray, block: int = VERIFY_BLOCK) -> np.ndarray:
@@ -366,7 +501,57 @@ def verification_residual(a: VerificationImage | None, b: VerificationImage | No
         malformed, the two are not :func:`comparable`, or their contrasts differ by more
         than :data:`MAX_PHOTOMETRIC_GAIN` in both directions.
     """
-    return min(_residuals(a, b)) if comparable(a, b) else float("inf")  # type: ignore[arg-type]
+    if not comparable(a, b):
+        return float("inf")
+    assert a is not None and b is not None
+    return max(min(_residuals(a, b)), jpeg_matched_score(a, b))
+
+
+def _jpeg_round_trip(luma: np.ndarray, quantization: np.ndarray) -> np.ndarray:
+    """``luma`` encoded as a grayscale JPEG with that luma table and decoded, by libjpeg
+    (Pillow), int16 [h, w]."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(luma, dtype=np.uint8), "L").save(
+        buffer, "JPEG", qtables=[[int(v) for v in quantization]]
+    )
+    with Image.open(buffer) as decoded:
+        return np.asarray(decoded, dtype=np.int16)
+
+
+def _jpeg_score(source: np.ndarray, target: VerificationImage) -> float:
+    """The JPEG-matched score of ``target`` (decoded from a JPEG: its Y channel) predicted
+    from ``source`` (the other image's luma, the same size): 0 where the encoder is not
+    the same (:data:`JPEG_MATCHED_SHARE`), else the worst window scaled so that
+    :data:`JPEG_TOLERANCE` maps to :data:`VERIFY_TOLERANCE`."""
+    assert target.jpeg is not None
+    if source.shape != target.luma.shape:
+        return 0.0
+    y = target.jpeg.y(target.luma)
+    diff = np.abs(_jpeg_round_trip(source, target.jpeg.quantization) - y)
+    b = JPEG_BLOCK
+    h, w = (source.shape[0] // b) * b, (source.shape[1] // b) * b
+    if h and w:
+        blocks = source[:h, :w].reshape(h // b, b, w // b, b)
+        spans = blocks.max(axis=(1, 3)).astype(np.int16) - blocks.min(axis=(1, 3))
+        textured = spans >= JPEG_TEXTURE
+        identical = diff[:h, :w].reshape(h // b, b, w // b, b).max(axis=(1, 3)) == 0
+        pool = identical[textured] if textured.any() else identical
+        if float(pool.mean()) < JPEG_MATCHED_SHARE:
+            return 0.0  # another encoder: the six checks decide
+    worst = float(_half_stride_block_means(diff.astype(np.float32), DETAIL_BLOCK).max())
+    return worst * (VERIFY_TOLERANCE / JPEG_TOLERANCE)
+
+
+def jpeg_matched_score(a: VerificationImage, b: VerificationImage) -> float:
+    """The JPEG-matched check's score (module docstring) of two comparable verification
+    images, in :data:`VERIFY_TOLERANCE` units: the worse of each JPEG side predicted from
+    the other's luma; 0 when neither was decoded from a JPEG of the other's size."""
+    score = 0.0
+    if b.jpeg is not None:
+        score = _jpeg_score(a.luma, b)
+    if a.jpeg is not None:
+        score = max(score, _jpeg_score(b.luma, a))
+    return score
 
 
 def _half_stride_block_means(x: np.ndarray, block: int) -> np.ndarray:
@@ -472,9 +657,12 @@ def verify(
 
     False when either is missing: an entry or a query without one is never a similarity
     hit (it can still hit exactly). Same as ``verification_residual(a, b) <= tolerance``,
-    computing the second direction only when the first fails.
+    computing the second direction only when the first fails, and the JPEG-matched check
+    (a JPEG encode and decode of one luma plane, ~9 ms for 2 MP) only when one passes.
     """
     if not comparable(a, b):
         return False
     assert a is not None and b is not None
-    return any(r <= tolerance for r in _residuals(a, b))
+    if not any(r <= tolerance for r in _residuals(a, b)):
+        return False
+    return jpeg_matched_score(a, b) <= tolerance
