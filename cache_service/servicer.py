@@ -31,6 +31,7 @@ from vlcommon.request_rules import CACHE_POLICIES, CACHE_TIERS, check_grid
 from vlcommon.verification import (
     CHROMA_SCALE,
     JPEG_MAX_CLIPPED_SHARE,
+    JPEG_MAX_SIDE,
     MAX_VERIFICATION_BYTES,
     JpegLuma,
     VerificationImage,
@@ -236,7 +237,8 @@ def _jpeg(
     msg: pb.LookupQuery | pb.PutEntry, prefix: str, shape: tuple[int, int]
 ) -> JpegLuma | None:
     """The verification image's JPEG fields (vlcommon.verification.JpegLuma):
-    ``verification_jpeg_quantization``, 64 values in 1..255, and where the JPEG's Y channel
+    ``verification_jpeg_quantization``, 64 values in 1..255 (on an image of at most
+    JPEG_MAX_SIDE pixels per side), and where the JPEG's Y channel
     differs from the luma of ``shape`` [h, w], ``verification_jpeg_clipped_index`` (strictly
     increasing flat indices below h * w, at most h * w * JPEG_MAX_CLIPPED_SHARE of them)
     and ``verification_jpeg_clipped_luma`` (one byte each). None when none is set.
@@ -266,6 +268,14 @@ def _jpeg(
             "must be a baseline JPEG luma table: 64 values in 1..255",
             field=table_field,
             limit=64,
+        )
+    if max(shape) > JPEG_MAX_SIDE:
+        raise invalid_argument(
+            "VERIFICATION_JPEG_INVALID",
+            f"{table_field} is set on {prefix}.verification of shape {list(shape)}; a JPEG "
+            f"is at most {JPEG_MAX_SIDE} pixels per side",
+            field=table_field,
+            limit=JPEG_MAX_SIDE,
         )
     pixels = shape[0] * shape[1]
     limit = int(JPEG_MAX_CLIPPED_SHARE * pixels)

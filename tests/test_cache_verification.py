@@ -502,6 +502,21 @@ async def test_bad_jpeg_fields_are_invalid(cache) -> None:
         "queries[0].verification_jpeg_quantization is set without queries[0].verification: "
         "it describes the verification image's JPEG"
     )
+    # No JPEG is wider than 65,500 pixels: a table on a wider verification image is refused
+    # (it made the check's encoder raise: INTERNAL for every query that met the entry).
+    wide = pb.LookupQuery(
+        key="wide",
+        descriptor=q.descriptor,
+        grid=q.grid,
+        revision=REV,
+        verification=tensors.from_numpy(np.zeros((1, 70000), np.uint8)),
+        verification_chroma=tensors.from_numpy(np.zeros(chroma_shape(1, 70000), np.uint8)),
+        verification_jpeg_quantization=[2] * 64,
+    )
+    assert await refused(wide) == (
+        "queries[0].verification_jpeg_quantization is set on queries[0].verification of "
+        "shape [1, 70000]; a JPEG is at most 65500 pixels per side"
+    )
     entry = put_entry(p)
     entry.verification_jpeg_quantization.append(3)
     with pytest.raises(grpc.aio.AioRpcError) as exc:

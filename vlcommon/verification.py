@@ -71,7 +71,10 @@ largest mean absolute difference of an 8x8 window at half-block stride must be w
 an alpha-30 watermark 4.5-9 levels, however much JPEG residual the other checks must
 tolerate elsewhere. Another encoder (another DCT, ffmpeg's, trellis quantisation) leaves
 most textured blocks different (at most 33% identical measured); the check then does
-not apply, and the six checks decide alone.
+not apply, and the six checks decide alone. Where both are JPEGs, the better direction
+where it applies decides (a re-save is exact one way round). Any other change to the
+edited side before its JPEG (one level of brightness) also turns the check off: it
+closes the straight path, not an adversary's (docs/cache.md).
 
 A block where one digit, word, cell or bar differs has a residual of tens of levels; JPEG
 re-encoding (q70-95) and resizes of up to 10% leave a few. The same functions run in the
@@ -172,6 +175,9 @@ JPEG_BLOCK = 8
 # RGB) in more than this share of the pixels gets no JpegLuma: its differences are kept
 # sparse (5 bytes each), and past a quarter they would cost more than the luma itself.
 JPEG_MAX_CLIPPED_SHARE = 0.25
+# libjpeg's largest image side (JPEG_MAX_DIMENSION): no JPEG is wider or taller, so a
+# verification image over it has no JPEG view (and the round trip could not encode it).
+JPEG_MAX_SIDE = 65_500
 # A verification luma image larger than this many bytes is refused (INVALID_ARGUMENT).
 # Larger than VERIFY_MAX_PIXELS so that older gateways' images (a quarter of a plan of up
 # to 16,777,216 pixels, sent without chroma: never a similarity hit) are still accepted.
@@ -518,14 +524,15 @@ def _jpeg_round_trip(luma: np.ndarray, quantization: np.ndarray) -> np.ndarray:
         return np.asarray(decoded, dtype=np.int16)
 
 
-def _jpeg_score(source: np.ndarray, target: VerificationImage) -> float:
+def _jpeg_score(source: np.ndarray, target: VerificationImage) -> float | None:
     """The JPEG-matched score of ``target`` (decoded from a JPEG: its Y channel) predicted
-    from ``source`` (the other image's luma, the same size): 0 where the encoder is not
-    the same (:data:`JPEG_MATCHED_SHARE`), else the worst window scaled so that
-    :data:`JPEG_TOLERANCE` maps to :data:`VERIFY_TOLERANCE`."""
+    from ``source`` (the other image's luma, the same size): None where the check does
+    not apply (another size, or not the same encoder: :data:`JPEG_MATCHED_SHARE`), else
+    the worst window scaled so that :data:`JPEG_TOLERANCE` maps to
+    :data:`VERIFY_TOLERANCE`."""
     assert target.jpeg is not None
-    if source.shape != target.luma.shape:
-        return 0.0
+    if source.shape != target.luma.shape or max(source.shape) > JPEG_MAX_SIDE:
+        return None
     y = target.jpeg.y(target.luma)
     diff = np.abs(_jpeg_round_trip(source, target.jpeg.quantization) - y)
     b = JPEG_BLOCK
@@ -537,21 +544,26 @@ def _jpeg_score(source: np.ndarray, target: VerificationImage) -> float:
         identical = diff[:h, :w].reshape(h // b, b, w // b, b).max(axis=(1, 3)) == 0
         pool = identical[textured] if textured.any() else identical
         if float(pool.mean()) < JPEG_MATCHED_SHARE:
-            return 0.0  # another encoder: the six checks decide
+            return None  # another encoder: the six checks decide
     worst = float(_half_stride_block_means(diff.astype(np.float32), DETAIL_BLOCK).max())
     return worst * (VERIFY_TOLERANCE / JPEG_TOLERANCE)
 
 
 def jpeg_matched_score(a: VerificationImage, b: VerificationImage) -> float:
     """The JPEG-matched check's score (module docstring) of two comparable verification
-    images, in :data:`VERIFY_TOLERANCE` units: the worse of each JPEG side predicted from
-    the other's luma; 0 when neither was decoded from a JPEG of the other's size."""
-    score = 0.0
+    images, in :data:`VERIFY_TOLERANCE` units: the JPEG side predicted from the other's
+    luma; where both are JPEGs, the better of the directions where the check applies (one
+    made from the other by re-saving explains the pair: a JPEG re-saved from its own
+    decoded pixels at the same or a higher quality is bit-identical in one direction, and
+    one quantisation step off in some blocks in the other); 0 where it applies in
+    neither."""
+    scores = []
     if b.jpeg is not None:
-        score = _jpeg_score(a.luma, b)
-    if a.jpeg is not None:
-        score = max(score, _jpeg_score(b.luma, a))
-    return score
+        scores.append(_jpeg_score(a.luma, b))
+    if a.jpeg is not None and scores != [0.0]:
+        scores.append(_jpeg_score(b.luma, a))
+    applicable = [score for score in scores if score is not None]
+    return min(applicable) if applicable else 0.0
 
 
 def _half_stride_block_means(x: np.ndarray, block: int) -> np.ndarray:
