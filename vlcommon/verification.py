@@ -670,7 +670,8 @@ def verify(
     False when either is missing: an entry or a query without one is never a similarity
     hit (it can still hit exactly). Same as ``verification_residual(a, b) <= tolerance``,
     computing the second direction only when the first fails, and the JPEG-matched check
-    (a JPEG encode and decode of one luma plane, ~9 ms for 2 MP) only when one passes.
+    (a JPEG encode and decode of one luma plane and its block statistics, ~35 ms of CPU
+    for 2 MP) only when one passes.
     """
     if not comparable(a, b):
         return False
