@@ -369,6 +369,15 @@ class ImageHeader:
         return self.stored_width if swap else self.stored_height
 
 
+def exif_orientation(im: Image.Image) -> int:
+    """An opened file's EXIF orientation, 1..8, read from the EXIF and XMP that opening it
+    parsed (``Image.Image.getexif``, the base class's: PNG's own decodes the whole image to
+    look for EXIF after the pixel data); 1 when absent or not a valid value, as
+    ``ImageOps.exif_transpose`` treats it."""
+    value = Image.Image.getexif(im).get(ExifTags.Base.Orientation, 1)
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
 def read_header(data: bytes) -> ImageHeader | None:
     """Read a file's size, mode and EXIF orientation from its header, decoding no pixels.
 
@@ -397,9 +406,7 @@ def read_header(data: bytes) -> ImageHeader | None:
     try:
         with Image.open(io.BytesIO(data)) as im:
             width, height = im.size
-            value = Image.Image.getexif(im).get(ExifTags.Base.Orientation, 1)
-            orientation = value if isinstance(value, int) and 1 <= value <= 8 else 1
-            return ImageHeader(str(im.format), im.mode, width, height, orientation)
+            return ImageHeader(str(im.format), im.mode, width, height, exif_orientation(im))
     except Exception:  # noqa: BLE001 - decode_image reports it, by the same rules
         return None
 

@@ -94,6 +94,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from vlcommon.imaging import exif_orientation
+
 # The verification image keeps the decoded image's own resolution up to this many pixels
 # (2 MiB of luma, 3 MiB with the chroma per entry at most: a 1411x1411 photo is kept
 # whole); larger images are area-averaged down to it.
@@ -295,9 +297,6 @@ def chroma_shape(height: int, width: int) -> tuple[int, int, int]:
     return -(-height // CHROMA_SCALE), -(-width // CHROMA_SCALE), 2
 
 
-_ORIENTATION = 0x0112  # EXIF orientation tag
-
-
 def read_jpeg(data: bytes, size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
     """What the JPEG-matched check reads of an encoded file: (its luma quantization table,
     uint16 [64] in natural order; its Y channel as decoded, uint8 [height, width]), or None.
@@ -316,7 +315,7 @@ def read_jpeg(data: bytes, size: tuple[int, int]) -> tuple[np.ndarray, np.ndarra
             return None
         if im.mode not in ("L", "RGB") or im.info.get("adobe_transform", 1) != 1:
             return None
-        if im.getexif().get(_ORIENTATION, 1) != 1:
+        if exif_orientation(im) != 1:
             return None
         # JpegImageFile's attributes: the components' (id, h, v, table) and the tables.
         layer = getattr(im, "layer", None)
