@@ -144,6 +144,25 @@ def _encode(image: Image.Image, fmt: str, **kw: Any) -> bytes:
     return buf.getvalue()
 
 
+def encode_mjpeg(image: Image.Image, qscale: int = 3) -> bytes:
+    """``image`` as a JPEG from ffmpeg's own MJPEG encoder (PyAV, full-range 4:2:0 at a
+    fixed ``qscale``; 3 is about Pillow's q85 in size): another DCT and quantiser than
+    libjpeg's (Pillow's), as phones' hardware encoders have, so the JPEG-matched check
+    does not apply to it and the coefficient-interval check does."""
+    from fractions import Fraction
+
+    import av
+
+    codec = av.CodecContext.create("mjpeg", "w")
+    codec.width, codec.height = image.size
+    codec.pix_fmt = "yuvj420p"
+    codec.time_base = Fraction(1, 25)
+    codec.options = {"qmin": str(qscale), "qmax": str(qscale)}
+    codec.open()
+    frame = av.VideoFrame.from_image(image.convert("RGB")).reformat(format="yuvj420p")
+    return bytes((codec.encode(frame) + codec.encode(None))[0])
+
+
 def _decode(data: bytes) -> Image.Image:
     return decode_image(data, index=0, max_decoded_pixels=MAX_DECODED_PIXELS)
 
@@ -169,6 +188,10 @@ def near_duplicate_variants(image: Image.Image, source_format: str) -> list[tupl
     png = "PNG"
     for q in (70, 80, 90, 95):
         out.append((f"jpeg-q{q}", _encode(image, "JPEG", quality=q)))
+    # Another encoder, and a JPEG of a JPEG (a photo re-shared through two apps).
+    out.append(("ffmpeg-jpeg-q3", encode_mjpeg(image, 3)))
+    first = _decode(_encode(image, "JPEG", quality=90))
+    out.append(("two-jpegs-q90-q75", _encode(first, "JPEG", quality=75)))
     for scale in (0.90, 0.95, 0.98, 0.99, 1.05, 1.10):
         out.append((f"resize-{scale:.2f}", _encode(_resize(image, scale), png)))
     for frac in (0.01, 0.02, 0.03):
@@ -637,8 +660,10 @@ def build_pairs(
     """All labelled pairs, each image decoded (from encoded bytes) and described once.
 
     Near duplicates: each photo against its :func:`near_duplicate_variants`. Distinct:
-    all pairs of photos, and for each text pair and layout the two renders (PNG) and the
-    first render against a JPEG (quality 80) of the second.
+    all pairs of photos; for each text pair and layout the two renders (PNG) and the
+    first render against a JPEG (quality 80) of the second; for each adversarial pair the
+    two (PNG), and the first against a JPEG of the second by Pillow (quality 90) and by
+    ffmpeg (:func:`encode_mjpeg`).
     """
     root = _skimage_dir()
     photos = QUICK_PHOTOS if quick else PHOTOS
@@ -674,8 +699,12 @@ def build_pairs(
         b_jpeg = _item(
             f"adv{i}-{kind}-b:jpeg-q90", _encode(ib, "JPEG", quality=90), spec, describe, grid_bound
         )
+        b_mjpeg = _item(
+            f"adv{i}-{kind}-b:ffmpeg-jpeg-q3", encode_mjpeg(ib), spec, describe, grid_bound
+        )
         pairs.append(Pair("distinct", a, b, f"adversarial-{kind}"))
         pairs.append(Pair("distinct", a, b_jpeg, f"adversarial-{kind}-vs-jpeg"))
+        pairs.append(Pair("distinct", a, b_mjpeg, f"adversarial-{kind}-vs-ffmpeg-jpeg"))
     return pairs
 
 
@@ -892,7 +921,8 @@ def _by_distinct_kind(distinct: list[Pair], threshold: float) -> dict[str, dict[
     residual among those over the threshold (None when none is)."""
     groups: dict[str, list[Pair]] = {}
     for p in distinct:
-        groups.setdefault(p.transform.removesuffix("-vs-jpeg"), []).append(p)
+        kind = p.transform.removesuffix("-vs-jpeg").removesuffix("-vs-ffmpeg-jpeg")
+        groups.setdefault(kind, []).append(p)
     out: dict[str, dict[str, Any]] = {}
     for name, ps in groups.items():
         over = [p for p in ps if p.cosine >= threshold and p.grid_ok]

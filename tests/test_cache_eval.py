@@ -44,9 +44,9 @@ def qwen_report() -> dict:
 def _check_targets(report: dict) -> None:
     assert report["threshold"] == CacheSettings().threshold == 0.85
     # 9 photos -> 36 pairs; 6 text pairs x 4 layouts x (PNG, JPEG of the other) -> 48;
-    # 18 adversarial pairs x (PNG, JPEG of the other) -> 36.
+    # 18 adversarial pairs x (PNG, Pillow's and ffmpeg's JPEG of the other) -> 54.
     assert len(cache_eval.adversarial_pairs(quick=True)) == 18
-    assert report["distinct_pairs"] == 36 + 48 + 36
+    assert report["distinct_pairs"] == 36 + 48 + 54
     variants = cache_eval.near_duplicate_variants(Image.new("RGB", (64, 48)), "PNG")
     assert report["near_duplicate_pairs"] == 9 * len(variants)
     assert report["crop_pairs"] == 9 * sum("crop" in name for name, _ in variants)
@@ -62,7 +62,7 @@ def _check_targets(report: dict) -> None:
         "watermark-one-digit",
     ):
         # The descriptor and the grid rule let them through; the verification refuses.
-        assert kinds[f"adversarial-{kind}"]["over_threshold"] == 2, kind
+        assert kinds[f"adversarial-{kind}"]["over_threshold"] == 3, kind
         assert kinds[f"adversarial-{kind}"]["lowest_residual"] > report["verify_tolerance"]
     assert kinds["adversarial-random-pixels"]["false_hits"] == 0
     assert report["false_hits_descriptor_only"] >= 16

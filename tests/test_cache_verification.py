@@ -434,22 +434,6 @@ async def test_the_gateway_sends_a_jpegs_table_and_its_faint_edit_is_a_miss(
     assert edit.tier == MISS and edit.similarity > 0.85
 
 
-def _ffmpeg_jpeg(image: Image.Image, qscale: int) -> bytes:
-    """A JPEG from ffmpeg's MJPEG encoder (PyAV): not libjpeg's DCT or quantiser."""
-    from fractions import Fraction
-
-    import av
-
-    codec = av.CodecContext.create("mjpeg", "w")
-    codec.width, codec.height = image.size
-    codec.pix_fmt = "yuvj420p"
-    codec.time_base = Fraction(1, 25)
-    codec.options = {"qmin": str(qscale), "qmax": str(qscale)}
-    codec.open()
-    frame = av.VideoFrame.from_image(image.convert("RGB")).reformat(format="yuvj420p")
-    return bytes((codec.encode(frame) + codec.encode(None))[0])
-
-
 async def test_a_faint_edit_in_another_encoders_jpeg_is_a_miss(cache) -> None:
     """The coefficient-interval check through the service: the PNG screenshot stored, an
     ffmpeg JPEG (qscale 2) of it is a similarity hit, and an ffmpeg JPEG of it with one
@@ -462,8 +446,8 @@ async def test_a_faint_edit_in_another_encoders_jpeg_is_a_miss(cache) -> None:
     await stub.Put(pb.PutRequest(entries=[put_entry(png)]))
     brighter = Image.fromarray((np.asarray(edited, dtype=np.int16) + 1).astype(np.uint8), "RGB")
     queries = [
-        prepare(_ffmpeg_jpeg(original, 2)),
-        prepare(_ffmpeg_jpeg(edited, 2)),
+        prepare(cache_eval.encode_mjpeg(original, 2)),
+        prepare(cache_eval.encode_mjpeg(edited, 2)),
         prepare(encode(brighter, "JPEG", quality=90)),
     ]
     assert all(q.verification.jpeg is not None for q in queries)
