@@ -16,6 +16,7 @@ which. Each fixed one says when it was found and what fixed it.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -597,6 +598,19 @@ def _grey_ui(text: str, size: int, xy: tuple[int, int], card: int, ink: int) -> 
 _GREYS = ((80, 120), (120, 80), (200, 170), (50, 110))  # (card, ink) levels
 
 
+def _digit_swaps(
+    greys: tuple[tuple[int, int], ...] = _GREYS,
+) -> Iterator[tuple[tuple[object, ...], Image.Image, Image.Image]]:
+    """(label, a, b): 'Total: 1,2x4.50' in 11 px type, one digit swapped, for every swap,
+    (card, ink) grey of ``greys`` and every fifth offset: 20 pairs per grey."""
+    for d_a, d_b in _DIGIT_SWAPS:
+        for card, ink in greys:
+            for xy in _OFFSETS[::5]:
+                a = _grey_ui(f"Total: 1,2{d_a}4.50", 11, xy, card, ink)
+                b = _grey_ui(f"Total: 1,2{d_b}4.50", 11, xy, card, ink)
+                yield (d_a, d_b, card, ink, xy), a, b
+
+
 def test_one_digit_of_low_contrast_11px_ui_text_is_not_served() -> None:
     """Found 2026-12-01 by an adversarial pass and fixed (the isolation check): one digit
     of 11 px grey-on-grey UI text (ink 120 on a card of 80, legible) hit 44 of 48 digit
@@ -657,16 +671,10 @@ def test_one_digit_of_low_contrast_11px_ui_text_from_another_jpeg_encoder() -> N
     textured blocks identical) and the six checks alone passed 4.0-8.8. Fixed by the
     coefficient-interval check: the JPEG's coefficients cannot have come from the other
     picture in the digit's blocks (every swap, grey, offset and qscale)."""
-    for d_a, d_b in _DIGIT_SWAPS:
-        for card, ink in _GREYS:
-            for xy in _OFFSETS[::5]:
-                a = _grey_ui(f"Total: 1,2{d_a}4.50", 11, xy, card, ink)
-                b = _grey_ui(f"Total: 1,2{d_b}4.50", 11, xy, card, ink)
-                for qscale in (2, 3):
-                    residual = verification_residual(
-                        verification_image(a), _ffmpeg_jpeg_view(b, qscale)
-                    )
-                    assert residual > VERIFY_TOLERANCE, (d_a, d_b, card, ink, xy, qscale)
+    for label, a, b in _digit_swaps():
+        for qscale in (2, 3):
+            residual = verification_residual(verification_image(a), _ffmpeg_jpeg_view(b, qscale))
+            assert residual > VERIFY_TOLERANCE, (label, qscale)
 
 
 def _shifted(image: Image.Image, levels: int) -> Image.Image:
@@ -691,24 +699,20 @@ def test_one_digit_of_low_contrast_11px_ui_text_changed_before_its_jpeg() -> Non
     (3.5-7.8; 69-71 of 80 pairs each). Fixed by the coefficient-interval check (a shift
     moves only each block's mean, a dither less than its slack) and its first-generation
     search (the other picture through libjpeg at q70-95 still has the old digit)."""
-    for d_a, d_b in _DIGIT_SWAPS:
-        for card, ink in _GREYS[:2]:
-            for xy in _OFFSETS[::5]:
-                a = _grey_ui(f"Total: 1,2{d_a}4.50", 11, xy, card, ink)
-                b = _grey_ui(f"Total: 1,2{d_b}4.50", 11, xy, card, ink)
-                stored = verification_image(a)
-                first = decode_image(_jpeg(b, 70), index=0, max_decoded_pixels=10**8)
-                first80 = decode_image(_jpeg(b, 80), index=0, max_decoded_pixels=10**8)
-                for how, query in (
-                    ("shift+1 q90", _jpeg_view(_shifted(b, 1), 90)),
-                    ("shift-1 q80", _jpeg_view(_shifted(b, -1), 80)),
-                    ("dither q90", _jpeg_view(_dithered(b), 90)),
-                    ("q70 then q90", _jpeg_view(first, 90)),
-                    ("q80 then q75", _jpeg_view(first80, 75)),
-                    ("q80 then ffmpeg 2", _ffmpeg_jpeg_view(first80, 2)),
-                ):
-                    residual = verification_residual(stored, query)
-                    assert residual > VERIFY_TOLERANCE, (d_a, d_b, card, ink, xy, how, residual)
+    for label, a, b in _digit_swaps(_GREYS[:2]):
+        stored = verification_image(a)
+        first = decode_image(_jpeg(b, 70), index=0, max_decoded_pixels=10**8)
+        first80 = decode_image(_jpeg(b, 80), index=0, max_decoded_pixels=10**8)
+        for how, query in (
+            ("shift+1 q90", _jpeg_view(_shifted(b, 1), 90)),
+            ("shift-1 q80", _jpeg_view(_shifted(b, -1), 80)),
+            ("dither q90", _jpeg_view(_dithered(b), 90)),
+            ("q70 then q90", _jpeg_view(first, 90)),
+            ("q80 then q75", _jpeg_view(first80, 75)),
+            ("q80 then ffmpeg 2", _ffmpeg_jpeg_view(first80, 2)),
+        ):
+            residual = verification_residual(stored, query)
+            assert residual > VERIFY_TOLERANCE, (label, how, residual)
 
 
 @pytest.mark.xfail(
@@ -720,13 +724,9 @@ def test_one_digit_of_low_contrast_11px_ui_text_changed_before_its_jpeg() -> Non
     "different qualities, one of each picture, leak 2-3 of 80 the same way",
 )
 def test_one_digit_of_low_contrast_11px_ui_text_under_a_coarse_jpeg() -> None:
-    for d_a, d_b in _DIGIT_SWAPS:
-        for card, ink in _GREYS:
-            for xy in _OFFSETS[::5]:
-                a = _grey_ui(f"Total: 1,2{d_a}4.50", 11, xy, card, ink)
-                b = _grey_ui(f"Total: 1,2{d_b}4.50", 11, xy, card, ink)
-                residual = verification_residual(verification_image(a), _ffmpeg_jpeg_view(b, 5))
-                assert residual > VERIFY_TOLERANCE, (d_a, d_b, card, ink, xy, residual)
+    for label, a, b in _digit_swaps():
+        residual = verification_residual(verification_image(a), _ffmpeg_jpeg_view(b, 5))
+        assert residual > VERIFY_TOLERANCE, (label, residual)
 
 
 @pytest.mark.xfail(
@@ -739,12 +739,9 @@ def test_one_digit_of_low_contrast_11px_ui_text_under_a_coarse_jpeg() -> None:
     "white as (254, 255, 253))",
 )
 def test_one_digit_of_faint_type_on_a_white_card_as_another_encoders_jpeg() -> None:
-    for d_a, d_b in _DIGIT_SWAPS:
-        for xy in _OFFSETS[::5]:
-            a = _grey_ui(f"Total: 1,2{d_a}4.50", 11, xy, 255, 200)
-            b = _grey_ui(f"Total: 1,2{d_b}4.50", 11, xy, 255, 200)
-            residual = verification_residual(verification_image(a), _ffmpeg_jpeg_view(b, 3))
-            assert residual > VERIFY_TOLERANCE, (d_a, d_b, xy, residual)
+    for label, a, b in _digit_swaps(((255, 200),)):
+        residual = verification_residual(verification_image(a), _ffmpeg_jpeg_view(b, 3))
+        assert residual > VERIFY_TOLERANCE, (label, residual)
 
 
 @pytest.mark.xfail(
@@ -757,13 +754,10 @@ def test_one_digit_of_faint_type_on_a_white_card_as_another_encoders_jpeg() -> N
     "more copies than it kept (docs/cache.md)",
 )
 def test_one_digit_of_low_contrast_11px_ui_text_blurred_before_its_jpeg() -> None:
-    for d_a, d_b in _DIGIT_SWAPS:
-        for xy in _OFFSETS[::5]:
-            a = _grey_ui(f"Total: 1,2{d_a}4.50", 11, xy, 80, 120)
-            b = _grey_ui(f"Total: 1,2{d_b}4.50", 11, xy, 80, 120)
-            blurred = b.filter(ImageFilter.GaussianBlur(0.5))
-            residual = verification_residual(verification_image(a), _jpeg_view(blurred, 90))
-            assert residual > VERIFY_TOLERANCE, (d_a, d_b, xy, residual)
+    for label, a, b in _digit_swaps(_GREYS[:1]):
+        blurred = b.filter(ImageFilter.GaussianBlur(0.5))
+        residual = verification_residual(verification_image(a), _jpeg_view(blurred, 90))
+        assert residual > VERIFY_TOLERANCE, (label, residual)
 
 
 def _dotted(edited: Image.Image, original: Image.Image, card: int) -> Image.Image:
@@ -794,13 +788,10 @@ def _dotted(edited: Image.Image, original: Image.Image, card: int) -> Image.Imag
     "the dots move the chroma by ~6 of its 24 tolerance)",
 )
 def test_a_poisoned_entry_with_saturated_dots_in_the_edited_blocks() -> None:
-    for d_a, d_b in _DIGIT_SWAPS:
-        for xy in _OFFSETS[::5]:
-            original = _grey_ui(f"Total: 1,2{d_a}4.50", 11, xy, 80, 120)
-            edited = _grey_ui(f"Total: 1,2{d_b}4.50", 11, xy, 80, 120)
-            stored = verification_image(_dotted(edited, original, 80))
-            residual = verification_residual(stored, _ffmpeg_jpeg_view(original, 2))
-            assert residual > VERIFY_TOLERANCE, (d_a, d_b, xy, residual)
+    for label, original, edited in _digit_swaps(_GREYS[:1]):
+        stored = verification_image(_dotted(edited, original, 80))
+        residual = verification_residual(stored, _ffmpeg_jpeg_view(original, 2))
+        assert residual > VERIFY_TOLERANCE, (label, residual)
 
 
 def test_the_coefficient_interval_check_passes_what_it_must() -> None:

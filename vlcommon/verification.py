@@ -111,7 +111,7 @@ from __future__ import annotations
 import functools
 import io
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -592,10 +592,23 @@ def _jpeg_score(
     score = _jpeg_score_of(source, target, textured)
     if not search or score is None or score <= VERIFY_TOLERANCE:
         return score
+    return _first_generation_search(
+        score, source, lambda first: _jpeg_score_of(first.astype(np.uint8), target, textured)
+    )
+
+
+def _first_generation_search(
+    score: float | None,
+    pristine: np.ndarray,
+    score_of: Callable[[np.ndarray], float | None],
+) -> float | None:
+    """The better of ``score`` and ``score_of`` each libjpeg first generation of
+    ``pristine`` (uint8 [h, w], the side that is not a JPEG), at each of
+    :data:`COEF_FIRST_GENERATIONS` (best first, stopping at the first that passes): the
+    other side may be a JPEG of a JPEG of it. None stays None unless one applies."""
     for quality in COEF_FIRST_GENERATIONS:
-        first = _jpeg_round_trip(source, quality=quality).astype(np.uint8)
-        retry = _jpeg_score_of(first, target, textured)
-        if retry is not None and retry < score:
+        retry = score_of(_jpeg_round_trip(pristine, quality=quality))
+        if retry is not None and (score is None or retry < score):
             score = retry
             if score <= VERIFY_TOLERANCE:
                 break
@@ -710,16 +723,13 @@ def _coefficient_score(a: VerificationImage, b: VerificationImage) -> float | No
     ):
         return score
     pristine = 0 if tables[0] is None else 1
-    for quality in COEF_FIRST_GENERATIONS:
+
+    def score_of(first: np.ndarray) -> float | None:
         trial = list(coefficients)
-        first = _jpeg_round_trip(planes[pristine], quality=quality)
         trial[pristine] = _dct_blocks(first, h, w)
-        retry = _interval_score(trial, tables, valid, textured)
-        if retry is not None and (score is None or retry < score):
-            score = retry
-            if score <= VERIFY_TOLERANCE:
-                break
-    return score
+        return _interval_score(trial, tables, valid, textured)
+
+    return _first_generation_search(score, planes[pristine], score_of)
 
 
 def _interval_score(
