@@ -56,6 +56,7 @@ from vlcommon.model_info import VisionSpec
 from vlcommon.verification import (
     VERIFY_TOLERANCE,
     VerificationImage,
+    jpeg_matched_score,
     verifiable,
     verification_image,
     verification_residual,
@@ -764,6 +765,47 @@ def verification_cost(repeats: int = 10) -> dict[str, dict[str, float]]:
     return out
 
 
+def coefficient_cost(repeats: int = 7) -> dict[str, dict[str, float]]:
+    """Median thread CPU ms of :func:`jpeg_matched_score` (the cache, per candidate that
+    passed the six checks) between a decoded image and an ffmpeg MJPEG
+    (:func:`encode_mjpeg`, qscale 3) of it, where the JPEG-matched check does not apply
+    and the coefficient-interval check runs, at the sizes where a JPEG keeps its
+    verification image whole: 448x448, 1024x1024 and 1448x1448 (2 MP). ``one_pass_ms``:
+    a copy, which passes on the first pass; ``search_ms``: the same with a 32x32 patch
+    inverted before the JPEG (an edit), which fails and runs the first-generation search
+    over all of ``COEF_FIRST_GENERATIONS``; ``copy_score`` and ``edit_score`` are the
+    scores timed (``VERIFY_TOLERANCE`` units, 0 where no check applies)."""
+    image = _decode((_skimage_dir() / "astronaut.png").read_bytes())
+    out = {}
+    for side in (448, 1024, 1448):
+        sized = image.resize((side, side), Image.Resampling.BICUBIC)
+        pixels = np.array(sized)
+        middle = slice(side // 2 - 16, side // 2 + 16)
+        pixels[middle, middle] = 255 - pixels[middle, middle]
+        original = verification_image(sized)
+        sides = []
+        for picture in (sized, Image.fromarray(pixels)):
+            data = encode_mjpeg(picture)
+            sides.append(verification_image(_decode(data), data))
+        scores: list[float] = []
+        times: list[float] = []
+        for copy in sides:
+            spent = []
+            for _ in range(repeats):
+                start = time.thread_time()
+                score = jpeg_matched_score(original, copy)
+                spent.append((time.thread_time() - start) * 1000)
+            scores.append(round(score, 3))
+            times.append(round(float(np.median(spent)), 2))
+        out[f"{side}x{side}"] = {
+            "one_pass_ms": times[0],
+            "search_ms": times[1],
+            "copy_score": scores[0],
+            "edit_score": scores[1],
+        }
+    return out
+
+
 def _share(flags: list[bool]) -> float:
     return sum(flags) / len(flags) if flags else 1.0
 
@@ -974,6 +1016,7 @@ def main(args: argparse.Namespace) -> int:
     report = evaluate(pairs, threshold)
     report["descriptor_ms_by_size"] = descriptor_cost(5 if args.quick else 20)
     report["verification_cost_by_size"] = verification_cost(3 if args.quick else 10)
+    report["coefficient_cost_by_size"] = coefficient_cost(3 if args.quick else 7)
     report["pixel_budget"] = [spec.min_pixels, spec.max_pixels]
     report["grid_reuse_scale"] = args.grid_reuse_scale
     report["seconds"] = round(time.perf_counter() - start, 1)
@@ -1013,6 +1056,7 @@ def main(args: argparse.Namespace) -> int:
     print("descriptor ms:", report["descriptor_ms"], report["descriptor_ms_by_size"])
     print("verification ms:", report["verification_ms"], "tolerance", VERIFY_TOLERANCE)
     print("verification cost by decoded size:", report["verification_cost_by_size"])
+    print("coefficient-interval check cost:", report["coefficient_cost_by_size"])
     print("lowest distinct residuals:", report["lowest_distinct_residuals"])
     print("false hits:", report["false_hit_pairs"])
     print("highest near-duplicate residuals kept:", report["highest_near_duplicate_residuals_kept"])

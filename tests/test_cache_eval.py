@@ -19,6 +19,7 @@ from PIL import Image
 from cache_service.settings import CacheSettings
 from splitvl.cli import build_parser
 from splitvl_tools import cache_eval
+from vlcommon.verification import VERIFY_TOLERANCE
 
 
 def _run(*argv: str) -> dict:
@@ -82,6 +83,18 @@ def test_default_threshold_has_no_false_hits_and_high_recall(report: dict) -> No
     _check_targets(report)
     # At the tiny budget almost every copy keeps its grid.
     assert report["grid_changed_hits"] <= 2
+
+
+def test_coefficient_cost_times_a_passing_copy_and_a_refused_edit(report: dict) -> None:
+    # The two rows docs/cache.md quotes: one pass (an ffmpeg JPEG of the picture passes
+    # at once) and the full first-generation search (an edited picture's JPEG is
+    # refused); were either score on the other side of the tolerance, the row would time
+    # another path than it names.
+    costs = report["coefficient_cost_by_size"]
+    assert sorted(costs) == ["1024x1024", "1448x1448", "448x448"]
+    for row in costs.values():
+        assert row["copy_score"] <= VERIFY_TOLERANCE < row["edit_score"]
+        assert row["one_pass_ms"] > 0 and row["search_ms"] > 0
 
 
 def test_qwen3_vl_budget_serves_resizes_with_the_stored_grid(qwen_report: dict) -> None:
