@@ -1,12 +1,14 @@
-"""Where a repeat50 run's time goes at concurrency 32 (issue 18): one server, vLLM's
-benchmark client, and per run the CPU of every process, the busy share of every core, the
-services' counters (cache tiers, ViT calls, encodes shared in flight, vLLM's prefix-cache
-tokens) and, with ``--py-spy``, the share of vLLM's worker samples in the language model,
-in the ViT and waiting.
+"""Where a repeat50 run's time goes at concurrency 32 (issue 18; ``--concurrency`` for
+another): one server, vLLM's benchmark client, and per run the CPU of every process, the
+busy share of every core, the services' counters (cache tiers, ViT calls, encodes shared
+in flight, vLLM's prefix-cache tokens) and, with ``--py-spy``, the share of vLLM's worker
+samples in the language model, in the ViT and waiting.
 
 Every run sends the same mix (one seed for which request repeats which) of new images, so
 runs compare. ``--place dec0`` pins the whole decoder (its gRPC process, vLLM's engine
-core and worker) to core 0 on odd runs, to A/B the placement within one process.
+core and worker) to core 0 on odd runs, ``--place ec0`` vLLM's engine core alone,
+``--place enc-nice5`` runs every thread of the
+encoder at nice 5 on odd runs, to A/B the placement within one process.
 
     python scripts/profile_repeat50.py --system splitvl --runs 6 --place dec0
     python scripts/profile_repeat50.py --system vllm --runs 2 --py-spy
@@ -82,16 +84,24 @@ def cpu_seconds(procs: list[psutil.Process]) -> dict[str, float]:
     return out
 
 
-def place(cluster: Cluster, on_core0: bool) -> None:
-    """The decoder's whole process tree (except vLLM's worker, bound by vLLM) on core 0,
-    or back on every core."""
+def place(cluster: Cluster, on_core0: bool, only: str = "") -> None:
+    """The decoder's whole process tree (except vLLM's worker, bound by vLLM; with
+    ``only``, the processes whose name has it) on core 0, or back on every core."""
     cores = {0} if on_core0 else set(range(psutil.cpu_count()))
     for p in tree([psutil.Process(cluster.procs["decoder"].pid)]):
-        if "Worker" in p.name():
+        if "Worker" in p.name() or only not in p.name():
             continue
         for t in p.threads():
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(t.id, cores)
+
+
+def renice(cluster: Cluster, service: str, nice: int) -> None:
+    """Every thread of ``service``'s process tree at ``nice`` (Linux: per thread)."""
+    for p in tree([psutil.Process(cluster.procs[service].pid)]):
+        for t in p.threads():
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, t.id, nice)
 
 
 def worker_shares(raw: Path) -> dict[str, float]:
@@ -118,7 +128,8 @@ def main() -> int:
     ap.add_argument("--system", choices=("splitvl", "vllm"), default="splitvl")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--place", choices=("up", "dec0"), default="up")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--place", choices=("up", "dec0", "ec0", "enc-nice5"), default="up")
     ap.add_argument("--py-spy", action="store_true", help="profile vLLM's worker, last run")
     ap.add_argument(
         "--env", action="append", default=[], help="KEY=VALUE for the four services (splitvl)"
@@ -161,8 +172,10 @@ def main() -> int:
             ob.client_args(base, model, "repeat50", warm, 1, 2, 4, 448, work / "w.json", 1), log
         )
         for r, path in enumerate(runs):
-            if cluster is not None and args.place == "dec0":
-                place(cluster, on_core0=r % 2 == 1)
+            if cluster is not None and args.place in ("dec0", "ec0"):
+                place(cluster, r % 2 == 1, "EngineCore" if args.place == "ec0" else "")
+            if cluster is not None and args.place == "enc-nice5":
+                renice(cluster, "encoder", 5 if r % 2 else 0)
             procs = tree(roots)
             c0, k0, p0, w0 = (
                 cpu_seconds(procs),
@@ -181,7 +194,16 @@ def main() -> int:
                     stderr=subprocess.DEVNULL,
                 )
             argv = ob.client_args(
-                base, model, "repeat50", path, 32, args.requests, 32, 448, work / f"{r}.json", r
+                base,
+                model,
+                "repeat50",
+                path,
+                args.concurrency,
+                args.requests,
+                32,
+                448,
+                work / f"{r}.json",
+                r,
             )
             result = ob.run_client(argv, log)
             wall = time.time() - w0
@@ -189,7 +211,7 @@ def main() -> int:
             median_ttft = result["median_ttft_ms"]
             report: dict[str, Any] = {
                 "run": r,
-                "placement": "dec0" if args.place == "dec0" and r % 2 else "up",
+                "placement": args.place if args.place != "up" and r % 2 else "up",
                 "req_s": round(result["request_throughput"], 3),
                 "median_ttft_ms": round(median_ttft),
                 "failed": result.get("failed", 0),

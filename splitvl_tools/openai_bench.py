@@ -391,10 +391,14 @@ def run(args: argparse.Namespace) -> int:
     report = summarize(results, concurrencies, datasets)
     report["command"] = "splitvl bench --openai " + " ".join(sys.argv[3:])
     report["work_dir"] = str(work)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench-openai.json").write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report))
     else:
         print_table(report)
+        print(f"raw: {out_dir / 'bench-openai.json'}")
     return 0 if report["failed"] == 0 else 1
 
 
