@@ -84,14 +84,27 @@ async def main_async(settings: EncoderSettings) -> None:
 
 
 def pin_cpus(settings: EncoderSettings) -> None:
-    """Pin the process to ``ENCODER_CPUS`` (off vLLM's worker core) and set torch threads."""
+    """Pin the process to ``ENCODER_CPUS`` (off vLLM's worker core), set torch threads and
+    set the niceness of its every thread to ``ENCODER_NICE`` (0: left as started).
+
+    Linux keeps the CPU mask and the niceness per thread, and a new thread takes its
+    creator's: the threads already running (the lifeline watchdog) are set one by one,
+    and every later one (torch's OpenMP pool, grpc's) inherits them from the main thread.
+    """
     import torch
+
+    tasks = [int(task) for task in os.listdir("/proc/self/task")]
+    if settings.nice:
+        for task in tasks:
+            os.setpriority(os.PRIO_PROCESS, task, settings.nice)
+        log.info("niceness %d", os.getpriority(os.PRIO_PROCESS, 0))
 
     if settings.cpus:
         from vlcommon.cpus import parse_cpu_list
 
         cpus = parse_cpu_list(settings.cpus)
-        os.sched_setaffinity(0, cpus)
+        for task in tasks:
+            os.sched_setaffinity(task, cpus)
         torch.set_num_threads(settings.threads or len(cpus))
         log.info("pinned to CPUs %s with %d torch threads", cpus, torch.get_num_threads())
     elif settings.threads:

@@ -22,6 +22,16 @@ class EncoderSettings(HoldingSettings):
         "", description="CPU list to pin to (e.g. '1' or '12-15'); empty = no pinning."
     )
     threads: int = Field(0, ge=0, description="torch threads; 0 = one per pinned CPU.")
+    nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description=(
+            "Scheduling niceness of the whole process (every thread, the ViT's included); "
+            "splitvl up sets 5 on CPU hosts, where the encoder's core also runs the "
+            "gateway, the cache and vLLM's engine core."
+        ),
+    )
     fast_cpu_kernels: bool = Field(
         True, description="On CPU, run Linear layers through vLLM's oneDNN GEMM when present."
     )

@@ -697,8 +697,19 @@ class Cluster:
         self.stop()
 
 
+# The encoder's cores also run the gateway, the cache, the decoder's gRPC process and
+# vLLM's engine core, whose turnaround between the worker's steps and whose token relay
+# are on every request's critical path, while the ViT is throughput work. At niceness 5
+# they preempt it: repeat50 at 32 concurrent through the OpenAI front, 8 alternating
+# pairs on 2 cores (scripts/profile_repeat50.py --place enc-nice5, 2026-12-04): median
+# TTFT 1,270 against 1,800 ms, 3.49 against 3.41 req/s; one at a time 0.633 against
+# 0.624 req/s and the same ViT time (272 ms), docs/benchmarks.md.
+ENCODER_NICE_ON_CPU = 5
+
+
 def cpu_placement(env: dict[str, str]) -> dict[str, dict[str, str]]:
-    """Environment that keeps the encoder off the cores vLLM's CPU worker is bound to.
+    """Environment that keeps the encoder off the cores vLLM's CPU worker is bound to,
+    at niceness :data:`ENCODER_NICE_ON_CPU` (unless ``ENCODER_NICE`` is set).
 
     Only without a GPU, with at least two cores, and unless the user already chose
     (``VLLM_CPU_OMP_THREADS_BIND`` or ``ENCODER_CPUS`` set).
@@ -713,7 +724,10 @@ def cpu_placement(env: dict[str, str]) -> dict[str, dict[str, str]]:
     decoder, encoder = split
     return {
         "decoder": {"VLLM_CPU_OMP_THREADS_BIND": format_cpu_list(decoder)},
-        "encoder": {"ENCODER_CPUS": format_cpu_list(encoder)},
+        "encoder": {
+            "ENCODER_CPUS": format_cpu_list(encoder),
+            "ENCODER_NICE": env.get("ENCODER_NICE", str(ENCODER_NICE_ON_CPU)),
+        },
     }
 
 

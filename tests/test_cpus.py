@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from splitvl.launcher import cpu_placement
@@ -29,6 +33,33 @@ def test_one_core_is_not_split_and_user_choice_wins(monkeypatch) -> None:
     monkeypatch.setattr("splitvl.launcher.available_cpus", lambda: [0, 1, 2, 3])
     assert cpu_placement({}) == {
         "decoder": {"VLLM_CPU_OMP_THREADS_BIND": "0-2"},
-        "encoder": {"ENCODER_CPUS": "3"},
+        "encoder": {"ENCODER_CPUS": "3", "ENCODER_NICE": "5"},
     }
+    assert cpu_placement({"ENCODER_NICE": "0"})["encoder"]["ENCODER_NICE"] == "0"
     assert cpu_placement({"ENCODER_CPUS": "0"}) == {}
+
+
+def test_encoder_nice_and_cpus_reach_the_threads_started_before_and_after_them() -> None:
+    # Linux keeps a niceness and a CPU mask per thread: setting only the calling thread's
+    # would leave the lifeline watchdog (started before) as it was; the OpenMP and grpc
+    # threads started after inherit the main thread's.
+    code = """
+import os, threading
+from encoder_service.__main__ import pin_cpus
+from encoder_service.settings import EncoderSettings
+stop = threading.Event()
+threading.Thread(target=stop.wait, daemon=True).start()
+cpu = sorted(os.sched_getaffinity(0))[-1]
+pin_cpus(EncoderSettings(nice=5, cpus=str(cpu)))
+threading.Thread(target=stop.wait, daemon=True).start()
+tasks = os.listdir("/proc/self/task")
+masks = {tuple(sorted(os.sched_getaffinity(int(t)))) == (cpu,) for t in tasks}
+print(len(tasks), masks, sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in tasks}))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    count, masks, nices = out.stdout.split(" ", 2)
+    assert int(count) >= 3 and masks == "{True}" and nices.strip() == "[5]"
