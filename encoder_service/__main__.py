@@ -85,7 +85,8 @@ async def main_async(settings: EncoderSettings) -> None:
 
 def pin_cpus(settings: EncoderSettings) -> None:
     """Pin the process to ``ENCODER_CPUS`` (off vLLM's worker core), set torch threads and
-    set the niceness of its every thread to ``ENCODER_NICE`` (0: left as started).
+    raise the niceness of its every thread to at least ``ENCODER_NICE`` (a process started
+    nicer keeps its own).
 
     Linux keeps the CPU mask and the niceness per thread, and a new thread takes its
     creator's: the threads already running (the lifeline watchdog) are set one by one,
@@ -95,8 +96,9 @@ def pin_cpus(settings: EncoderSettings) -> None:
 
     tasks = [int(task) for task in os.listdir("/proc/self/task")]
     if settings.nice:
-        for task in tasks:
-            os.setpriority(os.PRIO_PROCESS, task, settings.nice)
+        for task in tasks:  # never below the niceness it started with (needs no privilege)
+            own = os.getpriority(os.PRIO_PROCESS, task)
+            os.setpriority(os.PRIO_PROCESS, task, max(own, settings.nice))
         log.info("niceness %d", os.getpriority(os.PRIO_PROCESS, 0))
 
     if settings.cpus:

@@ -27,7 +27,8 @@ class EncoderSettings(HoldingSettings):
         ge=0,
         le=19,
         description=(
-            "Scheduling niceness of the whole process (every thread, the ViT's included); "
+            "Least scheduling niceness of the whole process (every thread, the ViT's "
+            "included; one started nicer keeps its own); "
             "splitvl up sets 5 on CPU hosts, where the encoder's core also runs the "
             "gateway, the cache and vLLM's engine core."
         ),

@@ -63,3 +63,22 @@ print(len(tasks), masks, sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t i
     assert out.returncode == 0, out.stderr
     count, masks, nices = out.stdout.split(" ", 2)
     assert int(count) >= 3 and masks == "{True}" and nices.strip() == "[5]"
+
+
+def test_encoder_nice_never_lowers_the_niceness_it_started_with() -> None:
+    # Under `nice -n 10 splitvl up` the encoder starts at 10; going back to 5 would need
+    # CAP_SYS_NICE and fail the start as an unprivileged user. It keeps 10.
+    code = """
+import os
+os.setpriority(os.PRIO_PROCESS, 0, 10)
+from encoder_service.__main__ import pin_cpus
+from encoder_service.settings import EncoderSettings
+pin_cpus(EncoderSettings(nice=5))
+print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENCODER_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[10]"
