@@ -58,6 +58,9 @@ def _on_cpu() -> bool:
 
 
 async def main_async(settings: DecoderSettings, engine_args: object) -> None:
+    # Before vLLM registers its semaphores and queues: a tracker that outlives a kill -9
+    # of this process group unlinks them (sem.mp-* was left behind otherwise).
+    handoff.start_resource_tracker_in_own_group()
     engine = DecoderEngine(engine_args)
     limits = Limits(
         max_images=0,

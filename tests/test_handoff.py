@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -429,3 +430,61 @@ def test_a_record_of_owned_segments_is_private_and_only_its_owners_is_trusted(
     if os.getuid() == 0:  # only root can give the record to another user
         os.chown(path, 65534, 65534)
         assert handoff._owned_by(path) == []
+
+
+_SEMAPHORE_OWNER = """
+import multiprocessing, sys, time
+from vlcommon import handoff
+tracker = handoff.start_resource_tracker_in_own_group() if sys.argv[1] == "own" else None
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, registered
+print(lock._semlock.name, tracker, flush=True)
+time.sleep(60)
+"""
+
+
+def _killed_group_leaves(group: str) -> tuple[bool, int | None, int]:
+    """Start a process in a group of its own that makes a named semaphore, kill -9 its
+    whole group, and say whether the semaphore's /dev/shm file is still there 10 s later
+    (plus the tracker's pid and the group)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SEMAPHORE_OWNER, group],
+        stdout=subprocess.PIPE,
+        env=env,
+        process_group=0,
+    )
+    assert proc.stdout is not None
+    name, tracker = proc.stdout.readline().decode().split()
+    path = Path("/dev/shm") / f"sem.{name.lstrip('/')}"
+    try:
+        assert path.exists(), path
+        tracker_pid = None if tracker == "None" else int(tracker)
+        if tracker_pid is not None:
+            assert os.getpgid(tracker_pid) == tracker_pid != os.getpgid(proc.pid)
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return path.exists(), tracker_pid, proc.pid
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="POSIX named semaphores live there")
+def test_a_tracker_in_its_own_group_unlinks_semaphores_after_a_kill_9_of_the_group() -> None:
+    """Issue 14: nothing of a killed process group stays in /dev/shm. With the stock
+    tracker (in the caller's group) a killpg leaves the semaphore behind; with the tracker
+    in its own group, the tracker outlives the kill, sees its pipe close and unlinks it."""
+    left, tracker, _ = _killed_group_leaves("stock")
+    assert left and tracker is None  # the failure the function exists for
+    left, tracker, _ = _killed_group_leaves("own")
+    assert tracker is not None and not left
+    import psutil
+
+    try:  # it exits once it has cleaned up (a zombie until its new parent reaps it)
+        psutil.Process(tracker).wait(timeout=10)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        assert psutil.Process(tracker).status() == psutil.STATUS_ZOMBIE

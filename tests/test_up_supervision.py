@@ -265,17 +265,13 @@ def test_kill_9_of_a_holder_and_of_the_decoder_leaves_nothing_of_them_in_dev_shm
     assert not [n for n in left if n.startswith(dead)], sorted(left)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found 2026-12-04, not fixed: a named semaphore of multiprocessing's spawn "
-    "context (/dev/shm/sem.mp-*, 32 bytes) is registered with the decoder's resource "
-    "tracker, a child of `python -m decoder_service` in the same process group; a killpg "
-    "kills the tracker too, so nothing unlinks it (a normal stop does). It is linked but "
-    "mapped by no process, so handoff.mapped_segments cannot record it",
-)
 def test_kill_9_of_the_decoder_leaves_no_named_semaphore_of_it(up: Up) -> None:
     """Issue 14: nothing of a process killed with SIGKILL stays in /dev/shm, the POSIX
-    named semaphores (``sem.*``) of its tree included."""
+    named semaphores (``sem.*``) of its tree included: a multiprocessing semaphore vLLM's
+    engine start registers is mapped by no process, so only the resource tracker can
+    unlink it, and the decoder starts that tracker outside its process group
+    (``handoff.start_resource_tracker_in_own_group``; found 2026-12-04, when it died in
+    the same killpg)."""
     decoder = up.services()["decoder"]
     before = {n for n in _shm() if n.startswith("sem.")}
     assert before, "no named semaphore in /dev/shm while the decoder runs: nothing to check"

@@ -200,6 +200,62 @@ def record_owned_segments(service: str, names: list[str], shm_dir: Path = SHM_DI
     return path
 
 
+def start_resource_tracker_in_own_group() -> int | None:
+    """Start this process's multiprocessing resource tracker in a process group of its own.
+
+    Python's resource tracker unlinks the named semaphores (``/dev/shm/sem.mp-*``) and
+    shared-memory segments its process tree registered once every process holding its pipe
+    has exited, however they died. Started the stock way it is a plain child, in the
+    caller's process group, so a ``kill -9`` of that group (an OOM kill of a container's
+    processes, ``splitvl up``'s lifeline, an operator's ``kill -9 -PGID``) kills it too and
+    nothing unlinks them: a semaphore vLLM's engine start registers, mapped by no process,
+    outlived the decoder that way (found 2026-12-04). Started in its own group, it sees
+    the pipe close when the last process of the group dies, cleans up as designed and
+    exits. Its children (vLLM's engine core and workers, started with ``spawn``) inherit
+    its pipe, so they use the same tracker.
+
+    Call it before anything registers a resource (before vLLM starts its engine). Stdlib's
+    own ``ensure_running`` launches it, so its pipe, signal mask and bookkeeping stay
+    stdlib's; only the launch (``multiprocessing.util.spawnv_passfds``, whose fixed
+    ``fork_exec`` arguments cannot ask for a new group) is replaced, for this one call, by
+    ``subprocess.Popen(..., process_group=0)``.
+
+    Returns:
+        The tracker's pid, or None when a tracker was already running (left as it is).
+    """
+    import subprocess
+    from multiprocessing import resource_tracker, util
+
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker, "_fd", None) is not None:
+        log.warning("the resource tracker already runs in this process's group: left as is")
+        return None
+
+    def spawn_in_own_group(path: str, args: list[str], passfds: list[int]) -> int:
+        proc = subprocess.Popen(
+            args,
+            executable=path,
+            pass_fds=tuple(sorted(map(int, passfds))),
+            close_fds=True,
+            restore_signals=False,
+            process_group=0,
+        )
+        _TRACKERS.append(proc)  # kept: a collected Popen would warn while it runs
+        return proc.pid
+
+    original = util.spawnv_passfds
+    util.spawnv_passfds = spawn_in_own_group  # type: ignore[assignment]
+    try:
+        tracker.ensure_running()
+    finally:
+        util.spawnv_passfds = original  # type: ignore[assignment]
+    pid = getattr(tracker, "_pid", None)
+    return int(pid) if pid is not None else None
+
+
+_TRACKERS: list[Any] = []
+
+
 @dataclass
 class _Held:
     ticket: str
