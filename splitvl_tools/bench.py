@@ -1,7 +1,9 @@
 """``splitvl bench``: splitvl against vLLM alone, side by side, on the same workloads.
 
 Systems, each measured on identical requests (same images, prompts, max_tokens, greedy,
-eos ignored), one system at a time so an idle vLLM worker never steals the other's core:
+eos ignored). Closed-loop scenarios run one system at a time, so an idle vLLM worker never
+steals the other's core; the one-at-a-time scenarios run in alternating pairs with both
+systems up (below):
 
 * ``vllm``        vLLM alone: ``AsyncLLM`` on the raw images (its own ViT in the engine),
                   images decoded from their bytes inside each timed request;
@@ -12,8 +14,13 @@ eos ignored), one system at a time so an idle vLLM worker never steals the other
 
 Scenarios: ``repeat0`` and ``repeat50`` (closed loop at ``--concurrency``),
 ``repeat0_conc1`` and ``repeat50_conc1`` (one at a time), ``repeat100`` (every image a
-repeat of a warmed-up set). Every figure is the median over ``--reps`` repetitions, each
-on a fresh workload, with min-max. Ratios are splitvl over vLLM alone. Scenario ``wide``
+repeat of a warmed-up set). Every closed-loop figure is the median over ``--reps``
+repetitions, each on a fresh workload, with min-max. The ``_conc1`` scenarios are measured
+so that drift of this shared machine cancels: vLLM alone and splitvl (cache on) are both up
+and alternate run by run over ``--conc1-pairs`` pairs (pair ``i`` starts with vLLM alone
+when ``i`` is even), each pair on fresh images, with a pause between runs longer than
+vLLM's idle busy-poll (``SETTLE_S``); their ratios are the median over pairs of each
+pair's ratio. Ratios are splitvl over vLLM alone. Scenario ``wide``
 (``splitvl_tools/wide_bench.py``; ``--wide-only`` runs it alone, ``--skip-wide`` leaves it
 out): 1,024-token images at Qwen3-VL-2B's embedding width, one at a time, both systems up
 at once and alternating run by run; ``ratios.ttft_delta_ms_wide_conc1`` is splitvl's mean
@@ -43,6 +50,12 @@ from splitvl.argtypes import non_negative_int, positive_float, positive_int
 from splitvl_tools.workload import ImageFactory, Request, make_workload
 
 SCENARIOS = ("repeat0", "repeat50", "repeat0_conc1", "repeat50_conc1", "repeat100")
+CONC1 = tuple(s for s in SCENARIOS if s.endswith("conc1"))
+CLOSED = tuple(s for s in SCENARIOS if s not in CONC1)
+# Seconds between two systems' runs in a conc1 pair: a vLLM worker busy-polls its message
+# queue for 1 s after its last read (vLLM's shm_broadcast ``busy_loop_s``) before it
+# sleeps, and would take the other system's core meanwhile.
+SETTLE_S = 1.5
 
 
 @dataclass
@@ -391,9 +404,15 @@ class Plan:
     quick: bool = False
     rate: float | None = None
     block_size: int | None = None  # vLLM KV-cache block size, the same for both systems
+    conc1_pairs: int = 5  # alternating pairs of one-at-a-time runs (CONC1)
 
 
-def build_workloads(plan: Plan, seed_offset: int = 0) -> dict[str, list[dict[str, Any]]]:
+def build_workloads(
+    plan: Plan,
+    seed_offset: int = 0,
+    scenarios: tuple[str, ...] = CLOSED,
+    reps: int | None = None,
+) -> dict[str, list[dict[str, Any]]]:
     """Per scenario, per repetition: the measured requests, and a warm-up set where the
     scenario repeats images.
 
@@ -403,11 +422,14 @@ def build_workloads(plan: Plan, seed_offset: int = 0) -> dict[str, list[dict[str
     server with popular images sees. So every repeat draws from the warm-up set, and a
     scenario's repeat fraction is exact (repeat50: half the images, half of those exact
     copies and half JPEG re-encodes).
+
+    ``scenarios`` and ``reps`` (default ``plan.reps``) choose what is made: the closed-loop
+    scenarios by default; the conc1 pairs ask for ``CONC1`` with one entry per pair.
     """
     from splitvl_tools.workload import png
 
     factory = ImageFactory(side=plan.side, seed=plan.seed + seed_offset)
-    out: dict[str, list[dict[str, Any]]] = {s: [] for s in SCENARIOS}
+    out: dict[str, list[dict[str, Any]]] = {s: [] for s in scenarios}
     kw: dict[str, Any] = {"images_per_request": plan.images_per_request}
 
     def warm_pool(n: int, seed: int) -> tuple[list[Any], list[Request]]:
@@ -422,9 +444,9 @@ def build_workloads(plan: Plan, seed_offset: int = 0) -> dict[str, list[dict[str
         ]
         return pool, warm
 
-    for rep in range(plan.reps):
+    for rep in range(plan.reps if reps is None else reps):
         seed = plan.seed * 1000 + rep * 10 + seed_offset
-        for scenario in SCENARIOS:
+        for scenario in scenarios:
             n = plan.requests_conc1 if scenario.endswith("conc1") else plan.requests
             fraction = {"repeat0": 0.0, "repeat50": 0.5, "repeat100": 1.0}[
                 scenario.removesuffix("_conc1")
@@ -449,38 +471,50 @@ def concurrency_of(scenario: str, plan: Plan) -> int:
     return 1 if scenario.endswith("conc1") else plan.concurrency
 
 
-def bench_vllm(
-    model: str, plan: Plan, workloads: dict[str, list[dict[str, Any]]], log: Any
-) -> dict[str, dict[str, list[Run]]]:
-    """vLLM alone on raw images, and on precomputed embeddings for repeat100."""
-    import torch
+class Embedder:
+    """Precomputed embeddings of a request's images, as splitvl's encoder makes them
+    (``VisionEngine`` on CPU, the shared resize plan), for vLLM alone fed embeddings."""
 
-    from encoder_service.engine import VisionEngine
-    from vlcommon.imaging import decode_image, exact_key, plan_resize
-    from vlcommon.server import freeze_startup_heap
+    def __init__(self, model: str) -> None:
+        from encoder_service.engine import VisionEngine
 
-    results: dict[str, dict[str, list[Run]]] = {"vllm": {}, "vllm_embeds": {}}
-    engine = VllmAlone(model, plan.max_tokens, plan.images_per_request, plan.block_size)
-    vision = VisionEngine.load(model, device="cpu")
+        self.vision = VisionEngine.load(model, device="cpu")
 
-    def embeds_for(req: Request) -> tuple[Any, Any, list[str]]:
+    def __call__(self, req: Request) -> tuple[Any, Any, list[str]]:
+        """``(embeds [tokens, width], image_grid_thw [n_images, 3] int64, keys)``."""
+        import torch
+
+        from vlcommon.imaging import decode_image, exact_key, plan_resize
+
         rows, grids, keys = [], [], []
         for data in req.images:
             image = decode_image(data, index=0, max_decoded_pixels=10**8)
-            p = plan_resize(image.height, image.width, vision.spec, index=0)
-            [e] = vision.encode([vision.preprocess(np.asarray(image), p)])
+            p = plan_resize(image.height, image.width, self.vision.spec, index=0)
+            [e] = self.vision.encode([self.vision.preprocess(np.asarray(image), p)])
             rows.append(e)
             grids.append(p.grid)
             keys.append(exact_key(image, p, "bench"))
         return torch.cat(rows), torch.tensor(grids, dtype=torch.long), keys
+
+
+def bench_vllm(
+    model: str, plan: Plan, workloads: dict[str, list[dict[str, Any]]], log: Any
+) -> dict[str, dict[str, list[Run]]]:
+    """vLLM alone on raw images, and on precomputed embeddings for repeat100 (the closed-
+    loop scenarios of ``workloads``; the conc1 ones run in :func:`bench_conc1_pairs`)."""
+    from vlcommon.server import freeze_startup_heap
+
+    results: dict[str, dict[str, list[Run]]] = {"vllm": {}, "vllm_embeds": {}}
+    engine = VllmAlone(model, plan.max_tokens, plan.images_per_request, plan.block_size)
+    embeds_for = Embedder(model)
 
     async def main() -> None:
         await closed_loop(workloads["repeat0"][0]["requests"][:2], 2, engine.raw)  # warm-up
         # As vLLM's API server does once up (and splitvl's services): the startup heap out
         # of garbage collection, so a full collection does not stall this front-end.
         freeze_startup_heap("bench (vLLM alone)")
-        for scenario in SCENARIOS:
-            for rep, work in enumerate(workloads[scenario]):
+        for scenario, works in workloads.items():
+            for rep, work in enumerate(works):
                 conc = concurrency_of(scenario, plan)
                 if "warmup" in work:
                     await closed_loop(work["warmup"], conc, engine.raw)
@@ -492,9 +526,9 @@ def bench_vllm(
                     Run(samples, elapsed, rss.peak, rss.cpu_s)
                 )
                 log(f"  vllm {scenario} rep {rep}: {len(samples) / elapsed:.2f} req/s")
-                if scenario in ("repeat100", "repeat0_conc1"):
-                    # The same requests on precomputed embeddings: at repeat100 the bound of a
-                    # perfect cache; one at a time, the TTFT difference is vLLM's own ViT.
+                if scenario == "repeat100":
+                    # The same requests on precomputed embeddings: the bound of a perfect
+                    # cache.
                     pre = {id(r): embeds_for(r) for r in work["requests"]}
 
                     async def call(req: Request, pre: dict[int, Any] = pre) -> Sample:
@@ -523,8 +557,14 @@ def bench_split(
     nocache_workloads: dict[str, list[dict[str, Any]]],
     log_dir: Path,
     log: Any,
-) -> dict[str, dict[str, list[Run]]]:
-    """splitvl with the cache off and on."""
+) -> tuple[dict[str, dict[str, list[Run]]], list[dict[str, Any]]]:
+    """splitvl with the cache off and on (closed loop), then, with its services still up,
+    the conc1 pairs against vLLM alone (:func:`bench_conc1_pairs`).
+
+    Returns:
+        The runs by system and scenario (``vllm`` and ``vllm_embeds`` conc1 runs among
+        them), and the pairs' rows.
+    """
     from qwenvl.common.v1 import generation_pb2
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
@@ -546,14 +586,13 @@ def bench_split(
         env={"VLLM_CPU_KVCACHE_SPACE": "2"},
         progress=log,
     )
+    # One at a time, the cache off would be split_cache's repeat0_conc1 again (all misses).
     systems = {
         "split_nocache": (
             generation_pb2.CACHE_POLICY_OFF,
-            ("repeat0", "repeat0_conc1")
-            if plan.quick
-            else ("repeat0", "repeat50", "repeat0_conc1"),
+            ("repeat0",) if plan.quick else ("repeat0", "repeat50"),
         ),
-        "split_cache": (generation_pb2.CACHE_POLICY_SIMILAR, SCENARIOS),
+        "split_cache": (generation_pb2.CACHE_POLICY_SIMILAR, CLOSED),
     }
 
     async def main() -> None:
@@ -572,7 +611,7 @@ def bench_split(
             pids = {n: p.pid for n, p in cluster.procs.items()}
             # Systems alternate within each repetition, so drift over the run (warm-up,
             # cache growth) cannot favour either.
-            for scenario in SCENARIOS:
+            for scenario in CLOSED:
                 for rep in range(plan.reps):
                     for system, (policy, scenarios) in systems.items():
                         if scenario not in scenarios:
@@ -599,7 +638,115 @@ def bench_split(
 
     with cluster:
         asyncio.run(main())
-    return results
+        pair_runs, pairs = bench_conc1_pairs(model, plan, cluster, log)
+    for system, scenarios in pair_runs.items():
+        for scenario, reps in scenarios.items():
+            results.setdefault(system, {})[scenario] = reps
+    return results, pairs
+
+
+def bench_conc1_pairs(
+    model: str, plan: Plan, cluster: Any, log: Any
+) -> tuple[dict[str, dict[str, list[Run]]], list[dict[str, Any]]]:
+    """The one-at-a-time scenarios (``CONC1``) in alternating pairs, both systems up.
+
+    vLLM alone (``VllmAlone``, this process) starts beside the running cluster. Each pair
+    gets fresh images (``build_workloads`` with a seed offset of its own), and for each
+    scenario both systems run the same requests, one after the other, ``SETTLE_S`` apart:
+    pair ``i`` starts with vLLM alone when ``i`` is even. A scenario that repeats images
+    sends its warm-up set to each system, unmeasured, right before that system's run.
+    After each pair's ``repeat0_conc1``, the same engine is fed the embeddings of those
+    requests (computed outside the timing): vLLM's TTFT with no ViT.
+
+    Returns:
+        Runs by system (``vllm``, ``split_cache``, ``vllm_embeds``) and scenario, one per
+        pair; and one row per pair and scenario: ``{"pair", "scenario", "first",
+        "rps_ratio", "ttft_ratio"}`` (splitvl over vLLM alone).
+    """
+    from qwenvl.common.v1 import generation_pb2
+    from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+
+    from vlcommon.settings import channel_options
+    from vlcommon.tls import aio_channel
+
+    works = build_workloads(plan, seed_offset=900, scenarios=CONC1, reps=plan.conc1_pairs)
+    runs: dict[str, dict[str, list[Run]]] = {"vllm": {}, "split_cache": {}, "vllm_embeds": {}}
+    rows: list[dict[str, Any]] = []
+    log(f"conc1 pairs: vLLM alone beside the cluster, {plan.conc1_pairs} pairs ...")
+    engine = VllmAlone(model, plan.max_tokens, plan.images_per_request, plan.block_size)
+    embeds_for = Embedder(model)
+    pids = {n: p.pid for n, p in cluster.procs.items()}
+
+    async def main() -> None:
+        async with aio_channel(
+            cluster.ports.address("gateway"), cluster.security(), options=channel_options()
+        ) as channel:
+            stub = pb_grpc.GatewayServiceStub(channel)
+
+            async def split(r: Request) -> Sample:
+                return await split_call(
+                    stub, r, plan.max_tokens, generation_pb2.CACHE_POLICY_SIMILAR
+                )
+
+            calls = {"vllm": (engine.raw, {"vllm": os.getpid()}), "split_cache": (split, pids)}
+            await closed_loop(works[CONC1[0]][0]["requests"][:1], 1, engine.raw)  # warm-up
+            for i in range(plan.conc1_pairs):
+                order = ("vllm", "split_cache") if i % 2 == 0 else ("split_cache", "vllm")
+                for scenario in CONC1:
+                    work = works[scenario][i]
+                    done: dict[str, Run] = {}
+                    for system in order:
+                        call, watched = calls[system]
+                        await asyncio.sleep(SETTLE_S)
+                        if "warmup" in work:
+                            await closed_loop(work["warmup"], 1, call)
+                        with RssSampler(watched) as rss:
+                            samples, elapsed = await closed_loop(work["requests"], 1, call)
+                        done[system] = Run(samples, elapsed, rss.peak, rss.cpu_s)
+                        runs[system].setdefault(scenario, []).append(done[system])
+                    if scenario == "repeat0_conc1":
+                        pre = {id(r): embeds_for(r) for r in work["requests"]}
+
+                        async def fed(req: Request, pre: dict[int, Any] = pre) -> Sample:
+                            return await engine.embeds(req, *pre[id(req)])
+
+                        await asyncio.sleep(SETTLE_S)
+                        samples, elapsed = await closed_loop(work["requests"], 1, fed)
+                        runs["vllm_embeds"].setdefault(scenario, []).append(
+                            Run(samples, elapsed, {})
+                        )
+                    split_s, vllm_s = done["split_cache"].summary(), done["vllm"].summary()
+                    row = {
+                        "pair": i,
+                        "scenario": scenario,
+                        "first": order[0],
+                        "rps_ratio": split_s["requests_per_s"] / vllm_s["requests_per_s"],
+                        "ttft_ratio": split_s["ttft_mean_ms"] / vllm_s["ttft_mean_ms"],
+                    }
+                    rows.append(row)
+                    log(
+                        f"  pair {i} {scenario} ({order[0]} first): splitvl "
+                        f"{split_s['requests_per_s']:.2f} req/s, vLLM alone "
+                        f"{vllm_s['requests_per_s']:.2f} req/s, ratio {row['rps_ratio']:.3f}"
+                    )
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    return runs, rows
+
+
+def pair_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per conc1 scenario: the median over pairs of each pair's ratio, with min-max."""
+    out: dict[str, Any] = {}
+    for scenario in sorted({r["scenario"] for r in rows}):
+        for key in ("rps_ratio", "ttft_ratio"):
+            values = [r[key] for r in rows if r["scenario"] == scenario]
+            out[f"{key.removesuffix('_ratio')}_ratio_{scenario}"] = spread(values) | {
+                "pairs": len(values)
+            }
+    return out
 
 
 def summarise(runs: dict[str, dict[str, list[Run]]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -622,7 +769,12 @@ def ratios(
     table: dict[str, dict[str, dict[str, Any]]],
     encoder: list[dict[str, Any]],
     vit_vllm_ms: float | None,
+    pairs: dict[str, Any] | None = None,
 ) -> dict[str, float | None]:
+    """splitvl over vLLM alone, from the medians of ``table``; the conc1 ones, where
+    ``pairs`` (:func:`pair_ratios`) has them, are the median over pairs of each pair's
+    ratio instead."""
+
     def m(system: str, scenario: str, key: str) -> float | None:
         try:
             return float(table[system][scenario][key]["median"])
@@ -643,14 +795,17 @@ def ratios(
         "ttft_ratio_repeat50": ratio(
             m("split_cache", "repeat50", "ttft_mean_ms"), m("vllm", "repeat50", "ttft_mean_ms")
         ),
-        "rps_ratio_repeat0_conc1": ratio(
-            m("split_cache", "repeat0_conc1", "requests_per_s"),
-            m("vllm", "repeat0_conc1", "requests_per_s"),
-        ),
-        "rps_ratio_repeat50_conc1": ratio(
-            m("split_cache", "repeat50_conc1", "requests_per_s"),
-            m("vllm", "repeat50_conc1", "requests_per_s"),
-        ),
+        **{
+            f"rps_ratio_{scenario}": (
+                float(pairs[f"rps_ratio_{scenario}"]["median"])
+                if pairs and f"rps_ratio_{scenario}" in pairs
+                else ratio(
+                    m("split_cache", scenario, "requests_per_s"),
+                    m("vllm", scenario, "requests_per_s"),
+                )
+            )
+            for scenario in CONC1
+        },
         "ttft_ratio_repeat100_vs_embeds": ratio(
             m("split_cache", "repeat100", "ttft_mean_ms"),
             m("vllm_embeds", "repeat100", "ttft_mean_ms"),
@@ -768,7 +923,7 @@ def main(args: argparse.Namespace) -> int:
     plan = Plan(
         concurrency=args.concurrency,
         requests=args.requests or (32 if args.quick else 64),
-        requests_conc1=args.requests_conc1 or (4 if args.quick else 16),
+        requests_conc1=args.requests_conc1 or (6 if args.quick else 16),
         max_tokens=args.max_tokens,
         reps=args.reps,
         side=args.image_side,
@@ -777,6 +932,7 @@ def main(args: argparse.Namespace) -> int:
         quick=args.quick,
         rate=args.rate,
         block_size=args.block_size or default_block_size(not torch.cuda.is_available()),
+        conc1_pairs=args.conc1_pairs,
     )
     log(f"model {model}; plan {plan}")
     t_start = time.perf_counter()
@@ -802,8 +958,13 @@ def main(args: argparse.Namespace) -> int:
     runs = bench_vllm(model, plan, workloads, log)
     log("splitvl ...")
     nocache = build_workloads(plan, seed_offset=500)
-    runs |= bench_split(model, plan, workloads, nocache, splitvl_home() / "bench-logs", log)
+    split_runs, pair_rows = bench_split(
+        model, plan, workloads, nocache, splitvl_home() / "bench-logs", log
+    )
+    for system, scenarios in split_runs.items():
+        runs.setdefault(system, {}).update(scenarios)
     table = summarise(runs)
+    pairs = pair_ratios(pair_rows)
     wide = None if args.skip_wide else run_wide_scenario(args, log)
 
     # vLLM's in-engine ViT (with its image preprocessing) per image: mean TTFT on the raw
@@ -824,7 +985,8 @@ def main(args: argparse.Namespace) -> int:
         "systems": table,
         "encoder": encoder,
         "vllm_vit_ms_per_image": vit_vllm,
-        "ratios": ratios(table, encoder, vit_vllm),
+        "ratios": ratios(table, encoder, vit_vllm, pairs),
+        "conc1_pairs": {"ratios": pairs, "rows": pair_rows},
         "wide": wide,
         "seconds": time.perf_counter() - t_start,
     }
@@ -852,6 +1014,11 @@ def main(args: argparse.Namespace) -> int:
             print_wide(wide, sys.stdout)
         for k, v in result["ratios"].items():
             print(f"{k}: {'n/a' if v is None else f'{v:.3f}'}")
+        for k, v in pairs.items():
+            print(
+                f"{k}: median {v['median']:.3f} over {v['pairs']} alternating pairs "
+                f"[{v['min']:.3f}-{v['max']:.3f}]"
+            )
         print(
             f"plot: {out_dir / 'latency_cdf.png'}; raw: {out_dir / 'bench.json'}; "
             f"{result['seconds']:.0f} s"
@@ -961,7 +1128,14 @@ def add_parser(sub: Any) -> None:
         "--requests-conc1",
         type=non_negative_int,
         default=0,
-        help="requests per one-at-a-time run; 0 = the scenario's own (16, --quick 4; photos 8 / 4)",
+        help="requests per one-at-a-time run; 0 = the scenario's own (16, --quick 6; photos 8 / 4)",
+    )
+    p.add_argument(
+        "--conc1-pairs",
+        type=positive_int,
+        default=5,
+        help="alternating pairs of one-at-a-time runs (vLLM alone, splitvl; both up); the "
+        "conc1 ratios are the median over pairs",
     )
     p.add_argument("--max-tokens", type=positive_int, default=32, help="output tokens per request")
     p.add_argument(

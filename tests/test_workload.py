@@ -130,3 +130,38 @@ def test_rss_sampler_counts_cpu_seconds_per_process_and_child() -> None:
         child.wait()
         child.stdin.close()
         child.stdout.close()
+
+
+def test_conc1_pairs_get_fresh_images_and_their_ratio_is_the_median_over_pairs() -> None:
+    """Issue 14: the one-at-a-time ratios come from alternating pairs, each on images of
+    its own, as the median of the pairs' ratios (not a ratio of medians over phases)."""
+    from splitvl_tools.bench import CONC1, Plan, build_workloads, pair_ratios, ratios
+
+    plan = Plan(
+        concurrency=4, requests=4, requests_conc1=2, max_tokens=4, reps=1, side=64,
+        images_per_request=1, seed=3, conc1_pairs=3,
+    )  # fmt: skip
+    works = build_workloads(plan, seed_offset=900, scenarios=CONC1, reps=plan.conc1_pairs)
+    assert set(works) == set(CONC1) and all(len(w) == 3 for w in works.values())
+    firsts = [w["requests"][0].images[0] for w in works["repeat0_conc1"]]
+    assert len(set(firsts)) == 3  # fresh images in every pair
+    assert "warmup" in works["repeat50_conc1"][0] and "warmup" not in works["repeat0_conc1"][0]
+
+    rows = [
+        {"pair": i, "scenario": s, "first": "vllm", "rps_ratio": r, "ttft_ratio": 1 / r}
+        for s, values in (("repeat0_conc1", (0.9, 1.2, 1.0)), ("repeat50_conc1", (1.1, 2.0)))
+        for i, r in enumerate(values)
+    ]
+    pairs = pair_ratios(rows)
+    assert pairs["rps_ratio_repeat0_conc1"] == {"median": 1.0, "min": 0.9, "max": 1.2, "pairs": 3}
+    assert pairs["rps_ratio_repeat50_conc1"]["median"] == 1.55
+    # The phase medians (2.0 / 1.0 here) would give another answer: the pairs win.
+    table = {
+        system: {
+            scenario: {"requests_per_s": {"median": value}}
+            for scenario in ("repeat0_conc1", "repeat50_conc1")
+        }
+        for system, value in (("split_cache", 2.0), ("vllm", 1.0))
+    }
+    assert ratios(table, [], None, pairs)["rps_ratio_repeat0_conc1"] == 1.0
+    assert ratios(table, [], None)["rps_ratio_repeat0_conc1"] == 2.0
