@@ -718,7 +718,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             )
             rows = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
             self._check_rows(emb, grid, rows, f"{field}.embedding.embeddings")
-            if not np.isfinite(tensors.to_numpy(emb, data)).all():
+            if not tensors.all_finite(emb, data):
                 raise invalid_argument(
                     "EMBEDDING_NOT_FINITE",
                     f"{field}.embedding.embeddings holds NaN or inf",

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import blake3
-import torch
 from qwenvl.common.v1 import tensor_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 
@@ -315,15 +314,14 @@ def check_image(
     data = tensors.validate(
         emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES, ndim=2, data=data
     )
-    tensor = tensors.to_torch(emb, data)
-    if not bool(torch.isfinite(tensor).all()):
+    if not tensors.all_finite(emb, data):
         raise invalid_argument(
             "EMBEDDING_NOT_FINITE",
             f"{field}.embeddings holds NaN or inf",
             field=f"{field}.embeddings",
         )
     uuid = content_uuid(data, emb.dtype, grid)
-    return ImageInput(embeddings=tensor, grid=grid, uuid=uuid)
+    return ImageInput(embeddings=tensors.to_torch(emb, data), grid=grid, uuid=uuid)
 
 
 def blank_texts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

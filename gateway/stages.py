@@ -325,7 +325,7 @@ class CacheStage:
             data = tensors.validate(emb.embeddings, field="cache", dtypes=EMBEDDING_DTYPES)
         except ServiceError:
             return False
-        return bool(np.isfinite(tensors.to_numpy(emb.embeddings, data)).all())
+        return tensors.all_finite(emb.embeddings, data)
 
     async def lookup_files(
         self,

@@ -31,6 +31,53 @@ def test_bf16_round_trip_keeps_bits_and_widens_for_numpy() -> None:
     assert np.array_equal(tensors.to_numpy(msg), x.float().numpy())
 
 
+@pytest.mark.parametrize(
+    ("dtype", "torch_dtype"),
+    [
+        (tensor_pb2.DATA_TYPE_BF16, torch.bfloat16),
+        (tensor_pb2.DATA_TYPE_FP16, torch.float16),
+    ],
+)
+def test_all_finite_agrees_with_torch_on_every_16_bit_pattern(dtype: int, torch_dtype) -> None:
+    """The exponent-bit test (no float conversion) against torch.isfinite, element by
+    element, over all 65,536 bit patterns of the type; and on a whole tensor, one bad
+    element anywhere (first, middle, last) makes it False."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    expected = torch.isfinite(patterns.view(torch_dtype))
+    msg = tensor_pb2.Tensor(dtype=dtype, shape=[1])
+    got = torch.tensor(
+        [tensors.all_finite(msg, p.numpy().tobytes()) for p in patterns.view(torch.int16)]
+    )
+    assert torch.equal(got, expected)
+    assert 0 < int(expected.sum()) < 65536  # both answers occur
+    finite = torch.randn(64, 96).to(torch_dtype)
+    msg = tensors.from_torch(finite) if dtype == tensor_pb2.DATA_TYPE_BF16 else None
+    msg = msg or tensor_pb2.Tensor(dtype=dtype, shape=[64, 96], data=finite.numpy().tobytes())
+    assert tensors.all_finite(msg)
+    for index in (0, 64 * 96 // 2, 64 * 96 - 1):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            broken = finite.clone().view(-1)
+            broken[index] = bad
+            data = broken.view(torch.int16).numpy().tobytes()
+            assert not tensors.all_finite(msg, data), (index, bad)
+
+
+def test_all_finite_fp32_and_empty_and_integers() -> None:
+    x = torch.randn(32, 16)
+    x[0, 0] = torch.finfo(torch.float32).max
+    x[1, 1] = torch.finfo(torch.float32).tiny / 4  # subnormal
+    x[2, 2] = -0.0
+    msg = tensors.from_torch(x)
+    assert tensors.all_finite(msg)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[31, 15] = bad
+        assert not tensors.all_finite(tensors.from_torch(y))
+    assert tensors.all_finite(tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_BF16, shape=[0, 8]))
+    ints = tensors.from_numpy(np.full((4,), 255, dtype=np.uint8))  # 0xFF bytes: no floats
+    assert tensors.all_finite(ints)
+
+
 def test_validate_names_field_and_sizes() -> None:
     msg = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=[2, 3], data=b"\0" * 20)
     with pytest.raises(ServiceError) as exc:
