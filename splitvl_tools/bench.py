@@ -1039,6 +1039,7 @@ def run_wide_scenario(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         log_dir=splitvl_home() / "bench-logs-wide",
         log=log,
         vllm_alone=VllmAlone,
+        cache_policy=args.wide_cache_policy,
     )
 
 
@@ -1176,6 +1177,12 @@ def add_parser(sub: Any) -> None:
         help="wide: pairs of runs (splitvl, vLLM alone; alternating who goes first)",
     )
     p.add_argument("--wide-requests", type=positive_int, default=2, help="wide: requests per run")
+    p.add_argument(
+        "--wide-cache-policy",
+        choices=("similar", "off"),
+        default="similar",
+        help="wide: splitvl's cache policy (off: no lookup and no put beside the decode)",
+    )
     p.add_argument(
         "--wide-max-tokens", type=positive_int, default=4, help="wide: output tokens per request"
     )

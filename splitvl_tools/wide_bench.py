@@ -53,7 +53,9 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
-async def _split_request(stub: Any, image: bytes, prompt: str, max_tokens: int) -> dict[str, Any]:
+async def _split_request(
+    stub: Any, image: bytes, prompt: str, max_tokens: int, policy: str = "similar"
+) -> dict[str, Any]:
     """One streamed request through the gateway: client TTFT (ms), tier, stage timings."""
     from qwenvl.common.v1 import generation_pb2
 
@@ -64,7 +66,10 @@ async def _split_request(stub: Any, image: bytes, prompt: str, max_tokens: int) 
         prompt,
         max_tokens=max_tokens,
         ignore_eos=True,
-        cache_policy=generation_pb2.CACHE_POLICY_SIMILAR,
+        cache_policy={
+            "similar": generation_pb2.CACHE_POLICY_SIMILAR,
+            "off": generation_pb2.CACHE_POLICY_OFF,
+        }[policy],
     )
     t0 = time.perf_counter()
     ttft = None
@@ -119,6 +124,7 @@ def run_wide(
     log_dir: Path,
     log: Any,
     vllm_alone: Any,
+    cache_policy: str = "similar",
 ) -> dict[str, Any]:
     """The ``wide`` scenario; returns its table (JSON-able) with ``ttft_delta_ms``.
 
@@ -131,6 +137,8 @@ def run_wide(
         log_dir: The services' logs.
         log: Progress lines (stderr).
         vllm_alone: ``splitvl_tools.bench.VllmAlone`` (passed in: bench imports this module).
+        cache_policy: splitvl's cache policy, ``similar`` or ``off`` (no lookup, no put:
+            the decoder leg without the put beside it; no embeds reference either).
     """
     import torch
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
@@ -176,7 +184,7 @@ def run_wide(
             # Warm-up, unmeasured: both systems' first request pays one-off costs.
             warm = png(factory.make())
             await vllm_raw(warm)
-            await _split_request(stub, warm, prompt, max_tokens)
+            await _split_request(stub, warm, prompt, max_tokens, cache_policy)
             for i in range(pairs):
                 images = [png(factory.make()) for _ in range(per_run)]
                 order = ("vllm", "split") if i % 2 == 0 else ("split", "vllm")
@@ -188,10 +196,12 @@ def run_wide(
                             row["vllm"].append(await vllm_raw(image))
                         else:
                             row["split"].append(
-                                await _split_request(stub, image, prompt, max_tokens)
+                                await _split_request(stub, image, prompt, max_tokens, cache_policy)
                             )
                 row["vllm_embeds"] = []
                 for image, done in zip(images, row["split"], strict=True):
+                    if cache_policy == "off":
+                        break  # nothing was put: no embeddings to read back
                     embeds = await _cached_embeddings(cluster.ports.address("cache"), done["key"])
                     if embeds is None:
                         log(f"  wide pair {i}: the cache put failed; no embeds reference")

@@ -81,7 +81,11 @@ def test_all_four_services_are_serving(cluster) -> None:
 def test_services_share_the_launchers_session_each_in_its_own_process_group(cluster) -> None:
     """Each service leads its own process group, so a kill takes vLLM's engine-core and
     worker children with the decoder; none starts a session of its own (one scheduler
-    autogroup per session starved the other processes for seconds while vLLM decoded)."""
+    autogroup per session starved the other processes for seconds while vLLM decoded).
+    The one exception is the decoder's multiprocessing resource tracker: it leads a group
+    of its own, so that it outlives a kill of the decoder's group and unlinks what the
+    group registered (``handoff.start_resource_tracker_in_own_group``), in the same
+    session."""
     import os
 
     import psutil
@@ -90,8 +94,13 @@ def test_services_share_the_launchers_session_each_in_its_own_process_group(clus
         assert os.getpgid(proc.pid) == proc.pid, name
         assert os.getsid(proc.pid) == os.getsid(0), name
     children = psutil.Process(cluster.procs["decoder"].pid).children(recursive=True)
-    assert children  # vLLM's engine core and worker
-    for child in children:
+    trackers = [c for c in children if "multiprocessing.resource_tracker" in " ".join(c.cmdline())]
+    assert len(trackers) == 1, [c.cmdline() for c in children]
+    assert os.getpgid(trackers[0].pid) == trackers[0].pid
+    assert os.getsid(trackers[0].pid) == os.getsid(0)
+    engine = [c for c in children if c not in trackers]
+    assert engine  # vLLM's engine core and worker
+    for child in engine:
         assert os.getpgid(child.pid) == cluster.procs["decoder"].pid, child.name()
 
 
