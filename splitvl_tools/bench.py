@@ -1135,12 +1135,15 @@ def add_parser(sub: Any) -> None:
         "--conc1-pairs",
         type=positive_int,
         default=5,
-        help="alternating pairs of one-at-a-time runs (vLLM alone, splitvl; both up); the "
-        "conc1 ratios are the median over pairs",
+        help="pairs of one-at-a-time runs, vLLM alone and splitvl both up, who goes first "
+        "alternating pair by pair; the conc1 ratios are the median over pairs",
     )
     p.add_argument("--max-tokens", type=positive_int, default=32, help="output tokens per request")
     p.add_argument(
-        "--reps", type=positive_int, default=3, help="repetitions of each run (medians over them)"
+        "--reps",
+        type=positive_int,
+        default=3,
+        help="repetitions of each closed-loop run (medians over them; conc1: --conc1-pairs)",
     )
     p.add_argument(
         "--image-side", type=positive_int, default=448, help="square images of this many pixels"
@@ -1181,7 +1184,8 @@ def add_parser(sub: Any) -> None:
         "--wide-cache-policy",
         choices=("similar", "off"),
         default="similar",
-        help="wide: splitvl's cache policy (off: no lookup and no put beside the decode)",
+        help="wide: splitvl's cache policy: similar (a lookup, then each miss put in the cache "
+        "while the decoder runs) or off (neither)",
     )
     p.add_argument(
         "--wide-max-tokens", type=positive_int, default=4, help="wide: output tokens per request"
