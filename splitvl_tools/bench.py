@@ -673,8 +673,8 @@ def bench_conc1_pairs(
     runs: dict[str, dict[str, list[Run]]] = {"vllm": {}, "split_cache": {}, "vllm_embeds": {}}
     rows: list[dict[str, Any]] = []
     log(f"conc1 pairs: vLLM alone beside the cluster, {plan.conc1_pairs} pairs ...")
+    embeds_for = Embedder(model)  # before the engine: a failure here leaves none running
     engine = VllmAlone(model, plan.max_tokens, plan.images_per_request, plan.block_size)
-    embeds_for = Embedder(model)
     pids = {n: p.pid for n, p in cluster.procs.items()}
 
     async def main() -> None:

@@ -488,3 +488,31 @@ def test_a_tracker_in_its_own_group_unlinks_semaphores_after_a_kill_9_of_the_gro
         pass
     except psutil.TimeoutExpired:
         assert psutil.Process(tracker).status() == psutil.STATUS_ZOMBIE
+
+
+def test_concurrent_calls_start_one_tracker_and_restore_the_stdlib_launcher() -> None:
+    """Two threads calling it at once: one tracker starts (the other call finds it), and
+    multiprocessing's own launcher is back afterwards (overlapping calls used to restore
+    each other's replacement, leaving every later spawn in a group of its own)."""
+    code = (
+        "import threading, time\n"
+        "from multiprocessing import resource_tracker, util\n"
+        "from vlcommon import handoff\n"
+        "original = util.spawnv_passfds\n"
+        "stock = resource_tracker._resource_tracker.ensure_running\n"
+        "def slow():  # widen the window in which the calls could overlap\n"
+        "    time.sleep(0.3)\n"
+        "    stock()\n"
+        "resource_tracker._resource_tracker.ensure_running = slow\n"
+        "got = []\n"
+        "threads = [threading.Thread(target=lambda: got.append("
+        "handoff.start_resource_tracker_in_own_group())) for _ in range(4)]\n"
+        "for t in threads: t.start()\n"
+        "for t in threads: t.join()\n"
+        "print(sum(g is not None for g in got), util.spawnv_passfds is original)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.stdout.split() == ["1", "True"], out.stdout + out.stderr

@@ -221,14 +221,23 @@ def start_resource_tracker_in_own_group() -> int | None:
     ``subprocess.Popen(..., process_group=0)``.
 
     Returns:
-        The tracker's pid, or None when a tracker was already running (left as it is).
+        The tracker's pid, or None when this process already had a tracker (started
+        before this call, or inherited from a parent): left as it is.
     """
+    with _TRACKER_LAUNCH:  # two calls at once would restore each other's replacement
+        return _start_tracker_in_own_group()
+
+
+def _start_tracker_in_own_group() -> int | None:
     import subprocess
     from multiprocessing import resource_tracker, util
 
     tracker = resource_tracker._resource_tracker
     if getattr(tracker, "_fd", None) is not None:
-        log.warning("the resource tracker already runs in this process's group: left as is")
+        log.warning(
+            "this process already has a resource tracker (started earlier or inherited): "
+            "left where it is, in its own process group or not"
+        )
         return None
 
     def spawn_in_own_group(path: str, args: list[str], passfds: list[int]) -> int:
@@ -254,6 +263,7 @@ def start_resource_tracker_in_own_group() -> int | None:
 
 
 _TRACKERS: list[Any] = []
+_TRACKER_LAUNCH = threading.Lock()
 
 
 @dataclass
