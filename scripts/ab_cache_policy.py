@@ -22,8 +22,6 @@ from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 from splitvl.launcher import Cluster, Ports
 from splitvl_tools.bench import Plan, RssSampler, build_workloads, closed_loop, split_call
 from splitvl_tools.cluster import bench_model
-from vlcommon.settings import channel_options
-from vlcommon.tls import aio_channel
 
 POLICIES = {"off": generation_pb2.CACHE_POLICY_OFF, "similar": generation_pb2.CACHE_POLICY_SIMILAR}
 
@@ -56,9 +54,7 @@ def main() -> None:
     rps: dict[str, list[float]] = {name: [] for name in POLICIES}
 
     async def run() -> None:
-        async with aio_channel(
-            cluster.ports.address("gateway"), cluster.security(), options=channel_options()
-        ) as channel:
+        async with cluster.gateway_channel() as channel:
             stub = pb_grpc.GatewayServiceStub(channel)
             warm = works["off"][0]["requests"][:4]
             await closed_loop(warm, 2, lambda r: split_call(stub, r, 2, POLICIES["off"]))

@@ -37,7 +37,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vlcommon.cpus import available_cpus, format_cpu_list, split_cpus
 from vlcommon.lifeline import LAUNCHER_PID_ENV
-from vlcommon.tls import ClientSecurity, sync_channel
+from vlcommon.settings import channel_options
+from vlcommon.tls import ClientSecurity, aio_channel, sync_channel
 
 SERVICES = ("gateway", "encoder", "cache", "decoder")
 PACKAGES = {
@@ -647,6 +648,14 @@ class Cluster:
     def security(self) -> ClientSecurity:
         """How the launcher itself reaches the services (TLS roots, client certificate)."""
         return ClientSecurity.from_env(self._env())
+
+    def gateway_channel(self) -> grpc.aio.Channel:
+        """A ``grpc.aio`` channel to this cluster's gateway, with its TLS and token
+        settings (:meth:`security`) and the shared channel options (message limits,
+        keepalive); for the benchmarks' clients. Use it as ``async with``."""
+        return aio_channel(
+            self.ports.address("gateway"), self.security(), options=channel_options()
+        )
 
     def log_path(self, name: str) -> Path:
         """The log file of one service."""

@@ -570,8 +570,6 @@ def bench_split(
 
     from splitvl.launcher import Cluster, Ports
     from vlcommon.server import freeze_startup_heap
-    from vlcommon.settings import channel_options
-    from vlcommon.tls import aio_channel
 
     results: dict[str, dict[str, list[Run]]] = {"split_nocache": {}, "split_cache": {}}
     cluster = Cluster(
@@ -597,9 +595,7 @@ def bench_split(
 
     async def main() -> None:
         # The cluster's own TLS/token settings (SPLITVL_TLS_*, SPLITVL_AUTH_TOKEN).
-        async with aio_channel(
-            cluster.ports.address("gateway"), cluster.security(), options=channel_options()
-        ) as channel:
+        async with cluster.gateway_channel() as channel:
             stub = pb_grpc.GatewayServiceStub(channel)
             warm = workloads["repeat0"][0]["requests"][:2]
             await closed_loop(
@@ -666,9 +662,6 @@ def bench_conc1_pairs(
     from qwenvl.common.v1 import generation_pb2
     from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
-    from vlcommon.settings import channel_options
-    from vlcommon.tls import aio_channel
-
     works = build_workloads(plan, seed_offset=900, scenarios=CONC1, reps=plan.conc1_pairs)
     runs: dict[str, dict[str, list[Run]]] = {"vllm": {}, "split_cache": {}, "vllm_embeds": {}}
     rows: list[dict[str, Any]] = []
@@ -678,9 +671,7 @@ def bench_conc1_pairs(
     pids = {n: p.pid for n, p in cluster.procs.items()}
 
     async def main() -> None:
-        async with aio_channel(
-            cluster.ports.address("gateway"), cluster.security(), options=channel_options()
-        ) as channel:
+        async with cluster.gateway_channel() as channel:
             stub = pb_grpc.GatewayServiceStub(channel)
 
             async def split(r: Request) -> Sample:

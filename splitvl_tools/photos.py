@@ -363,8 +363,6 @@ def bench_split(
     from splitvl.client import TIER_NAMES, build_request
     from splitvl.launcher import Cluster, Ports
     from vlcommon.server import freeze_startup_heap
-    from vlcommon.settings import channel_options
-    from vlcommon.tls import aio_channel
 
     results: dict[str, list[Run]] = {}
     preprocess: dict[str, list[float]] = {"repeat": [], "miss": [], "repeat_decoded": []}
@@ -381,9 +379,7 @@ def bench_split(
     policy = generation_pb2.CACHE_POLICY_SIMILAR
 
     async def main() -> None:
-        async with aio_channel(
-            cluster.ports.address("gateway"), cluster.security(), options=channel_options()
-        ) as channel:
+        async with cluster.gateway_channel() as channel:
             stub = pb_grpc.GatewayServiceStub(channel)
 
             async def call(req: Request, measured: str = "") -> Sample:

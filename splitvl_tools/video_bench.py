@@ -197,8 +197,6 @@ def bench_split(model: str, plan: dict[str, Any], works: dict[str, list], log: A
     from splitvl.client import build_request
     from splitvl.home import splitvl_home
     from splitvl.launcher import Cluster, Ports
-    from vlcommon.settings import channel_options
-    from vlcommon.tls import aio_channel
 
     cluster = Cluster(
         model=model,
@@ -215,9 +213,7 @@ def bench_split(model: str, plan: dict[str, Any], works: dict[str, list], log: A
     results: dict[str, list[dict[str, float]]] = {}
 
     async def main() -> None:
-        async with aio_channel(
-            cluster.ports.address("gateway"), cluster.security(), options=channel_options()
-        ) as channel:
+        async with cluster.gateway_channel() as channel:
             stub = pb_grpc.GatewayServiceStub(channel)
 
             async def call(data: bytes) -> Any:

@@ -145,8 +145,6 @@ def run_wide(
 
     from splitvl.launcher import Cluster, Ports
     from splitvl_tools.workload import ImageFactory, Request, png
-    from vlcommon.settings import channel_options
-    from vlcommon.tls import aio_channel
 
     model = str(wide_model())
     factory = ImageFactory(side=SIDE, seed=seed)
@@ -166,9 +164,7 @@ def run_wide(
     rows: list[dict[str, Any]] = []
 
     async def main(engine: Any) -> None:
-        async with aio_channel(
-            cluster.ports.address("gateway"), cluster.security(), options=channel_options()
-        ) as channel:
+        async with cluster.gateway_channel() as channel:
             stub = pb_grpc.GatewayServiceStub(channel)
 
             async def vllm_raw(image: bytes) -> float:
