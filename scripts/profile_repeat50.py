@@ -8,7 +8,10 @@ Every run sends the same mix (one seed for which request repeats which) of new i
 runs compare. ``--place dec0`` pins the whole decoder (its gRPC process, vLLM's engine
 core and worker) to core 0 on odd runs, ``--place ec0`` vLLM's engine core alone,
 ``--place enc-nice5`` runs every thread of the
-encoder at nice 5 on odd runs, to A/B the placement within one process.
+encoder at nice 5 on odd runs, to A/B the placement within one process. ``--pre-encode``
+sends each distinct image of odd runs to splitvl once before the run (``openai_bench.
+pre_encode``: another system message, so vLLM's prefix cache misses): those runs pay no
+ViT, every image prefill still, and say how far the language model alone carries the mix.
 
     python scripts/profile_repeat50.py --system splitvl --runs 6 --place dec0
     python scripts/profile_repeat50.py --system vllm --runs 2 --py-spy
@@ -132,6 +135,9 @@ def main() -> int:
     ap.add_argument("--place", choices=("up", "dec0", "ec0", "enc-nice5"), default="up")
     ap.add_argument("--py-spy", action="store_true", help="profile vLLM's worker, last run")
     ap.add_argument(
+        "--pre-encode", action="store_true", help="splitvl: odd runs have every embedding cached"
+    )
+    ap.add_argument(
         "--env", action="append", default=[], help="KEY=VALUE for the four services (splitvl)"
     )
     args = ap.parse_args()
@@ -176,6 +182,9 @@ def main() -> int:
                 place(cluster, r % 2 == 1, "EngineCore" if args.place == "ec0" else "")
             if cluster is not None and args.place == "enc-nice5":
                 renice(cluster, "encoder", 5 if r % 2 else 0)
+            pre_encoded = cluster is not None and args.pre_encode and r % 2 == 1
+            if pre_encoded:
+                ob.pre_encode(base, model, path)
             procs = tree(roots)
             c0, k0, p0, w0 = (
                 cpu_seconds(procs),
@@ -212,6 +221,7 @@ def main() -> int:
             report: dict[str, Any] = {
                 "run": r,
                 "placement": args.place if args.place != "up" and r % 2 else "up",
+                "pre_encoded": pre_encoded,
                 "req_s": round(result["request_throughput"], 3),
                 "median_ttft_ms": round(median_ttft),
                 "failed": result.get("failed", 0),

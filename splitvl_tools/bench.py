@@ -1201,8 +1201,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--openai-datasets",
         default="distinct,repeat50,reencoded50",
-        help="with --openai: datasets to run, of distinct, repeat50, reencoded50 and "
-        "repeat100 (the all-hits probe that bounds repeat50's ratio)",
+        help="with --openai: datasets to run, of distinct, repeat50, reencoded50, "
+        "repeat100 (the all-hits probe that bounds repeat50's ratio) and preencoded50 "
+        "(splitvl only: repeat50 with every embedding cached ahead, the ViT-free bound)",
     )
     instead.add_argument(
         "--video",

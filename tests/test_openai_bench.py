@@ -16,9 +16,12 @@ import pytest
 from PIL import Image
 
 from splitvl_tools.openai_bench import (
+    DATASETS,
+    PRE_ENCODE_SYSTEM,
     WARM_UP,
     client_args,
     parse_datasets,
+    pre_encode_requests,
     prompts_for,
     run_inputs,
     summarize,
@@ -33,18 +36,20 @@ def _images(jsonl: Path) -> list[str]:
 
 
 def test_no_two_runs_share_an_image_and_each_repeats_about_half(tmp_path: Path) -> None:
-    seeds, all_files = run_inputs(tmp_path, rounds=2, concurrencies=[1, 8], n=12, side=64, seed=0)
+    seeds, all_files = run_inputs(
+        tmp_path, rounds=2, concurrencies=[1, 8], n=12, side=64, seed=0, datasets=DATASETS
+    )
     files = all_files["repeat50"]
     assert set(seeds) == set(files) == {WARM_UP} | {(r, c) for r in (0, 1) for c in (1, 8)}
     assert len(set(seeds.values())) == len(seeds)  # random-mm: a seed per run
     per_run = {
         (dataset, key): _images(path)
-        for dataset in ("repeat50", "reencoded50")
+        for dataset in ("repeat50", "reencoded50", "preencoded50")
         for key, path in all_files[dataset].items()
     }
     for (dataset, key), images in per_run.items():
         assert len(images) == (4 if key == WARM_UP else 12)
-        if key != WARM_UP and dataset == "repeat50":
+        if key != WARM_UP and dataset in ("repeat50", "preencoded50"):
             repeats = len(images) - len(set(images))
             assert 3 <= repeats <= 9, (key, repeats)  # about half of 12
         others = {h for k, hs in per_run.items() if k != (dataset, key) for h in hs}
@@ -140,3 +145,58 @@ def test_without_requests_each_concurrency_runs_four_times_its_prompts(tmp_path:
         (0, 1): 16,
         (0, 8): 32,
     }
+
+
+def test_preencoded50_has_repeat50s_mix_and_its_pre_encode_sends_each_image_once_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """preencoded50's file repeats the same requests as repeat50's of its run (one seed for
+    the mix) over images of its own; the pre-encode sends each distinct image once, the
+    pixels of the file, after a system message the measured requests lack (so vLLM's
+    prefix cache cannot serve the run's blocks from it)."""
+    import base64
+    import io
+
+    _, files = run_inputs(tmp_path, 1, [8], 12, 64, 5, ["repeat50", "preencoded50"])
+    pre, rep = files["preencoded50"][0, 8], files["repeat50"][0, 8]
+
+    def mix(path: Path) -> list[int]:  # which earlier request each request repeats
+        images = _images(path)
+        return [images.index(h) for h in images]
+
+    assert mix(pre) == mix(rep) and not set(_images(pre)) & set(_images(rep))
+    bodies = pre_encode_requests(pre, "m")
+    paths = list(
+        dict.fromkeys(json.loads(x)["image_files"][0] for x in pre.read_text().splitlines())
+    )
+    assert len(bodies) == len(set(_images(pre))) == len(paths) < 12
+    for body, path in zip(bodies, paths, strict=True):
+        system, user = body["messages"]
+        assert system == {"role": "system", "content": PRE_ENCODE_SYSTEM}
+        assert body["max_tokens"] == 1 and body["model"] == "m"
+        url = user["content"][0]["image_url"]["url"]
+        data = base64.b64decode(url.split(",", 1)[1])
+        with Image.open(io.BytesIO(data)) as sent:
+            assert np.array_equal(np.asarray(sent.convert("RGB"), dtype=np.float64), _pixels(path))
+
+
+def test_the_vit_free_ceiling_divides_splitvls_preencoded_rate_by_vllms_repeat50_rate() -> None:
+    def run(rps: float) -> dict[str, Any]:
+        return {"request_throughput": rps, "failed": 0}
+
+    results: dict[str, Any] = {
+        "vllm_serve": {"repeat50": {"32": [run(2.0), run(4.0)]}, "preencoded50": {}},
+        "splitvl": {
+            "repeat50": {"32": [run(3.0), run(5.0)]},
+            "preencoded50": {"32": [run(4.0), run(4.4)]},
+        },
+    }
+    report = summarize(results, [32], ["repeat50", "preencoded50"])
+    ratios = report["ratios"]
+    assert ratios["vit_free_ceiling_rps_ratio_repeat50_c32"] == {
+        "median": 1.55,
+        "min": 1.1,
+        "max": 2.0,
+    }
+    assert "rps_ratio_preencoded50_c32" not in ratios  # vllm serve never runs it
+    assert report["table"]["preencoded50_c32"]["vllm_serve"] == {}
