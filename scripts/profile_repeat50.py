@@ -8,7 +8,9 @@ Every run sends the same mix (one seed for which request repeats which) of new i
 runs compare. ``--place dec0`` pins the whole decoder (its gRPC process, vLLM's engine
 core and worker) to core 0 on odd runs, ``--place ec0`` vLLM's engine core alone,
 ``--place enc-nice5`` runs every thread of the
-encoder at nice 5 on odd runs, to A/B the placement within one process. ``--pre-encode``
+encoder at nice 5 on odd runs (0 on even ones), ``--place enc-nice10`` at 10 on odd runs
+(on even ones at 5, ``splitvl up``'s default since then), to A/B the placement within one
+process. ``--pre-encode``
 sends each distinct image of odd runs to splitvl once before the run (``openai_bench.
 pre_encode``: another system message, so vLLM's prefix cache misses): those runs pay no
 ViT, every image prefill still, and say how far the language model alone carries the mix.
@@ -132,7 +134,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--place", choices=("up", "dec0", "ec0", "enc-nice5"), default="up")
+    ap.add_argument(
+        "--place", choices=("up", "dec0", "ec0", "enc-nice5", "enc-nice10"), default="up"
+    )
     ap.add_argument("--py-spy", action="store_true", help="profile vLLM's worker, last run")
     ap.add_argument(
         "--pre-encode", action="store_true", help="splitvl: odd runs have every embedding cached"
@@ -182,6 +186,8 @@ def main() -> int:
                 place(cluster, r % 2 == 1, "EngineCore" if args.place == "ec0" else "")
             if cluster is not None and args.place == "enc-nice5":
                 renice(cluster, "encoder", 5 if r % 2 else 0)
+            if cluster is not None and args.place == "enc-nice10":
+                renice(cluster, "encoder", 10 if r % 2 else 5)
             pre_encoded = cluster is not None and args.pre_encode and r % 2 == 1
             if pre_encoded:
                 ob.pre_encode(base, model, path)

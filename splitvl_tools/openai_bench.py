@@ -29,7 +29,8 @@ fails on its package name). The datasets, each at several concurrencies:
   repeat100's, which also skips the image prefills.
 
 32 output tokens, ``--ignore-eos``, temperature 0. Every run (round, dataset, concurrency,
-and the unmeasured warm-up) gets images no earlier run sent: ``random-mm`` a seed of its
+and the unmeasured warm-ups, one light and one at the highest concurrency) gets images
+no earlier run sent: ``random-mm`` a seed of its
 own, ``repeat50`` its own photos from one :class:`ImageFactory` (pairwise dissimilar), so a
 "distinct" run is all misses and a "repeat50" run has exactly its own repeats, for both
 servers (vLLM's prefix and processor caches would otherwise hit too). Both servers get the
@@ -135,6 +136,9 @@ def write_hits_dataset(folder: Path, name: str, n: int, warm_up: Path) -> Path:
 
 
 WARM_UP = (-1, 0)
+# The warm-up under load: random-mm images of a seed of its own, at the bench's highest
+# concurrency, before the first measured run, unmeasured, on both servers.
+WARM_UP_LOAD = (-1, -1)
 
 
 def pre_encode_requests(dataset_path: Path, model: str) -> list[dict[str, Any]]:
@@ -205,7 +209,8 @@ def run_inputs(
     seed: int,
     datasets: list[str] | tuple[str, ...] = DATASETS,
 ) -> tuple[dict[tuple[int, int], int], dict[str, dict[tuple[int, int], Path]]]:
-    """Each run's random-mm seed, keyed by (round, concurrency), and its ``custom_image``
+    """Each run's random-mm seed, keyed by (round, concurrency) (and
+    :data:`WARM_UP_LOAD`'s), and its ``custom_image``
     file per dataset (``files[dataset][round, concurrency]``), with the warm-up's
     (:data:`WARM_UP`, 4 requests; repeat100 has none of its own: it repeats the warm-up's
     repeat50 images). ``n``: requests per run (0: :func:`prompts_for` each concurrency).
@@ -215,13 +220,14 @@ def run_inputs(
 
     factory = ImageFactory(side=side, seed=seed)
     keys = [WARM_UP] + [(r, c) for r in range(rounds) for c in concurrencies]
-    seeds = {key: 1000 * seed + i + 1 for i, key in enumerate(keys)}
+    seeds = {key: 1000 * seed + i + 1 for i, key in enumerate([*keys, WARM_UP_LOAD])}
     files: dict[str, dict[tuple[int, int], Path]] = {"distinct": {}, "repeat100": {}}
     for dataset, reencode in (("repeat50", False), ("reencoded50", True), ("preencoded50", False)):
         if dataset != "repeat50" and dataset not in datasets:
             continue
         files[dataset] = {}
-        for key, s in seeds.items():
+        for key in keys:
+            s = seeds[key]
             count = 4 if key == WARM_UP else prompts_for(key[1], n)
             name = f"{dataset}-r{key[0]}-c{key[1]}"
             files[dataset][key] = write_repeat_dataset(work, name, count, factory, s, reencode)
@@ -418,6 +424,25 @@ def run(args: argparse.Namespace) -> int:
                     seeds[WARM_UP],
                 )
                 run_client(warm, client_log)
+            # First-use costs that only show under load (measured on 2026-12-04: a
+            # cluster's first run at 32 was ~10% slower than its later ones, and vllm
+            # serve's ~3%, which put the first round's ratio below the others): one
+            # unmeasured run at the highest concurrency, on images no measured run sends.
+            top = max(concurrencies)
+            if top > 1:
+                load = client_args(
+                    bases[system],
+                    model,
+                    "distinct",
+                    work,
+                    top,
+                    prompts_for(top, n),
+                    args.max_tokens,
+                    args.image_side,
+                    work / f"warm-{system}-load.json",
+                    seeds[WARM_UP_LOAD],
+                )
+                run_client(load, client_log)
         step = 0
         for round_ in range(args.rounds):
             for dataset in datasets:

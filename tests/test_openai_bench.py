@@ -19,6 +19,7 @@ from splitvl_tools.openai_bench import (
     DATASETS,
     PRE_ENCODE_SYSTEM,
     WARM_UP,
+    WARM_UP_LOAD,
     client_args,
     parse_datasets,
     pre_encode_requests,
@@ -40,7 +41,8 @@ def test_no_two_runs_share_an_image_and_each_repeats_about_half(tmp_path: Path) 
         tmp_path, rounds=2, concurrencies=[1, 8], n=12, side=64, seed=0, datasets=DATASETS
     )
     files = all_files["repeat50"]
-    assert set(seeds) == set(files) == {WARM_UP} | {(r, c) for r in (0, 1) for c in (1, 8)}
+    assert set(files) == {WARM_UP} | {(r, c) for r in (0, 1) for c in (1, 8)}
+    assert set(seeds) == set(files) | {WARM_UP_LOAD}  # the warm-up under load: random-mm
     assert len(set(seeds.values())) == len(seeds)  # random-mm: a seed per run
     per_run = {
         (dataset, key): _images(path)
