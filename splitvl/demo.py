@@ -7,7 +7,9 @@ grid is equal). Then a 3-second MP4 panning over the coffee photo (made with PyA
 :mod:`splitvl.video_clips`) is asked about twice: the gateway samples it at 2 fps and the
 second ask is an exact hit (no ViT). Each answer is printed with its token ids, cache tier
 and stage timings. Last, the astronaut goes once more through the OpenAI-compatible HTTP
-front with the official ``openai`` client (an exact hit again), unless ``--http-port 0``.
+front with the official ``openai`` client (an exact hit again; its stage timings from the
+response's ``splitvl`` extension field, and whether its text equals the gRPC answer's:
+``same_text_as_grpc`` in ``--json``), unless ``--http-port 0``.
 """
 
 from __future__ import annotations
@@ -95,11 +97,25 @@ def openai_question(port: int, model: str, max_tokens: int, say: Any) -> dict[st
         entry["error"] = {"message": str(err)}
         say(f"[{entry['image']}] {entry['error']}")
         return entry
+    # splitvl's extension field (OpenAI clients ignore it): the tiers and stage timings.
     ext = (out.model_extra or {}).get("splitvl", {})
     image = ext.get("images", [{}])[0]
-    entry.update(tier=image.get("tier"), text=out.choices[0].message.content)
-    say(f"[astronaut.png, OpenAI-compatible front {url}] tier={image.get('tier')}")
-    say(f"  answer:    {out.choices[0].message.content!r}\n")
+    timings = ext.get("timings", {})
+    entry.update(tier=image.get("tier"), text=out.choices[0].message.content, timings=timings)
+    say(
+        f"[astronaut.png, OpenAI-compatible front {url}] tier={image.get('tier')} "
+        f"similarity={image.get('similarity', 0.0):.6f} grid={image.get('grid')}"
+    )
+    say(f"  answer:    {out.choices[0].message.content!r}")
+    if out.usage is not None:
+        say(
+            f"  usage:     {out.usage.prompt_tokens} prompt tokens, "
+            f"{out.usage.completion_tokens} completion tokens"
+        )
+    say(
+        "  stages:    "
+        + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in timings.items())
+    )
     return entry
 
 
@@ -171,6 +187,14 @@ def run_demo(args: argparse.Namespace) -> int:
             )
         if cluster.ports.http:
             entry = openai_question(cluster.ports.http, cluster.model, args.max_tokens, say)
+            # One pipeline behind both fronts: the same greedy text as the gRPC answer.
+            grpc_text = next(
+                (r.get("text") for r in results if r.get("image") == "astronaut.png"), None
+            )
+            if "error" not in entry and grpc_text is not None:
+                entry["same_text_as_grpc"] = entry["text"] == grpc_text
+                same = entry["same_text_as_grpc"]
+                say(f"  same text as the gRPC answer for astronaut.png: {same}\n")
             results.append(entry)
             ok += "error" not in entry
         # The cache is internal: TLS and the internal token as the cluster runs them.
