@@ -11,6 +11,12 @@ IMAGES_DECODED = Counter(
     "splitvl_gateway_images_decoded_total",
     "Images decoded by the preprocess threads (including those of requests that then failed).",
 )
+SAME_FILE_WAITS = Counter(
+    "splitvl_gateway_same_file_waits_total",
+    "Images that waited for another request's encode of the same file bytes instead of "
+    "decoding, by what their lookup after the wait found (hit, miss).",
+    ["outcome"],
+)
 PREPROCESS_STOPPED = Counter(
     "splitvl_gateway_preprocess_stopped_total",
     "Requests whose image preparation stopped early, by reason (cancelled, deadline).",

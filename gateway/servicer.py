@@ -70,6 +70,7 @@ from gateway.stages import (
     PreparedImage,
     PreparedVideo,
     RefsLost,
+    SameFileFlights,
     grid_message,
     inline_bytes,
     ref_attributes,
@@ -195,6 +196,10 @@ def _video_info(v: PreparedVideo) -> pb.VideoInfo:
 # core, not so much that decodes starve behind the other services on the host.
 DECODE_NICE = 5
 
+# The longest a request waits for another request's encode of the same file bytes (its
+# deadline, when shorter, bounds it first); then it decodes and encodes them itself.
+SAME_FILE_WAIT_S = 60.0
+
 
 def _yield_to_headers() -> None:
     """Preprocess thread initializer: lower this thread's priority by DECODE_NICE.
@@ -254,6 +259,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         )
         self.decode_stage = DecodeStage(downstream.decoder, releaser=self.releaser)
         self._background: set[asyncio.Task[None]] = set()
+        # Files being encoded now, by bytes key: a request for the same bytes waits for
+        # that put instead of decoding and encoding them again (gateway.stages).
+        self.same_file = SameFileFlights()
         self.fetcher = UrlFetcher(settings)
         self._preprocess = ThreadPoolExecutor(
             max_workers=settings.preprocess_threads,
@@ -869,6 +877,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         policy: int,
         context: grpc.aio.ServicerContext,
         held: HeldRefs | None = None,
+        owned: list[str] | None = None,
     ) -> tuple[list[PreparedImage], float, bool]:
         """Every image of the request, prepared; decoded only where its file's digest missed.
 
@@ -876,9 +885,15 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         decode), one ``Lookup`` by bytes key, then the decode of the images it did not
         answer. Without: every image decoded, no digest computed.
 
+        With ``owned`` (the request's claims, :class:`SameFileFlights`): a request whose
+        missed files are all being encoded by other requests waits for their puts and
+        looks them up again (the wait counts as lookup time); otherwise it claims the
+        missed files no one holds (appended to ``owned``, which the caller must land).
+
         Returns:
             The images in request order, the milliseconds spent in the bytes-key lookup
-            (part of ``lookup_ms``, not of ``preprocess_ms``), and whether the cache is to
+            and any wait for the same files (part of ``lookup_ms``, not of
+            ``preprocess_ms``), and whether the cache is to
             be asked by pixel key (False without a cache, with policy off, or when the
             bytes-key lookup failed: the cache is then down or slow, asked no more).
 
@@ -898,6 +913,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         )
         t = time.perf_counter()
         hits = await self.cache_stage.lookup_files(files, context, held)
+        if hits is not None and owned is not None:
+            await self._follow_same_files(files, hits, context, held, owned)
         lookup_ms = (time.perf_counter() - t) * 1000
         todo = [i for i in range(len(datas)) if hits is None or i not in hits]
         decoded: list[PreparedImage] = []
@@ -914,6 +931,39 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         by_index = {im.index: im for im in decoded}
         by_index.update(hits or {})
         return [by_index[i] for i in range(len(datas))], lookup_ms, hits is not None
+
+    async def _follow_same_files(
+        self,
+        files: list[EncodedFile | None],
+        hits: dict[int, PreparedImage],
+        context: grpc.aio.ServicerContext,
+        held: HeldRefs | None,
+        owned: list[str],
+    ) -> None:
+        """Claims the missed files no request holds; when it claimed none, waits for the
+        requests encoding them (at most the deadline, or :data:`SAME_FILE_WAIT_S`) and
+        adds what a second bytes-key lookup answers to ``hits``."""
+        missed = [i for i, f in enumerate(files) if f is not None and f.bytes_key and i not in hits]
+        if not missed:
+            return
+        keys = [files[i].bytes_key for i in missed]  # type: ignore[union-attr]
+        follow = self.same_file.claim_or_follow(keys, owned)
+        if not follow or owned:
+            return  # nothing to wait for, or a holder of claims: it never waits
+        waited = {missed[pos] for pos in follow}
+        with tracer.start_as_current_span("cache.same_file_wait") as span:
+            span.set_attribute("splitvl.images", sorted(waited))
+            await asyncio.wait(set(follow.values()), timeout=remaining(context, SAME_FILE_WAIT_S))
+            again = await self.cache_stage.lookup_files(
+                [f if i in waited else None for i, f in enumerate(files)], context, held
+            )
+            found = set(again or {})
+            span.set_attribute(
+                "splitvl.cache.tiers", ["exact" if i in found else "miss" for i in sorted(waited)]
+            )
+        hits.update(again or {})
+        metrics.SAME_FILE_WAITS.labels(outcome="hit").inc(len(found))
+        metrics.SAME_FILE_WAITS.labels(outcome="miss").inc(len(waited) - len(found))
 
     async def warm_up(self) -> None:
         """Run the whole preprocess path once on every preprocess thread, before SERVING.
@@ -962,18 +1012,28 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         held = HeldRefs()
+        owned: list[str] = []  # this request's claims on files being encoded (same_file)
         try:
-            async with contextlib.aclosing(self._generate(request, context, held)) as responses:
+            async with contextlib.aclosing(
+                self._generate(request, context, held, owned)
+            ) as responses:
                 async for response in responses:
                     yield response
         finally:
+            # Claims not handed to a put (failed, cancelled, or hits after all): their
+            # followers look up again and, missing, decode as before.
+            self.same_file.land(owned)
             # Failed (or cancelled) before the decoder took its refs over: release them,
             # so no hit stays leased and no segment stays held until its TTL.
             if held.refs:
                 self.releaser.release_unread(held.refs)
 
     async def _generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, held: HeldRefs
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        held: HeldRefs,
+        owned: list[str],
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         t_start = time.perf_counter()
         request_span = trace.get_current_span()  # the Generate server span
@@ -995,7 +1055,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             lo, hi = self._budget(request)
             datas = await self._fetch_urls(sources, context)
             images, bytes_lookup_ms, ask_cache = await self._prepare(
-                datas, lo, hi, policy, context, held
+                datas, lo, hi, policy, context, held, owned
             )
             videos: list[PreparedVideo] = []
             if video_sources:
@@ -1035,6 +1095,11 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         timings.lookup_ms = (time.perf_counter() - t) * 1000 + bytes_lookup_ms
 
         misses = [im for im in [*images, *videos] if im.embedding is None]
+        # Claims on files that were hits by pixel key after all, or that the put will not
+        # store under their digest (a plan that differs from the header's): land them now.
+        put_keys = {im.bytes_key for im in misses if im.bytes_key}
+        self.same_file.land([k for k in owned if k not in put_keys])
+        owned[:] = [k for k in owned if k in put_keys]
         if misses:
             t = time.perf_counter()
             stores = self.down.cache is not None and policy != generation_pb2.CACHE_POLICY_OFF
@@ -1045,6 +1110,9 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             put = asyncio.create_task(self.cache_stage.put(misses, policy, None, timings))
             self._background.add(put)
             put.add_done_callback(self._background.discard)
+            # The put lands the claims once the entries are stored (or it failed).
+            landing, owned[:] = list(owned), []
+            put.add_done_callback(lambda _: self.same_file.land(landing))
 
         for attempt in (0, 1):
             decode_request = decoder_service_pb2.GenerateRequest(

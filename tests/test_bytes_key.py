@@ -297,6 +297,108 @@ async def test_a_repeat_is_answered_while_every_decode_thread_is_busy(gateway_an
         release.set()
 
 
+def same_file_waits(outcome: str) -> float:
+    return (
+        REGISTRY.get_sample_value("splitvl_gateway_same_file_waits_total", {"outcome": outcome})
+        or 0.0
+    )
+
+
+async def encode_and_put(servicer: GatewayServicer, im: PreparedImage) -> None:
+    """Stands in for the encoder (embeddings of the right shape), then puts, as Generate."""
+    values = np.full((im.plan.tokens, SPEC.embedding_width), 0.25, np.float32)
+    im.embedding = tensor_pb2.ImageEmbedding(
+        embeddings=tensors.from_numpy(values),
+        grid=tensor_pb2.GridTHW(t=im.plan.grid_t, h=im.plan.grid_h, w=im.plan.grid_w),
+        key=im.key,
+    )
+    await servicer.cache_stage.put([im], generation_pb2.CACHE_POLICY_SIMILAR, None)
+
+
+async def prepare_claiming(
+    servicer: GatewayServicer, datas: list[bytes], owned: list[str]
+) -> list[PreparedImage]:
+    lo, hi = SPEC.min_pixels, SPEC.max_pixels
+    policy = generation_pb2.CACHE_POLICY_SIMILAR
+    images, _, _ = await servicer._prepare(datas, lo, hi, policy, None, None, owned)  # type: ignore[arg-type]
+    return images
+
+
+async def test_a_request_for_bytes_being_encoded_waits_for_that_put_and_decodes_nothing(
+    gateway_and_cache,
+) -> None:
+    """The same file sent again while its first request is still encoding it: the second
+    waits for the first one's put and is then an exact hit by digest, never decoded
+    (before, it was decoded, looked up, encoded in the same ViT call and put again)."""
+    servicer, _ = gateway_and_cache
+    jpeg = stored_file(1, "JPEG", scene(seed=31))
+    before, hits_before = decoded_total(), same_file_waits("hit")
+    first_claims: list[str] = []
+    (first,) = await prepare_claiming(servicer, [jpeg], first_claims)
+    assert first.decoded and first_claims == [first.bytes_key] and len(servicer.same_file) == 1
+    second_claims: list[str] = []
+    follower = asyncio.create_task(prepare_claiming(servicer, [jpeg], second_claims))
+    await asyncio.sleep(0.3)
+    assert not follower.done()  # waiting for the first request's put
+    await encode_and_put(servicer, first)
+    servicer.same_file.land(first_claims)  # as the put's done callback does
+    (second,) = await asyncio.wait_for(follower, 10)
+    assert not second.decoded and second.tier == generation_pb2.CACHE_TIER_EXACT
+    assert second.embedding is not None and second.key == first.key
+    assert decoded_total() == before + 1 and second_claims == []
+    assert same_file_waits("hit") == hits_before + 1 and len(servicer.same_file) == 0
+
+
+async def test_a_follower_decodes_when_the_claimant_ends_without_a_put(gateway_and_cache) -> None:
+    """The first request failed (or was cancelled) before its put: the waiting one looks
+    up again, misses, and decodes as it always did; nothing waits for ever."""
+    servicer, _ = gateway_and_cache
+    png = stored_file(1, "PNG", scene(seed=32))
+    before, misses_before = decoded_total(), same_file_waits("miss")
+    first_claims: list[str] = []
+    await prepare_claiming(servicer, [png], first_claims)
+    follower = asyncio.create_task(prepare_claiming(servicer, [png], []))
+    await asyncio.sleep(0.3)
+    assert not follower.done()
+    servicer.same_file.land(first_claims)  # Generate's finally, no put
+    (second,) = await asyncio.wait_for(follower, 10)
+    assert second.decoded and second.tier == generation_pb2.CACHE_TIER_MISS
+    assert decoded_total() == before + 2 and same_file_waits("miss") == misses_before + 1
+
+
+async def test_a_request_holding_a_claim_never_waits_so_two_cannot_wait_on_each_other(
+    gateway_and_cache,
+) -> None:
+    """Request A encodes X; request B sends [X, Y]: B claims Y and, holding a claim, does
+    not wait for X (were it to wait, and A to wait for Y, neither would ever put)."""
+    servicer, _ = gateway_and_cache
+    x, y = (stored_file(1, "JPEG", scene(seed=s)) for s in (33, 34))
+    a_claims: list[str] = []
+    await prepare_claiming(servicer, [x], a_claims)
+    b_claims: list[str] = []
+    images = await asyncio.wait_for(prepare_claiming(servicer, [x, y], b_claims), 10)
+    assert [im.decoded for im in images] == [True, True]
+    assert b_claims == [images[1].bytes_key] and a_claims == [images[0].bytes_key]
+    servicer.same_file.land(a_claims + b_claims)
+    assert len(servicer.same_file) == 0
+
+
+async def test_same_file_flights_claim_follow_and_land() -> None:
+    from gateway.stages import SameFileFlights
+
+    flights = SameFileFlights()
+    mine: list[str] = []
+    assert flights.claim_or_follow(["a", "b", "a"], mine) == {}  # "a" twice: claimed once
+    assert mine == ["a", "b"] and len(flights) == 2
+    theirs: list[str] = []
+    follow = flights.claim_or_follow(["b", "c"], theirs)
+    assert list(follow) == [0] and theirs == ["c"] and not follow[0].done()
+    flights.land(["b"])
+    assert follow[0].done() and len(flights) == 2  # "a" and "c" still held
+    flights.land(["b", "a", "c"])  # landing twice is harmless
+    assert len(flights) == 0
+
+
 async def test_a_file_whose_header_plan_differs_is_decoded_every_time(gateway_and_cache) -> None:
     servicer, store = gateway_and_cache
     # Orientation 6 only after the pixel data: the header says 720x400 stored as it is,
@@ -464,3 +566,37 @@ def test_a_repeated_phone_photo_is_not_decoded_through_the_services(cluster, otl
     fourth, fourth_tokens, _ = ask(png.getvalue())
     assert fourth["tier"] == generation_pb2.CACHE_TIER_EXACT and not fourth["decoded"]
     assert fourth_tokens == first_tokens and decoded() == before + 2
+
+
+@pytest.mark.e2e
+def test_concurrent_requests_for_one_file_decode_and_encode_it_once(cluster) -> None:
+    """Four requests for the same file at once through the four services: one decode,
+    one image in the encoder, one put; the other three wait for that put and are exact
+    hits by digest, with the same tokens (before: four decodes, four images in the
+    encoder sharing one ViT call, and four misses)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import png_bytes
+    from tests.test_e2e import ask, metric
+
+    # Random pixels: like no other image of the session (the phone photos above are one
+    # astronaut with other grain: a similarity hit of each other).
+    noise = np.random.default_rng(41).integers(0, 256, (480, 640, 3), dtype=np.uint8)
+    png = png_bytes(Image.fromarray(noise))
+
+    def counts() -> tuple[float, float, float]:
+        return (
+            metric(cluster, "gateway", "splitvl_gateway_images_decoded_total"),
+            metric(cluster, "encoder", "splitvl_encoder_images_total"),
+            metric(cluster, "gateway", "splitvl_gateway_same_file_waits_total", {"outcome": "hit"}),
+        )
+
+    before = counts()
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: ask(cluster, [png], max_tokens=8), range(4)))
+    after = counts()
+    tiers = sorted(r.images[0]["tier"] for r in results)
+    assert tiers == ["exact", "exact", "exact", "miss"], tiers
+    assert len({tuple(r.token_ids) for r in results}) == 1
+    assert after[0] - before[0] == 1 and after[1] - before[1] == 1, (before, after)
+    assert after[2] - before[2] >= 1  # at least one waited (the rest came after the put)
