@@ -196,8 +196,9 @@ def _video_info(v: PreparedVideo) -> pb.VideoInfo:
 # core, not so much that decodes starve behind the other services on the host.
 DECODE_NICE = 5
 
-# The longest a request waits for another request's encode of the same file bytes (its
-# deadline, when shorter, bounds it first); then it decodes and encodes them itself.
+# The longest a request waits for another request's encode of the same file bytes (half
+# the time left to its deadline bounds it first, when shorter); then it decodes and
+# encodes them itself.
 SAME_FILE_WAIT_S = 60.0
 
 
@@ -914,7 +915,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         t = time.perf_counter()
         hits = await self.cache_stage.lookup_files(files, context, held)
         if hits is not None and owned is not None:
-            await self._follow_same_files(files, hits, context, held, owned)
+            if not await self._follow_same_files(files, hits, context, held, owned):
+                hits = None  # the second lookup failed: the cache is asked no more
         lookup_ms = (time.perf_counter() - t) * 1000
         todo = [i for i in range(len(datas)) if hits is None or i not in hits]
         decoded: list[PreparedImage] = []
@@ -939,31 +941,44 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         context: grpc.aio.ServicerContext,
         held: HeldRefs | None,
         owned: list[str],
-    ) -> None:
+    ) -> bool:
         """Claims the missed files no request holds; when it claimed none, waits for the
-        requests encoding them (at most the deadline, or :data:`SAME_FILE_WAIT_S`) and
-        adds what a second bytes-key lookup answers to ``hits``."""
+        requests encoding them and adds what a second bytes-key lookup answers to
+        ``hits``. The wait lasts at most half the time left to the deadline (the other
+        half is for decoding and encoding the files itself, should they still miss) and
+        at most :data:`SAME_FILE_WAIT_S`.
+
+        Returns:
+            False when the second lookup failed (then counted in
+            ``splitvl_gateway_cache_failures_total{op="lookup"}``), else True.
+        """
+        if any(f is None for f in files):
+            return True  # a file without a digest (unreadable header): fail it now, no wait
         missed = [i for i, f in enumerate(files) if f is not None and f.bytes_key and i not in hits]
         if not missed:
-            return
+            return True
         keys = [files[i].bytes_key for i in missed]  # type: ignore[union-attr]
         follow = self.same_file.claim_or_follow(keys, owned)
         if not follow or owned:
-            return  # nothing to wait for, or a holder of claims: it never waits
+            return True  # nothing to wait for, or a holder of claims: it never waits
         waited = {missed[pos] for pos in follow}
+        left = remaining(context)
+        wait_s = SAME_FILE_WAIT_S if left is None else min(SAME_FILE_WAIT_S, left / 2)
         with tracer.start_as_current_span("cache.same_file_wait") as span:
             span.set_attribute("splitvl.images", sorted(waited))
-            await asyncio.wait(set(follow.values()), timeout=remaining(context, SAME_FILE_WAIT_S))
+            await asyncio.wait(set(follow.values()), timeout=wait_s)
             again = await self.cache_stage.lookup_files(
                 [f if i in waited else None for i, f in enumerate(files)], context, held
             )
-            found = set(again or {})
+            if again is None:
+                return False
             span.set_attribute(
-                "splitvl.cache.tiers", ["exact" if i in found else "miss" for i in sorted(waited)]
+                "splitvl.cache.tiers", ["exact" if i in again else "miss" for i in sorted(waited)]
             )
-        hits.update(again or {})
-        metrics.SAME_FILE_WAITS.labels(outcome="hit").inc(len(found))
-        metrics.SAME_FILE_WAITS.labels(outcome="miss").inc(len(waited) - len(found))
+        hits.update(again)
+        metrics.SAME_FILE_WAITS.labels(outcome="hit").inc(len(again))
+        metrics.SAME_FILE_WAITS.labels(outcome="miss").inc(len(waited) - len(again))
+        return True
 
     async def warm_up(self) -> None:
         """Run the whole preprocess path once on every preprocess thread, before SERVING.
@@ -1054,8 +1069,13 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             messages, sources = self._parse(request, video_sources)
             lo, hi = self._budget(request)
             datas = await self._fetch_urls(sources, context)
+            # Only a request of one image and no video takes part in the same-file
+            # flights: a waiter waits for its holder's whole encode and put, which is
+            # one image's then (a holder with more images, or a video to fetch and
+            # decode, would make it wait for all of them).
+            single = len(datas) == 1 and not video_sources
             images, bytes_lookup_ms, ask_cache = await self._prepare(
-                datas, lo, hi, policy, context, held, owned
+                datas, lo, hi, policy, context, held, owned if single else None
             )
             videos: list[PreparedVideo] = []
             if video_sources:

@@ -204,7 +204,9 @@ class SameFileFlights:
     digest, an exact hit, never decoded.
 
     A request claims every key no other request holds and follows the others; it waits
-    only when it claimed none, so no two requests ever wait on each other. A claimant
+    only when it claimed none, so no two requests ever wait on each other. (The servicer
+    lets only requests of one image and no video take part, and caps a wait at half the
+    time left to the deadline: docs/cache.md.) A claimant
     lands its keys when its put has ended, or when it ends without one (failed,
     cancelled, or its images were hits after all); a follower then looks its files up
     again, and decodes as before if they are still missing (the put failed, or stored the

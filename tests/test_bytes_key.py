@@ -316,11 +316,11 @@ async def encode_and_put(servicer: GatewayServicer, im: PreparedImage) -> None:
 
 
 async def prepare_claiming(
-    servicer: GatewayServicer, datas: list[bytes], owned: list[str]
+    servicer: GatewayServicer, datas: list[bytes], owned: list[str], context: object = None
 ) -> list[PreparedImage]:
     lo, hi = SPEC.min_pixels, SPEC.max_pixels
     policy = generation_pb2.CACHE_POLICY_SIMILAR
-    images, _, _ = await servicer._prepare(datas, lo, hi, policy, None, None, owned)  # type: ignore[arg-type]
+    images, _, _ = await servicer._prepare(datas, lo, hi, policy, context, None, owned)  # type: ignore[arg-type]
     return images
 
 
@@ -381,6 +381,68 @@ async def test_a_request_holding_a_claim_never_waits_so_two_cannot_wait_on_each_
     assert b_claims == [images[1].bytes_key] and a_claims == [images[0].bytes_key]
     servicer.same_file.land(a_claims + b_claims)
     assert len(servicer.same_file) == 0
+
+
+async def test_a_waiter_leaves_half_its_deadline_for_decoding_and_encoding_itself(
+    gateway_and_cache,
+) -> None:
+    """The holder is slow: the waiter gives up after half of what is left to its deadline
+    (not all of it: it would then fail a request it could still serve) and decodes."""
+    from gateway.openai_front import HttpCallContext
+
+    servicer, _ = gateway_and_cache
+    png = stored_file(1, "PNG", scene(seed=35))
+    holder: list[str] = []
+    await prepare_claiming(servicer, [png], holder)
+    misses_before = same_file_waits("miss")
+    t0 = time.perf_counter()
+    (im,) = await prepare_claiming(servicer, [png], [], HttpCallContext(1.0))
+    elapsed = time.perf_counter() - t0
+    assert im.decoded and 0.45 < elapsed < 0.9, elapsed  # waited ~0.5 s, then decoded
+    assert same_file_waits("miss") == misses_before + 1
+    servicer.same_file.land(holder)
+
+
+async def test_a_bad_file_beside_one_being_encoded_fails_at_once(gateway_and_cache) -> None:
+    """A file without a digest (its header unreadable) is never waited on behind another:
+    the request fails now with INVALID_ARGUMENT, not after the holder's encode."""
+    servicer, _ = gateway_and_cache
+    good = stored_file(1, "JPEG", scene(seed=36))
+    holder: list[str] = []
+    await prepare_claiming(servicer, [good], holder)
+    t0 = time.perf_counter()
+    with pytest.raises(ServiceError) as err:
+        await asyncio.wait_for(prepare_claiming(servicer, [good, b"not an image"], []), 10)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert time.perf_counter() - t0 < 2
+    servicer.same_file.land(holder)
+
+
+async def test_a_failed_lookup_after_the_wait_stops_asking_the_cache(
+    gateway_and_cache, monkeypatch
+) -> None:
+    """The cache fails the lookup after the wait: the image is decoded and the request
+    asks the cache no more (no pixel-key lookup into a failing cache)."""
+    servicer, _ = gateway_and_cache
+    png = stored_file(1, "PNG", scene(seed=37))
+    holder: list[str] = []
+    await prepare_claiming(servicer, [png], holder)
+    real = servicer.cache_stage.lookup_files
+    calls = 0
+
+    async def second_fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return None if calls == 2 else await real(*args, **kwargs)
+
+    monkeypatch.setattr(servicer.cache_stage, "lookup_files", second_fails)
+    lo, hi = SPEC.min_pixels, SPEC.max_pixels
+    policy = generation_pb2.CACHE_POLICY_SIMILAR
+    follower = asyncio.create_task(servicer._prepare([png], lo, hi, policy, None, None, []))  # type: ignore[arg-type]
+    await asyncio.sleep(0.2)
+    servicer.same_file.land(holder)
+    (im,), _, ask_cache = await asyncio.wait_for(follower, 10)
+    assert calls == 2 and im.decoded and ask_cache is False
 
 
 async def test_same_file_flights_claim_follow_and_land() -> None:
