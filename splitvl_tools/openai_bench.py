@@ -61,6 +61,8 @@ SYSTEMS = ("vllm_serve", "splitvl")
 DATASETS = ("distinct", "repeat50", "reencoded50", "repeat100", "preencoded50")
 # Datasets that only splitvl runs; their ratios divide by vllm serve's repeat50.
 SPLITVL_ONLY = ("preencoded50",)
+# The text of every custom_image request (and of the pre-encode, which must match it).
+PROMPT = "Describe this image."
 PRE_ENCODE_SYSTEM = "Pre-encode this image."
 METRICS = (
     "request_throughput",
@@ -110,7 +112,7 @@ def write_repeat_dataset(
             factory.make().save(buf, format="PNG")
             path.write_bytes(buf.getvalue())
             originals.append(path)
-        lines.append(json.dumps({"prompt": "Describe this image.", "image_files": [str(path)]}))
+        lines.append(json.dumps({"prompt": PROMPT, "image_files": [str(path)]}))
     out = folder / f"{name.split('-')[0]}.jsonl"
     out.write_text("\n".join(lines) + "\n")
     return out
@@ -128,8 +130,7 @@ def write_hits_dataset(folder: Path, name: str, n: int, warm_up: Path) -> Path:
     folder.mkdir()
     out = folder / "repeat100.jsonl"
     lines = [
-        json.dumps({"prompt": "Describe this image.", "image_files": [images[i % len(images)]]})
-        for i in range(n)
+        json.dumps({"prompt": PROMPT, "image_files": [images[i % len(images)]]}) for i in range(n)
     ]
     out.write_text("\n".join(lines) + "\n")
     return out
@@ -161,7 +162,7 @@ def pre_encode_requests(dataset_path: Path, model: str) -> list[dict[str, Any]]:
                     "role": "user",
                     "content": [
                         dict(process_image(image, ensure_client_side_data=True)),
-                        {"type": "text", "text": "Describe this image."},
+                        {"type": "text", "text": PROMPT},
                     ],
                 },
             ],
@@ -424,10 +425,11 @@ def run(args: argparse.Namespace) -> int:
                     seeds[WARM_UP],
                 )
                 run_client(warm, client_log)
-            # First-use costs that only show under load (measured on 2026-12-04: a
-            # cluster's first run at 32 was ~10% slower than its later ones, and vllm
-            # serve's ~3%, which put the first round's ratio below the others): one
-            # unmeasured run at the highest concurrency, on images no measured run sends.
+            # First-use costs that only show under load: one unmeasured run at the highest
+            # concurrency, on images no measured run sends, as vLLM's client does with
+            # --num-warmups. (A cluster's first run at 32 had been its slowest in two of
+            # three on 2026-12-04; with this warm-up the lowest round was still not always
+            # the first, so that dip was mostly noise: docs/benchmarks.md.)
             top = max(concurrencies)
             if top > 1:
                 load = client_args(
