@@ -25,8 +25,7 @@ from vlcommon.request_rules import (
     check_no_control_tokens,
     check_role,
 )
-
-EMBEDDING_DTYPES = (tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_BF16, tensor_pb2.DATA_TYPE_FP16)
+from vlcommon.tensors import EMBEDDING_DTYPES
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,6 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.gateway")
 
 CACHE_FAILURES = metrics.CACHE_FAILURES
-EMBEDDING_DTYPES = (
-    tensor_pb2.DATA_TYPE_FP32,
-    tensor_pb2.DATA_TYPE_BF16,
-    tensor_pb2.DATA_TYPE_FP16,
-)
 
 
 @dataclass(frozen=True)
@@ -373,7 +368,7 @@ class CacheStage:
             # included); the cache checked them when they were put.
             return emb.ref.nbytes == tensors.payload_nbytes(emb.embeddings) and bool(emb.ref.ticket)
         try:
-            data = tensors.validate(emb.embeddings, field="cache", dtypes=EMBEDDING_DTYPES)
+            data = tensors.validate(emb.embeddings, field="cache", dtypes=tensors.EMBEDDING_DTYPES)
         except ServiceError:
             return False
         return tensors.all_finite(emb.embeddings, data)

@@ -1,6 +1,7 @@
 """Rules a request must meet, shared by the gateway, the cache and the decoder: message and
-part counts, chat roles, the control tokens user text may not hold, the grid rule
-(``image_grid_thw`` / ``video_grid_thw``), and the names of cache tiers and policies.
+part counts, image and video counts, text length, chat roles, the control tokens user text
+may not hold, the grid rule (``image_grid_thw`` / ``video_grid_thw``), and the names of
+cache tiers and policies.
 
 Each check raises :class:`~vlcommon.errors.ServiceError` with INVALID_ARGUMENT naming the
 field (and the limit where one applies).
@@ -15,7 +16,7 @@ from typing import Any
 
 from qwenvl.common.v1 import generation_pb2
 
-from vlcommon.errors import invalid_argument
+from vlcommon.errors import ServiceError, invalid_argument
 
 #: Cache policy names (settings, the OpenAI front's ``cache_policy``) and their enum values.
 CACHE_POLICIES = {
@@ -70,6 +71,51 @@ def check_message_counts(messages: Sequence[Any], *, max_messages: int, max_part
             field="messages",
             limit=max_parts,
         )
+
+
+def check_media_count(n: int, *, noun: str, limit: int, where: str = "") -> None:
+    """Refuse more images or videos than ``limit`` in one request (``noun``: ``images`` or
+    ``videos``; ``where`` names what sets the limit, e.g. `` (GATEWAY_MAX_VIDEOS)`` or
+    `` per prompt``).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``TOO_MANY_IMAGES`` / ``TOO_MANY_VIDEOS`` naming
+            ``images`` / ``videos`` and the limit.
+    """
+    if n > limit:
+        raise invalid_argument(
+            f"TOO_MANY_{noun.upper()}",
+            f"the request has {n} {noun}; the limit is {limit}{where}",
+            field=noun,
+            limit=limit,
+        )
+
+
+def check_text_length(chars: int, limit: int) -> None:
+    """Refuse more than ``limit`` characters of text over all messages' parts.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``TEXT_TOO_LONG`` naming ``messages`` and the limit.
+    """
+    if chars > limit:
+        raise invalid_argument(
+            "TEXT_TOO_LONG",
+            f"messages hold {chars} characters of text; the limit is {limit}",
+            field="messages",
+            limit=limit,
+        )
+
+
+def check_parts_present(parts: Sequence[Any], message_index: int) -> None:
+    """Refuse a message without content parts (INVALID_ARGUMENT ``PARTS_EMPTY``)."""
+    if not parts:
+        field = f"messages[{message_index}].parts"
+        raise invalid_argument("PARTS_EMPTY", f"{field} is empty", field=field)
+
+
+def part_empty(field: str, kinds: str) -> ServiceError:
+    """The error for a part that sets none of its oneof's ``kinds`` (``PART_EMPTY``)."""
+    return invalid_argument("PART_EMPTY", f"{field} has none of {kinds}", field=field)
 
 
 ROLES = ("system", "user", "assistant")

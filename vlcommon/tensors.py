@@ -27,6 +27,13 @@ ITEMSIZE: dict[int, int] = {
     tensor_pb2.DATA_TYPE_BF16: 2,
     tensor_pb2.DATA_TYPE_INT64: 8,
 }
+#: The dtypes an image's or video's embeddings may travel in (the decoder casts them to
+#: the engine's dtype; FACTS.md: bf16 into a float32 engine is accepted).
+EMBEDDING_DTYPES = (
+    tensor_pb2.DATA_TYPE_FP32,
+    tensor_pb2.DATA_TYPE_BF16,
+    tensor_pb2.DATA_TYPE_FP16,
+)
 _NUMPY: dict[int, Any] = {
     tensor_pb2.DATA_TYPE_UINT8: np.dtype("<u1"),
     tensor_pb2.DATA_TYPE_FP32: np.dtype("<f4"),
