@@ -14,7 +14,8 @@ from qwenvl.encoder.v1 import encoder_service_pb2_grpc
 from qwenvl.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 
 from gateway.openai_front import HttpFront, create_app
-from gateway.servicer import Downstream, GatewayServicer
+from gateway.pipeline import Downstream, Pipeline
+from gateway.servicer import GatewayServicer
 from gateway.settings import GatewaySettings
 from vlcommon import handoff, telemetry
 from vlcommon.admission import AdmissionInterceptor
@@ -65,7 +66,8 @@ async def main_async(settings: GatewaySettings) -> None:
         # the decoder took them over), at their holders, with the internal channels' TLS.
         releaser=handoff.Reader(security),
     )
-    servicer = GatewayServicer(settings, spec, revision, forbidden_tokens(model_dir), downstream)
+    pipeline = Pipeline(settings, spec, revision, forbidden_tokens(model_dir), downstream)
+    servicer = GatewayServicer(pipeline)
     log.info("model %s revision %s", model_dir, revision)
 
     admission = AdmissionInterceptor(settings.max_concurrent_rpcs, settings.retry_after_ms)
@@ -73,7 +75,7 @@ async def main_async(settings: GatewaySettings) -> None:
     if settings.http_port:
         bearer_tokens, _ = auth_settings(settings, public=True)
         app = create_app(
-            servicer,
+            pipeline,
             served_model_name=settings.served_model_name or settings.model,
             bearer_tokens=bearer_tokens,
             admission=admission,
@@ -91,7 +93,7 @@ async def main_async(settings: GatewaySettings) -> None:
 
     async def startup() -> None:
         # No cold first request: the preprocess threads, codecs and resize run once first.
-        await servicer.warm_up()
+        await pipeline.warm_up()
         if http is not None:
             await http.start()
 
@@ -102,6 +104,7 @@ async def main_async(settings: GatewaySettings) -> None:
             await ch.close()
         assert downstream.releaser is not None
         await downstream.releaser.close()
+        pipeline.close()
 
     await serve(
         service_name="gateway",

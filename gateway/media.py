@@ -27,7 +27,8 @@ _DATA_URL = re.compile(
 
 @dataclass(frozen=True)
 class ImageUrl:
-    """An image still to be fetched (``ImageInput.url``)."""
+    """An image or a video file still to be fetched (``ImageInput.url``,
+    ``VideoFile.url``), by :class:`gateway.fetch.UrlFetcher`."""
 
     url: str
 

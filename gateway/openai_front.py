@@ -27,8 +27,9 @@ Served (FastAPI on uvicorn, on the gateway's event loop beside its gRPC server):
   argument, or ``GATEWAY_SERVED_MODEL_NAME``), ``GET /health``, ``GET /metrics``
   (the gateway's Prometheus registry).
 
-One pipeline: each request becomes a ``gateway.v1.GenerateRequest`` and runs through
-:meth:`gateway.servicer.GatewayServicer.Generate` itself, so validation, caching, encoding,
+One pipeline: each request becomes a ``gateway.v1.GenerateRequest``, parsed by the same
+rules (:meth:`gateway.pipeline.Pipeline.parse`) and run through the same
+:class:`gateway.pipeline.Pipeline` as the gRPC front's, so validation, caching, encoding,
 decoding, stage timings and spans are the gRPC path's. A W3C ``traceparent`` header joins
 the caller's trace. Errors come in OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``, with the gRPC path's message, the ErrorInfo field as ``param`` and its reason
@@ -63,8 +64,10 @@ from qwenvl.common.v1 import generation_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.pipeline import GenerateEvent, Pipeline
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import AuthInterceptor
+from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError, invalid_argument
 from vlcommon.request_rules import TIER_NAMES
 from vlcommon.sampling import check_max_tokens
@@ -403,17 +406,6 @@ def _float32(value: float, field: str) -> float:
     return value
 
 
-class HttpCallContext:
-    """What :meth:`GatewayServicer.Generate` asks of its context, for an HTTP call: the
-    time left of the request's deadline (``GATEWAY_HTTP_TIMEOUT_S`` after it arrived)."""
-
-    def __init__(self, timeout_s: float | None) -> None:
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else self._deadline - time.monotonic()
-
-
 def error_body(
     err: ServiceError, converted: Converted | None = None
 ) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -464,7 +456,7 @@ def _http_error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _extension(first: pb.GenerateResponse, last: pb.GenerateResponse | None) -> dict[str, Any]:
+def _extension(first: GenerateEvent, last: GenerateEvent | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "images": [
             {
@@ -481,7 +473,7 @@ def _extension(first: pb.GenerateResponse, last: pb.GenerateResponse | None) -> 
             for im in first.images
         ]
     }
-    if last is not None and last.HasField("timings"):
+    if last is not None and last.timings is not None:
         t = last.timings
         out["timings"] = {
             f"{name}_ms": round(getattr(t, f"{name}_ms"), 3)
@@ -490,7 +482,8 @@ def _extension(first: pb.GenerateResponse, last: pb.GenerateResponse | None) -> 
     return out
 
 
-def _usage(u: generation_pb2.Usage) -> dict[str, Any]:
+def _usage(u: generation_pb2.Usage | None) -> dict[str, Any]:
+    u = u or generation_pb2.Usage()
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
@@ -499,7 +492,7 @@ def _usage(u: generation_pb2.Usage) -> dict[str, Any]:
 
 
 def create_app(
-    servicer: Any,
+    pipeline: Pipeline,
     *,
     served_model_name: str,
     bearer_tokens: Sequence[str] = (),
@@ -512,8 +505,7 @@ def create_app(
     """The FastAPI application of the front.
 
     Args:
-        servicer: The gateway's :class:`~gateway.servicer.GatewayServicer` (anything with
-            its ``Generate(request, context)`` async generator).
+        pipeline: The gateway's request path, shared with the gRPC front.
         served_model_name: The model id ``/v1/models`` lists and requests must name.
         bearer_tokens: Accepted ``Authorization: Bearer`` tokens; empty = no auth.
         admission: The gRPC server's admission control, shared, so one limit bounds both
@@ -648,7 +640,8 @@ def create_app(
         responses: Any = None
         try:
             converted = to_generate_request(body, served, max_tokens_limit)
-            responses = servicer.Generate(converted.request, HttpCallContext(timeout_s))
+            parsed = pipeline.parse(converted.request, Deadline.after(timeout_s))
+            responses = pipeline.generate(parsed)
             # Every input error arrives before the first response (the pipeline streams
             # nothing before the first token), so it still gets its HTTP status. A client
             # that leaves meanwhile (an encoder queue, a cold decoder) cancels the pipeline.
@@ -689,7 +682,7 @@ def create_app(
             error: ServiceError | None = None
             try:
                 yield chunk({"role": "assistant", "content": ""})
-                item: pb.GenerateResponse | None = first
+                item: GenerateEvent | None = first
                 while item is not None:
                     last = item
                     reason = FINISH.get(item.finish_reason) if item.finish_reason else None
@@ -738,7 +731,7 @@ def create_app(
     async def _complete(
         request: Request,
         responses: Any,
-        first: pb.GenerateResponse | None,
+        first: GenerateEvent | None,
         rid: str,
         created: int,
         span: trace.Span,
@@ -747,7 +740,7 @@ def create_app(
     ) -> Response:
         """The non-streaming answer; a client that disconnects meanwhile cancels it."""
 
-        async def collect() -> list[pb.GenerateResponse]:
+        async def collect() -> list[GenerateEvent]:
             chunks = [first] if first is not None else []
             with trace.use_span(span, end_on_exit=False):
                 async for item in responses:
@@ -954,7 +947,7 @@ class _BodyRefused(Exception):
     pass
 
 
-async def _next(responses: Any) -> pb.GenerateResponse | None:
+async def _next(responses: Any) -> GenerateEvent | None:
     try:
         return await responses.__anext__()  # type: ignore[no-any-return]
     except StopAsyncIteration:

@@ -9,7 +9,7 @@ The photo: scikit-image's astronaut upscaled to 4032x3024 (12.2 MP) with film-gr
 so that it compresses like a photo, stored sideways with EXIF orientation 6, JPEG quality
 90. The pixel budget is the Qwen3-VL deployment guides' ``max_pixels`` 1280*32*32.
 
-1. ``repeat``: the real gateway servicer with a real cache service on loopback (in this
+1. ``repeat``: the real gateway pipeline with a real cache service on loopback (in this
    process; no encoder or decoder). The photo is prepared once (decoded, and stored with
    embeddings of the right shape, as a miss would be), then sent again: ``preprocess_ms``
    is what ``StageTimings.preprocess_ms`` counts for it (headers, file digest; the lookup
@@ -18,7 +18,7 @@ so that it compresses like a photo, stored sideways with EXIF orientation 6, JPE
 2. ``cold``: a fresh Python process per run, set up as ``python -m gateway`` is (the
    resize implementation imported, torch on one thread), times its first photo through the
    decode path and then the median of five more (other photos of the same kind), with and
-   without :meth:`gateway.servicer.GatewayServicer.warm_up` before the first.
+   without :meth:`gateway.pipeline.Pipeline.warm_up` before the first.
 
 Medians over ``--runs`` runs. Only ratios within one run compare across machines.
 """
@@ -59,12 +59,12 @@ def phone_jpeg(seed: int = 0) -> bytes:
     return out.getvalue()
 
 
-def make_servicer(cache_stub=None, **settings):  # type: ignore[no-untyped-def]
+def make_pipeline(cache_stub=None, **settings):  # type: ignore[no-untyped-def]
     import grpc
     from qwenvl.decoder.v1 import decoder_service_pb2_grpc
     from qwenvl.encoder.v1 import encoder_service_pb2_grpc
 
-    from gateway.servicer import Downstream, GatewayServicer
+    from gateway.pipeline import Downstream, Pipeline
     from gateway.settings import GatewaySettings
     from vlcommon.model_info import VisionSpec
 
@@ -81,7 +81,7 @@ def make_servicer(cache_stub=None, **settings):  # type: ignore[no-untyped-def]
         image_std=(0.5, 0.5, 0.5),
     )
     nowhere = grpc.aio.insecure_channel("127.0.0.1:9")
-    return GatewayServicer(
+    return Pipeline(
         GatewaySettings(max_decoded_pixels=40_000_000, **settings),
         spec,
         "measure",
@@ -103,6 +103,7 @@ async def measure_repeat(runs: int) -> dict[str, object]:
     from cache_service.servicer import CacheServicer
     from cache_service.store import EmbeddingStore
     from vlcommon import tensors
+    from vlcommon.deadline import NO_DEADLINE
     from vlcommon.imaging import DESCRIPTOR_DIM
     from vlcommon.server import serve
     from vlcommon.settings import ServerSettings, channel_options
@@ -126,23 +127,25 @@ async def measure_repeat(runs: int) -> dict[str, object]:
     port = await started
     # The gateway's own channel limits: a 1,280-token entry is 42 MB of FP32 embeddings.
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
-        servicer = make_servicer(cache_service_pb2_grpc.CacheServiceStub(channel))
-        await servicer.warm_up()
-        lo, hi = servicer.spec.min_pixels, MAX_PIXELS
+        pipeline = make_pipeline(cache_service_pb2_grpc.CacheServiceStub(channel))
+        await pipeline.warm_up()
+        lo, hi = pipeline.spec.min_pixels, MAX_PIXELS
 
         async def prepare(policy: int) -> tuple[float, float, list]:  # type: ignore[type-arg]
             t = time.perf_counter()
-            images, lookup_ms, _ = await servicer._prepare([data], lo, hi, policy, None)  # type: ignore[arg-type]
+            images, lookup_ms, _ = await pipeline.images.prepare(
+                [data], lo, hi, policy, NO_DEADLINE
+            )
             return (time.perf_counter() - t) * 1000 - lookup_ms, lookup_ms, images
 
         _, _, (first,) = await prepare(similar)  # a miss: decoded, then stored
-        values = np.zeros((first.plan.tokens, servicer.spec.embedding_width), np.float32)
+        values = np.zeros((first.plan.tokens, pipeline.spec.embedding_width), np.float32)
         first.embedding = tensor_pb2.ImageEmbedding(
             embeddings=tensors.from_numpy(values),
             grid=tensor_pb2.GridTHW(t=1, h=first.plan.grid_h, w=first.plan.grid_w),
             key=first.key,
         )
-        await servicer._put([first], similar, None)
+        await pipeline.cache.put([first], similar, NO_DEADLINE)
         repeat, lookup, decode = [], [], []
         for _ in range(runs):
             ms, lookup_ms, (im,) = await prepare(similar)
@@ -168,22 +171,23 @@ async def _cold_child(warm: bool) -> dict[str, float]:
     """One fresh gateway: its first photo through the decode path, then five more."""
     from transformers.models.qwen2_vl import image_processing_qwen2_vl  # noqa: F401
 
+    from vlcommon.deadline import NO_DEADLINE
     from vlcommon.server import limit_torch_threads
 
     limit_torch_threads()  # as python -m gateway does (vlcommon.server)
     from qwenvl.common.v1 import generation_pb2
 
     photos = [phone_jpeg(seed) for seed in range(6)]
-    servicer = make_servicer(cache_address="")
+    pipeline = make_pipeline(cache_address="")
     t = time.perf_counter()
     if warm:
-        await servicer.warm_up()
+        await pipeline.warm_up()
     warm_up_ms = (time.perf_counter() - t) * 1000
-    lo, hi = servicer.spec.min_pixels, MAX_PIXELS
+    lo, hi = pipeline.spec.min_pixels, MAX_PIXELS
     times = []
     for data in photos:
         t = time.perf_counter()
-        await servicer._prepare([data], lo, hi, generation_pb2.CACHE_POLICY_OFF, None)  # type: ignore[arg-type]
+        await pipeline.images.prepare([data], lo, hi, generation_pb2.CACHE_POLICY_OFF, NO_DEADLINE)
         times.append((time.perf_counter() - t) * 1000)
     return {"warm_up_ms": warm_up_ms, "first_ms": times[0], "warm_ms": statistics.median(times[1:])}
 

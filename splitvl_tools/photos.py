@@ -18,8 +18,8 @@ Pillow decode, ``exif_transpose``, RGB), as its API server does.
 
 Preprocess per image, side by side in this process before any engine starts (vLLM's CPU
 worker keeps a core busy even when idle), alternating on the same files, one torch thread
-each: splitvl's gateway stage on a miss (:meth:`gateway.servicer.GatewayServicer._read_files`
-with file digests, then ``_decode_images`` with the verification image: everything
+each: splitvl's gateway stage on a miss (:meth:`gateway.pipeline.preprocess.Preprocessor.read_files`
+with file digests, then ``decode_images`` with the verification image: everything
 ``StageTimings.preprocess_ms`` counts but the lookups) against vLLM's processor (its image
 loader, then the checkpoint's Qwen image processor: resize, rescale, normalise, patchify).
 The byte-identical repeats' ``preprocess_ms`` comes from the live splitvl runs
@@ -224,14 +224,11 @@ def preprocess_side_by_side(
 ) -> dict[str, Any]:
     """Per distinct file: splitvl's gateway stage on a miss and vLLM's processor, median
     of ``runs`` alternating runs each, one torch thread (as the gateway's preprocess)."""
-    import grpc
     import torch
-    from qwenvl.decoder.v1 import decoder_service_pb2_grpc
-    from qwenvl.encoder.v1 import encoder_service_pb2_grpc
     from transformers import AutoImageProcessor
     from vllm.multimodal.media.image import ImageMediaIO
 
-    from gateway.servicer import Downstream, GatewayServicer
+    from gateway.pipeline.preprocess import Preprocessor
     from gateway.settings import GatewaySettings
     from vlcommon.model_info import load_vision_spec, model_revision
     from vlcommon.server import limit_torch_threads
@@ -241,26 +238,17 @@ def preprocess_side_by_side(
     spec = load_vision_spec(model)
     processor = AutoImageProcessor.from_pretrained(model)
     loader = ImageMediaIO()
-    nowhere = grpc.insecure_channel("127.0.0.1:9")
     env_only: dict[str, Any] = {}  # defaults and GATEWAY_* environment variables
-    # A cache stub that is never called: with a cache the miss path builds the
-    # verification image too, as the served gateway does.
-    servicer = GatewayServicer(
-        GatewaySettings(**env_only),
-        spec,
-        model_revision(model),
-        (),
-        Downstream(
-            encoder=encoder_service_pb2_grpc.EncoderServiceStub(nowhere),
-            decoder=decoder_service_pb2_grpc.DecoderServiceStub(nowhere),
-            cache=object(),  # type: ignore[arg-type]
-        ),
+    # for_cache: the miss path builds the verification image too, as a gateway with a
+    # cache does.
+    preprocessor = Preprocessor(
+        GatewaySettings(**env_only), spec, model_revision(model), for_cache=True
     )
     lo, hi = spec.min_pixels, spec.max_pixels
 
     def gateway(data: bytes) -> None:
-        headers = servicer._read_files([data], lo, hi, True)
-        servicer._decode_images([data], [0], headers, lo, hi, warm_up=True)
+        headers = preprocessor.read_files([data], lo, hi, True)
+        preprocessor.decode_images([data], [0], headers, lo, hi, warm_up=True)
 
     def vllm(data: bytes) -> None:
         image = loader.load_bytes(data).media
@@ -286,7 +274,6 @@ def preprocess_side_by_side(
                 "vllm_processor_ms": statistics.median(v),
             }
         )
-    nowhere.close()
     torch.set_num_threads(threads)
     ratios = [r["gateway_ms"] / r["vllm_processor_ms"] for r in rows]
     by_kind: dict[str, dict[str, float]] = {}

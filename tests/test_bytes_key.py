@@ -40,10 +40,13 @@ from qwenvl.gateway.v1 import gateway_service_pb2_grpc
 
 from cache_service.servicer import CacheServicer
 from cache_service.store import EmbeddingStore
-from gateway.servicer import DECODE_NICE, Downstream, GatewayServicer, PreparedImage
+from gateway.pipeline import Downstream, Pipeline
+from gateway.pipeline.preprocess import DECODE_NICE
+from gateway.pipeline.types import PreparedImage
 from gateway.settings import GatewaySettings
 from tests.conftest import in_process_server, png_bytes
 from vlcommon import tensors
+from vlcommon.deadline import NO_DEADLINE, Deadline
 from vlcommon.errors import ServiceError
 from vlcommon.imaging import (
     DECODER_VERSION,
@@ -206,7 +209,7 @@ async def gateway_and_cache():
         "qwenvl.cache.v1.CacheService",
     ) as channel:
         nowhere = grpc.aio.insecure_channel("127.0.0.1:9")
-        servicer = GatewayServicer(
+        servicer = Pipeline(
             GatewaySettings(max_decoded_pixels=MAX_PIXELS),
             SPEC,
             REVISION,
@@ -221,14 +224,14 @@ async def gateway_and_cache():
         await nowhere.close()
 
 
-async def prepare(servicer: GatewayServicer, data: bytes) -> PreparedImage:
+async def prepare(servicer: Pipeline, data: bytes) -> PreparedImage:
     """The preprocess stage and both lookups, as Generate runs them; a miss is "encoded"
     (embeddings of the right shape) and put, as Generate does."""
     policy = generation_pb2.CACHE_POLICY_SIMILAR
     lo, hi = SPEC.min_pixels, SPEC.max_pixels
-    images, _, ask_cache = await servicer._prepare([data], lo, hi, policy, None)  # type: ignore[arg-type]
+    images, _, ask_cache = await servicer.images.prepare([data], lo, hi, policy, NO_DEADLINE)
     if ask_cache:
-        await servicer.cache_stage.lookup([im for im in images if im.decoded], policy, None)  # type: ignore[arg-type]
+        await servicer.cache.lookup([im for im in images if im.decoded], policy, NO_DEADLINE)
     (im,) = images
     if im.embedding is None:
         values = np.full((im.plan.tokens, SPEC.embedding_width), 0.5, np.float32)
@@ -237,7 +240,7 @@ async def prepare(servicer: GatewayServicer, data: bytes) -> PreparedImage:
             grid=tensor_pb2.GridTHW(t=im.plan.grid_t, h=im.plan.grid_h, w=im.plan.grid_w),
             key=im.key,
         )
-        await servicer.cache_stage.put([im], policy, None)
+        await servicer.cache.put([im], policy, NO_DEADLINE)
     return im
 
 
@@ -284,7 +287,7 @@ async def test_a_repeat_is_answered_while_every_decode_thread_is_busy(gateway_an
     assert first.decoded
     release = threading.Event()
     busy = [
-        servicer._preprocess.submit(release.wait, 30)
+        servicer.preprocessor.decode_threads.submit(release.wait, 30)
         for _ in range(servicer.settings.preprocess_threads)
     ]
     try:
@@ -304,7 +307,7 @@ def same_file_waits(outcome: str) -> float:
     )
 
 
-async def encode_and_put(servicer: GatewayServicer, im: PreparedImage) -> None:
+async def encode_and_put(servicer: Pipeline, im: PreparedImage) -> None:
     """Stands in for the encoder (embeddings of the right shape), then puts, as Generate."""
     values = np.full((im.plan.tokens, SPEC.embedding_width), 0.25, np.float32)
     im.embedding = tensor_pb2.ImageEmbedding(
@@ -312,15 +315,15 @@ async def encode_and_put(servicer: GatewayServicer, im: PreparedImage) -> None:
         grid=tensor_pb2.GridTHW(t=im.plan.grid_t, h=im.plan.grid_h, w=im.plan.grid_w),
         key=im.key,
     )
-    await servicer.cache_stage.put([im], generation_pb2.CACHE_POLICY_SIMILAR, None)
+    await servicer.cache.put([im], generation_pb2.CACHE_POLICY_SIMILAR, NO_DEADLINE)
 
 
 async def prepare_claiming(
-    servicer: GatewayServicer, datas: list[bytes], owned: list[str], context: object = None
+    servicer: Pipeline, datas: list[bytes], owned: list[str], deadline: Deadline = NO_DEADLINE
 ) -> list[PreparedImage]:
     lo, hi = SPEC.min_pixels, SPEC.max_pixels
     policy = generation_pb2.CACHE_POLICY_SIMILAR
-    images, _, _ = await servicer._prepare(datas, lo, hi, policy, context, None, owned)  # type: ignore[arg-type]
+    images, _, _ = await servicer.images.prepare(datas, lo, hi, policy, deadline, None, owned)
     return images
 
 
@@ -335,18 +338,20 @@ async def test_a_request_for_bytes_being_encoded_waits_for_that_put_and_decodes_
     before, hits_before = decoded_total(), same_file_waits("hit")
     first_claims: list[str] = []
     (first,) = await prepare_claiming(servicer, [jpeg], first_claims)
-    assert first.decoded and first_claims == [first.bytes_key] and len(servicer.same_file) == 1
+    assert (
+        first.decoded and first_claims == [first.bytes_key] and len(servicer.images.same_file) == 1
+    )
     second_claims: list[str] = []
     follower = asyncio.create_task(prepare_claiming(servicer, [jpeg], second_claims))
     await asyncio.sleep(0.3)
     assert not follower.done()  # waiting for the first request's put
     await encode_and_put(servicer, first)
-    servicer.same_file.land(first_claims)  # as the put's done callback does
+    servicer.images.same_file.land(first_claims)  # as the put's done callback does
     (second,) = await asyncio.wait_for(follower, 10)
     assert not second.decoded and second.tier == generation_pb2.CACHE_TIER_EXACT
     assert second.embedding is not None and second.key == first.key
     assert decoded_total() == before + 1 and second_claims == []
-    assert same_file_waits("hit") == hits_before + 1 and len(servicer.same_file) == 0
+    assert same_file_waits("hit") == hits_before + 1 and len(servicer.images.same_file) == 0
 
 
 async def test_a_follower_decodes_when_the_claimant_ends_without_a_put(gateway_and_cache) -> None:
@@ -360,7 +365,7 @@ async def test_a_follower_decodes_when_the_claimant_ends_without_a_put(gateway_a
     follower = asyncio.create_task(prepare_claiming(servicer, [png], []))
     await asyncio.sleep(0.3)
     assert not follower.done()
-    servicer.same_file.land(first_claims)  # Generate's finally, no put
+    servicer.images.same_file.land(first_claims)  # Generate's finally, no put
     (second,) = await asyncio.wait_for(follower, 10)
     assert second.decoded and second.tier == generation_pb2.CACHE_TIER_MISS
     assert decoded_total() == before + 2 and same_file_waits("miss") == misses_before + 1
@@ -379,8 +384,8 @@ async def test_a_request_holding_a_claim_never_waits_so_two_cannot_wait_on_each_
     images = await asyncio.wait_for(prepare_claiming(servicer, [x, y], b_claims), 10)
     assert [im.decoded for im in images] == [True, True]
     assert b_claims == [images[1].bytes_key] and a_claims == [images[0].bytes_key]
-    servicer.same_file.land(a_claims + b_claims)
-    assert len(servicer.same_file) == 0
+    servicer.images.same_file.land(a_claims + b_claims)
+    assert len(servicer.images.same_file) == 0
 
 
 async def test_a_waiter_leaves_half_its_deadline_for_decoding_and_encoding_itself(
@@ -388,7 +393,6 @@ async def test_a_waiter_leaves_half_its_deadline_for_decoding_and_encoding_itsel
 ) -> None:
     """The holder is slow: the waiter gives up after half of what is left to its deadline
     (not all of it: it would then fail a request it could still serve) and decodes."""
-    from gateway.openai_front import HttpCallContext
 
     servicer, _ = gateway_and_cache
     png = stored_file(1, "PNG", scene(seed=35))
@@ -396,11 +400,11 @@ async def test_a_waiter_leaves_half_its_deadline_for_decoding_and_encoding_itsel
     await prepare_claiming(servicer, [png], holder)
     misses_before = same_file_waits("miss")
     t0 = time.perf_counter()
-    (im,) = await prepare_claiming(servicer, [png], [], HttpCallContext(1.0))
+    (im,) = await prepare_claiming(servicer, [png], [], Deadline.after(1.0))
     elapsed = time.perf_counter() - t0
     assert im.decoded and 0.45 < elapsed < 0.9, elapsed  # waited ~0.5 s, then decoded
     assert same_file_waits("miss") == misses_before + 1
-    servicer.same_file.land(holder)
+    servicer.images.same_file.land(holder)
 
 
 async def test_a_bad_file_beside_one_being_encoded_fails_at_once(gateway_and_cache) -> None:
@@ -415,7 +419,7 @@ async def test_a_bad_file_beside_one_being_encoded_fails_at_once(gateway_and_cac
         await asyncio.wait_for(prepare_claiming(servicer, [good, b"not an image"], []), 10)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert time.perf_counter() - t0 < 2
-    servicer.same_file.land(holder)
+    servicer.images.same_file.land(holder)
 
 
 async def test_a_failed_lookup_after_the_wait_stops_asking_the_cache(
@@ -427,7 +431,7 @@ async def test_a_failed_lookup_after_the_wait_stops_asking_the_cache(
     png = stored_file(1, "PNG", scene(seed=37))
     holder: list[str] = []
     await prepare_claiming(servicer, [png], holder)
-    real = servicer.cache_stage.lookup_files
+    real = servicer.cache.lookup_files
     calls = 0
 
     async def second_fails(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -435,18 +439,20 @@ async def test_a_failed_lookup_after_the_wait_stops_asking_the_cache(
         calls += 1
         return None if calls == 2 else await real(*args, **kwargs)
 
-    monkeypatch.setattr(servicer.cache_stage, "lookup_files", second_fails)
+    monkeypatch.setattr(servicer.cache, "lookup_files", second_fails)
     lo, hi = SPEC.min_pixels, SPEC.max_pixels
     policy = generation_pb2.CACHE_POLICY_SIMILAR
-    follower = asyncio.create_task(servicer._prepare([png], lo, hi, policy, None, None, []))  # type: ignore[arg-type]
+    follower = asyncio.create_task(
+        servicer.images.prepare([png], lo, hi, policy, NO_DEADLINE, None, [])
+    )
     await asyncio.sleep(0.2)
-    servicer.same_file.land(holder)
+    servicer.images.same_file.land(holder)
     (im,), _, ask_cache = await asyncio.wait_for(follower, 10)
     assert calls == 2 and im.decoded and ask_cache is False
 
 
 async def test_same_file_flights_claim_follow_and_land() -> None:
-    from gateway.stages import SameFileFlights
+    from gateway.pipeline.same_file import SameFileFlights
 
     flights = SameFileFlights()
     mine: list[str] = []
@@ -480,11 +486,11 @@ async def test_a_file_whose_header_plan_differs_is_decoded_every_time(gateway_an
 
 
 @contextlib.asynccontextmanager
-async def lone_gateway(preprocess_threads: int) -> AsyncIterator[GatewayServicer]:
+async def lone_gateway(preprocess_threads: int) -> AsyncIterator[Pipeline]:
     """A gateway servicer with no cache, whose encoder and decoder are never called."""
     nowhere = grpc.aio.insecure_channel("127.0.0.1:9")
     try:
-        yield GatewayServicer(
+        yield Pipeline(
             GatewaySettings(preprocess_threads=preprocess_threads, cache_address=""),
             SPEC,
             REVISION,
@@ -503,7 +509,7 @@ async def test_warm_up_starts_every_preprocess_thread_and_counts_no_decode() -> 
     async with lone_gateway(preprocess_threads=3) as servicer:
         before = decoded_total()
         await servicer.warm_up()
-        assert len(servicer._preprocess._threads) == 3
+        assert len(servicer.preprocessor.decode_threads._threads) == 3
         assert decoded_total() == before
 
 
@@ -519,8 +525,8 @@ async def test_decode_threads_yield_the_cpu_to_the_header_threads() -> None:
     loop = asyncio.get_running_loop()
     base = nice()
     async with lone_gateway(preprocess_threads=2) as servicer:
-        decode = await loop.run_in_executor(servicer._preprocess, nice)
-        headers = await loop.run_in_executor(servicer._headers, nice)
+        decode = await loop.run_in_executor(servicer.preprocessor.decode_threads, nice)
+        headers = await loop.run_in_executor(servicer.preprocessor.header_threads, nice)
     assert (decode, headers) == (min(base + DECODE_NICE, 19), base)
 
 

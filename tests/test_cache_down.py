@@ -84,7 +84,8 @@ def failures(op: str) -> float:
 async def gateway_with_cache(cluster, tiny_model, cache_address: str) -> AsyncIterator[str]:
     """An in-process gateway using the cluster's encoder and decoder and ``cache_address``."""
     from gateway.__main__ import channel, forbidden_tokens
-    from gateway.servicer import Downstream, GatewayServicer
+    from gateway.pipeline import Downstream, Pipeline
+    from gateway.servicer import GatewayServicer
     from gateway.settings import GatewaySettings
     from vlcommon.model_info import load_vision_spec, model_revision
 
@@ -98,15 +99,17 @@ async def gateway_with_cache(cluster, tiny_model, cache_address: str) -> AsyncIt
         channel(cache_address, security),
     ]
     servicer = GatewayServicer(
-        settings,
-        load_vision_spec(tiny_model),
-        model_revision(tiny_model),
-        forbidden_tokens(tiny_model),
-        Downstream(
-            encoder=encoder_service_pb2_grpc.EncoderServiceStub(channels[0]),
-            decoder=decoder_service_pb2_grpc.DecoderServiceStub(channels[1]),
-            cache=cpb_grpc.CacheServiceStub(channels[2]),
-        ),
+        Pipeline(
+            settings,
+            load_vision_spec(tiny_model),
+            model_revision(tiny_model),
+            forbidden_tokens(tiny_model),
+            Downstream(
+                encoder=encoder_service_pb2_grpc.EncoderServiceStub(channels[0]),
+                decoder=decoder_service_pb2_grpc.DecoderServiceStub(channels[1]),
+                cache=cpb_grpc.CacheServiceStub(channels[2]),
+            ),
+        )
     )
     try:
         async with in_process_server(

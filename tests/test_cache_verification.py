@@ -25,7 +25,7 @@ from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service.servicer import CacheServicer
 from cache_service.store import EmbeddingStore
-from gateway.stages import verification_fields
+from gateway.pipeline.types import verification_fields
 from splitvl_tools import cache_eval
 from tests.conftest import in_process_server, photo
 from tests.test_bytes_key import gateway_and_cache  # noqa: F401  (a fixture)

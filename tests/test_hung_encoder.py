@@ -41,7 +41,8 @@ async def test_hung_encoder_gives_deadline_exceeded_naming_it_without_a_client_d
     tiny_model,
 ) -> None:
     from gateway.__main__ import channel, forbidden_tokens
-    from gateway.servicer import Downstream, GatewayServicer
+    from gateway.pipeline import Downstream, Pipeline
+    from gateway.servicer import GatewayServicer
     from gateway.settings import GatewaySettings
     from vlcommon.model_info import load_vision_spec, model_revision
 
@@ -56,15 +57,17 @@ async def test_hung_encoder_gives_deadline_exceeded_naming_it_without_a_client_d
 
         decoder_channel = channel(f"127.0.0.1:{free_port()}")  # never reached
         servicer = GatewayServicer(
-            settings,
-            load_vision_spec(tiny_model),
-            model_revision(tiny_model),
-            forbidden_tokens(tiny_model),
-            Downstream(
-                encoder=epb_grpc.EncoderServiceStub(enc),
-                decoder=decoder_service_pb2_grpc.DecoderServiceStub(decoder_channel),
-                cache=None,
-            ),
+            Pipeline(
+                settings,
+                load_vision_spec(tiny_model),
+                model_revision(tiny_model),
+                forbidden_tokens(tiny_model),
+                Downstream(
+                    encoder=epb_grpc.EncoderServiceStub(enc),
+                    decoder=decoder_service_pb2_grpc.DecoderServiceStub(decoder_channel),
+                    cache=None,
+                ),
+            )
         )
         async with in_process_server(
             gpb_grpc.add_GatewayServiceServicer_to_server,

@@ -23,7 +23,8 @@ from qwenvl.encoder.v1 import encoder_service_pb2_grpc
 from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
 from qwenvl.gateway.v1 import gateway_service_pb2_grpc as gpb_grpc
 
-from gateway.servicer import Downstream, GatewayServicer
+from gateway.pipeline import Downstream, Pipeline
+from gateway.servicer import GatewayServicer
 from gateway.settings import GatewaySettings
 from tests.conftest import png_bytes
 from vlcommon.errors import error_info
@@ -66,15 +67,17 @@ async def gateway(tiny_model, **overrides: object) -> AsyncIterator[gpb_grpc.Gat
     )
     down_channel = grpc.aio.insecure_channel(nowhere)
     servicer = GatewayServicer(
-        settings,
-        load_vision_spec(tiny_model),
-        "test-revision",
-        forbidden_tokens(tiny_model),
-        Downstream(
-            encoder=encoder_service_pb2_grpc.EncoderServiceStub(down_channel),
-            decoder=decoder_service_pb2_grpc.DecoderServiceStub(down_channel),
-            cache=None,
-        ),
+        Pipeline(
+            settings,
+            load_vision_spec(tiny_model),
+            "test-revision",
+            forbidden_tokens(tiny_model),
+            Downstream(
+                encoder=encoder_service_pb2_grpc.EncoderServiceStub(down_channel),
+                decoder=decoder_service_pb2_grpc.DecoderServiceStub(down_channel),
+                cache=None,
+            ),
+        )
     )
     stop = asyncio.Event()
     started = asyncio.get_running_loop().create_future()

@@ -34,6 +34,7 @@ from gateway.openai_front import (
     error_body,
     to_generate_request,
 )
+from gateway.pipeline import GenerateEvent
 from tests.conftest import photo
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.errors import ServiceError, invalid_argument
@@ -241,8 +242,8 @@ def test_error_bodies_have_openais_shape_and_the_grpc_codes_http_status() -> Non
 
 
 # -- the app on uvicorn, over a scripted pipeline ----------------------------------------
-class ScriptedServicer:
-    """Stands in for GatewayServicer: streams ``tokens`` one response each, or raises."""
+class ScriptedPipeline:
+    """Stands in for gateway.pipeline.Pipeline: streams ``tokens`` one event each, or raises."""
 
     def __init__(self) -> None:
         self.tokens = ["Hel", "lo", "!"]
@@ -251,21 +252,27 @@ class ScriptedServicer:
         self.requests: list[pb.GenerateRequest] = []
         self.closed = asyncio.Event()
 
-    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+    def parse(self, request: pb.GenerateRequest, deadline: Any, arrived: Any = None) -> Any:
         self.requests.append(request)
+        return request
+
+    async def generate(self, request: Any) -> AsyncIterator[GenerateEvent]:
         try:
             if self.error is not None:
                 raise self.error
             for i, text in enumerate(self.tokens):
                 await asyncio.sleep(self.delay_s)
-                out = pb.GenerateResponse(token_ids=[i], text=text)
+                out = GenerateEvent(token_ids=[i], text=text)
                 if i == 0:
-                    out.images.add(index=0, tier=generation_pb2.CACHE_TIER_EXACT, tokens=64)
+                    out.images = [
+                        pb.ImageInfo(index=0, tier=generation_pb2.CACHE_TIER_EXACT, tokens=64)
+                    ]
                 if i == len(self.tokens) - 1:
                     out.finish_reason = generation_pb2.FINISH_REASON_LENGTH
-                    out.usage.prompt_tokens = 70
-                    out.usage.completion_tokens = len(self.tokens)
-                    out.timings.total_ms = 12.5
+                    out.usage = generation_pb2.Usage(
+                        prompt_tokens=70, completion_tokens=len(self.tokens)
+                    )
+                    out.timings = pb.StageTimings(total_ms=12.5)
                 yield out
         finally:
             self.closed.set()
@@ -273,7 +280,7 @@ class ScriptedServicer:
 
 @contextlib.contextmanager
 def serving(
-    servicer: ScriptedServicer, ssl_files: tuple[str, str, str] = ("", "", ""), **kwargs: Any
+    servicer: ScriptedPipeline, ssl_files: tuple[str, str, str] = ("", "", ""), **kwargs: Any
 ) -> Iterator[str]:
     """The app on a free loopback port, its loop on a thread; yields the base URL (https when
     ``ssl_files`` names a certificate)."""
@@ -298,7 +305,7 @@ def _client(url: str, key: str = "none") -> openai.OpenAI:
 
 
 def test_models_completion_and_stream_in_openais_format() -> None:
-    servicer = ScriptedServicer()
+    servicer = ScriptedPipeline()
     with serving(servicer) as url:
         client = _client(url)
         assert [m.id for m in client.models.list().data] == [MODEL]
@@ -336,7 +343,7 @@ def test_a_token_without_text_of_its_own_still_gets_its_chunk() -> None:
     front skipped them until 2026-12-01: with the bench checkpoint's random weights most
     tokens are such pieces, and vLLM's benchmark client measured an ITL of 10-20x the
     TPOT. Here 5 tokens, 2 of them without text: 5 content chunks after the role chunk."""
-    servicer = ScriptedServicer()
+    servicer = ScriptedPipeline()
     servicer.tokens = ["Hel", "", "", "lo", "\u00e9"]
     with serving(servicer) as url:
         chunks = list(
@@ -351,7 +358,7 @@ def test_a_token_without_text_of_its_own_still_gets_its_chunk() -> None:
 
 
 def test_a_pipeline_error_is_the_status_and_shape_openai_clients_raise() -> None:
-    servicer = ScriptedServicer()
+    servicer = ScriptedPipeline()
     servicer.error = invalid_argument(
         "IMAGE_DECODE_FAILED", "images[0] could not be decoded: not an image", field="images[0]"
     )
@@ -376,7 +383,7 @@ def test_a_pipeline_error_is_the_status_and_shape_openai_clients_raise() -> None
 
 
 def test_bearer_tokens_are_required_on_v1_but_not_on_health() -> None:
-    with serving(ScriptedServicer(), bearer_tokens=("s3cret",)) as url:
+    with serving(ScriptedPipeline(), bearer_tokens=("s3cret",)) as url:
         with pytest.raises(openai.AuthenticationError) as err:
             _client(url, "wrong").models.list()
         assert err.value.body["code"] == "AUTH_TOKEN_INVALID"  # type: ignore[index]
@@ -389,7 +396,7 @@ def test_bearer_tokens_are_required_on_v1_but_not_on_health() -> None:
 
 def test_over_the_admission_limit_is_429_with_retry_after() -> None:
     admission = AdmissionInterceptor(max_in_flight=1, retry_after_ms=2500)
-    servicer = ScriptedServicer()
+    servicer = ScriptedPipeline()
     servicer.delay_s = 1.0
     with serving(servicer, admission=admission) as url:
         with httpx.stream(
@@ -410,7 +417,7 @@ def test_over_the_admission_limit_is_429_with_retry_after() -> None:
 
 
 def test_a_client_that_disconnects_mid_stream_closes_the_pipeline() -> None:
-    servicer = ScriptedServicer()
+    servicer = ScriptedPipeline()
     servicer.tokens = [f"t{i}" for i in range(200)]
     servicer.delay_s = 0.05
     with serving(servicer) as url:
@@ -728,7 +735,7 @@ def _chat(**fields: Any) -> dict[str, Any]:
 def test_bad_values_are_400_naming_the_openai_field(
     body: dict[str, Any], param: str, message: str
 ) -> None:
-    with serving(ScriptedServicer(), max_tokens_limit=4096) as url:
+    with serving(ScriptedPipeline(), max_tokens_limit=4096) as url:
         response = _post(url, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -745,7 +752,7 @@ def test_a_lone_surrogate_is_400_not_500_wherever_it_is() -> None:
         "messages[0].content[0].image_url.url": '{"messages":[{"role":"user","content":'
         '[{"type":"image_url","image_url":{"url":"data:\\ud800"}}]}]}',
     }
-    with serving(ScriptedServicer()) as url:
+    with serving(ScriptedPipeline()) as url:
         for param, raw in bodies.items():
             response = _post(url, content=raw, headers={"content-type": "application/json"})
             assert response.status_code == 400, (param, response.text)
@@ -754,7 +761,7 @@ def test_a_lone_surrogate_is_400_not_500_wherever_it_is() -> None:
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_parsed() -> None:
-    servicer = ScriptedServicer()
+    servicer = ScriptedPipeline()
     with serving(servicer, max_body_bytes=1000) as url:
         big = json.dumps(_chat(messages=[{"role": "user", "content": "x" * 5000}]))
         by_length = _post(url, content=big, headers={"content-type": "application/json"})
@@ -795,7 +802,7 @@ def _raw_exchange(url: str, head: bytes, body_parts: list[tuple[float, bytes]]) 
 def test_a_body_that_stops_arriving_is_408_and_a_slow_one_is_served() -> None:
     """A Content-Length larger than the body sent got no answer at all (the adversarial
     review waited 60 s); uvicorn bounds idle keep-alive, not a stalled body."""
-    servicer = ScriptedServicer()
+    servicer = ScriptedPipeline()
     body = json.dumps(_chat()).encode()
     with serving(servicer, body_read_timeout_s=1.5) as url:
         head = (
@@ -822,7 +829,7 @@ def test_a_body_that_stops_arriving_is_408_and_a_slow_one_is_served() -> None:
 def test_a_compressed_body_is_415_naming_the_encoding() -> None:
     import gzip
 
-    servicer = ScriptedServicer()
+    servicer = ScriptedPipeline()
     with serving(servicer) as url:
         packed = _post(
             url,
@@ -881,7 +888,7 @@ def test_pipeline_field_names_come_back_as_the_clients_own() -> None:
 
 
 def test_errors_outside_the_api_are_in_openais_shape_too() -> None:
-    with serving(ScriptedServicer()) as url:
+    with serving(ScriptedPipeline()) as url:
         missing = httpx.post(f"{url}/completions", json={})
         wrong_method = httpx.get(f"{url}/chat/completions")
         not_json = _post(
@@ -903,7 +910,7 @@ def test_a_client_gone_before_the_first_token_releases_its_slot_and_pipeline() -
     import socket
 
     admission = AdmissionInterceptor(max_in_flight=4, retry_after_ms=100)
-    servicer = ScriptedServicer()
+    servicer = ScriptedPipeline()
     servicer.delay_s = 1.5  # the first token is slow (an encoder queue)
     with serving(servicer, admission=admission) as url:
         port = int(url.split(":")[2].split("/")[0])
@@ -933,13 +940,13 @@ def test_tls_and_mutual_tls_on_the_http_port(tmp_path: Any) -> None:
 
     pki = make_pki(tmp_path)
     server = (str(pki.server_cert), str(pki.server_key))
-    with serving(ScriptedServicer(), ssl_files=(*server, "")) as url:
+    with serving(ScriptedPipeline(), ssl_files=(*server, "")) as url:
         with httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca))) as http:
             client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, http_client=http)
             assert [m.id for m in client.models.list().data] == [MODEL]
         with pytest.raises(httpx.HTTPError):  # plaintext on the TLS port
             httpx.get(url.replace("https://", "http://") + "/models", timeout=5)
-    with serving(ScriptedServicer(), ssl_files=(*server, str(pki.ca))) as url:
+    with serving(ScriptedPipeline(), ssl_files=(*server, str(pki.ca))) as url:
         trusted = ssl.create_default_context(cafile=str(pki.ca))
         with httpx.Client(verify=trusted) as http, pytest.raises(httpx.HTTPError):
             http.get(url + "/models", timeout=5)  # no client certificate

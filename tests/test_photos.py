@@ -22,7 +22,7 @@ import pytest
 import torch
 from PIL import Image
 
-from gateway.servicer import Downstream, GatewayServicer
+from gateway.pipeline import Downstream, Pipeline
 from gateway.settings import GatewaySettings
 from tests.conftest import png_bytes, rgb
 from vlcommon.imaging import (
@@ -65,7 +65,7 @@ def gateway(tiny_model):  # type: ignore[no-untyped-def]
 
     spec = dataclasses.replace(load_vision_spec(tiny_model), max_pixels=MAX_PIXELS)
     nowhere = grpc.insecure_channel("127.0.0.1:9")
-    servicer = GatewayServicer(
+    servicer = Pipeline(
         GatewaySettings(cache_address="", max_decoded_pixels=40_000_000),
         spec,
         "rev",
@@ -88,7 +88,7 @@ def test_the_vit_sees_what_vllm_would_see(gateway, tiny_model, name) -> None:  #
     from vllm.multimodal.media.image import ImageMediaIO
 
     data = screenshot_rgba() if name == "png-rgba" else photo(int(name[-1]))
-    (im,) = gateway._prepare_images([data], gateway.spec.min_pixels, MAX_PIXELS)
+    (im,) = gateway.preprocessor.prepare_images([data], gateway.spec.min_pixels, MAX_PIXELS)
     assert im.pixels is not None and im.pixels.shape[2] == 3
     processor = AutoImageProcessor.from_pretrained(tiny_model)
     size = {"shortest_edge": gateway.spec.min_pixels, "longest_edge": MAX_PIXELS}
@@ -109,10 +109,10 @@ def test_the_key_is_the_resized_pixels_digest(gateway) -> None:  # type: ignore[
     sideways = photo(6)
     upright = png_bytes(decode_image(sideways, index=0, max_decoded_pixels=40_000_000))
     lo = gateway.spec.min_pixels
-    (a,) = gateway._prepare_images([sideways], lo, MAX_PIXELS)
-    (b,) = gateway._prepare_images([upright], lo, MAX_PIXELS)
+    (a,) = gateway.preprocessor.prepare_images([sideways], lo, MAX_PIXELS)
+    (b,) = gateway.preprocessor.prepare_images([upright], lo, MAX_PIXELS)
     assert a.key == b.key == exact_key(a.pixels, a.plan, "rev")
-    (c,) = gateway._prepare_images([sideways], lo, MAX_PIXELS // 4)
+    (c,) = gateway.preprocessor.prepare_images([sideways], lo, MAX_PIXELS // 4)
     assert c.plan != a.plan and c.key != a.key
     changed = a.pixels.copy()
     changed[0, 0, 0] ^= 1

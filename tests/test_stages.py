@@ -1,4 +1,4 @@
-"""The gateway's cache, encode and decode stages (gateway.stages), each a unit against a
+"""The gateway's cache, encode and decode stages (gateway.pipeline), each a unit against a
 service on loopback: the real cache service over a real store, the real encoder over the
 tiny checkpoint's ViT, and a scripted decoder (the end-to-end tests run the real one)."""
 
@@ -22,9 +22,13 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
 
 from cache_service.servicer import CacheServicer
 from cache_service.store import EmbeddingStore
-from gateway.stages import CacheStage, DecodeStage, EncodeStage, PreparedImage, RefsLost
+from gateway.pipeline.cache import CacheStage
+from gateway.pipeline.decode import DecodeStage, RefsLost
+from gateway.pipeline.encode import EncodeStage
+from gateway.pipeline.types import PreparedImage
 from tests.conftest import in_process_server, rgb
 from vlcommon import tensors
+from vlcommon.deadline import NO_DEADLINE
 from vlcommon.errors import ServiceError, abort
 from vlcommon.imaging import ResizePlan, plan_resize
 from vlcommon.model_info import VisionSpec
@@ -105,10 +109,10 @@ async def test_a_put_image_is_an_exact_hit_with_its_own_embeddings(cache_stage) 
     stage, store = cache_stage
     a, b = image(1), image(2)
     timings = gpb.StageTimings()
-    await stage.put([a, b], SIMILAR, None, timings)
+    await stage.put([a, b], SIMILAR, NO_DEADLINE, timings)
     assert "key-1" in store and "key-2" in store and timings.put_ms > 0
     asked = [fresh(b), fresh(a), fresh(image(3))]
-    await stage.lookup(asked, SIMILAR, None)  # type: ignore[arg-type]
+    await stage.lookup(asked, SIMILAR, NO_DEADLINE)
     assert [im.tier for im in asked] == [
         generation_pb2.CACHE_TIER_EXACT,
         generation_pb2.CACHE_TIER_EXACT,
@@ -127,10 +131,10 @@ async def test_a_hit_that_does_not_fit_the_model_is_a_counted_miss(cache_stage) 
     other.embedding.embeddings.CopyFrom(  # type: ignore[union-attr]
         tensors.from_numpy(np.zeros((4, 6), np.float32))
     )
-    await stage.put([other], SIMILAR, None)
+    await stage.put([other], SIMILAR, NO_DEADLINE)
     before = failures("bad_entry")
     asked = [fresh(other)]
-    await stage.lookup(asked, SIMILAR, None)  # type: ignore[arg-type]
+    await stage.lookup(asked, SIMILAR, NO_DEADLINE)
     assert asked[0].tier == generation_pb2.CACHE_TIER_MISS and asked[0].embedding is None
     assert failures("bad_entry") == before + 1
 
@@ -154,18 +158,18 @@ async def test_an_unreachable_cache_leaves_misses_and_counts_one_failure() -> No
     )
     before = failures("lookup")
     asked = [fresh(image(7))]
-    await stage.lookup(asked, SIMILAR, None)  # type: ignore[arg-type]
+    await stage.lookup(asked, SIMILAR, NO_DEADLINE)
     assert asked[0].tier == generation_pb2.CACHE_TIER_MISS and asked[0].embedding is None
     assert failures("lookup") == before + 1
-    assert await stage.lookup_files([None], None) == {}  # type: ignore[arg-type]
+    assert await stage.lookup_files([None], NO_DEADLINE) == {}
     await channel.close()
 
 
 async def test_without_a_cache_the_stage_does_nothing() -> None:
     stage = CacheStage(None, spec=SPEC, revision="r1", transport=0, timeout_s=1, put_timeout_s=1)
     asked = [fresh(image(8))]
-    await stage.lookup(asked, SIMILAR, None)  # type: ignore[arg-type]
-    await stage.put([image(8)], SIMILAR, None)
+    await stage.lookup(asked, SIMILAR, NO_DEADLINE)
+    await stage.put([image(8)], SIMILAR, NO_DEADLINE)
     assert asked[0].embedding is None and asked[0].tier == generation_pb2.CACHE_TIER_MISS
 
 
@@ -203,9 +207,9 @@ async def test_the_encode_stage_binds_each_miss_its_own_embeddings(engine) -> No
             encoder_service_pb2_grpc.EncoderServiceStub(channel), transport=0, timeout_s=30
         )
         misses = [encodable("astronaut.png", engine), encodable("chelsea.png", engine)]
-        await stage.encode(misses, None)  # type: ignore[arg-type]
+        await stage.encode(misses, NO_DEADLINE)
         alone = [encodable("chelsea.png", engine)]
-        await stage.encode(alone, None)  # type: ignore[arg-type]
+        await stage.encode(alone, NO_DEADLINE)
     await batcher.stop()
     shapes = [list(im.embedding.embeddings.shape) for im in misses]  # type: ignore[union-attr]
     assert shapes == [[im.plan.tokens, engine.spec.embedding_width] for im in misses]
@@ -234,7 +238,7 @@ async def test_an_encoder_answering_the_wrong_count_or_down_is_unavailable(engin
             encoder_service_pb2_grpc.EncoderServiceStub(channel), transport=0, timeout_s=30
         )
         with pytest.raises(ServiceError) as err:
-            await stage.encode(misses, None)  # type: ignore[arg-type]
+            await stage.encode(misses, NO_DEADLINE)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert err.value.reason == "ENCODER_BAD_RESPONSE"
     assert err.value.message == "encoder answered 1 embeddings for 2 images"
@@ -245,7 +249,7 @@ async def test_an_encoder_answering_the_wrong_count_or_down_is_unavailable(engin
         encoder_service_pb2_grpc.EncoderServiceStub(channel), transport=0, timeout_s=5
     )
     with pytest.raises(ServiceError) as err:
-        await stage.encode(misses, None)  # type: ignore[arg-type]
+        await stage.encode(misses, NO_DEADLINE)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "encoder" in err.value.message
     await channel.close()
@@ -294,7 +298,7 @@ GONE = ServiceError(
 
 async def test_the_decode_stage_streams_every_chunk_in_order() -> None:
     async with decode_stage(_Decoder(tokens=5)) as stage:
-        got = [c.token_ids[0] async for c in stage.stream(dpb.GenerateRequest(), None)]
+        got = [c.token_ids[0] async for c in stage.stream(dpb.GenerateRequest(), NO_DEADLINE)]
     assert got == [100, 101, 102, 103, 104]
 
 
@@ -303,14 +307,14 @@ async def test_a_lost_ref_before_the_first_token_is_refs_lost_and_after_it_an_er
     the status goes to the client as UNAVAILABLE naming the image."""
     async with decode_stage(_Decoder(tokens=0, error=GONE)) as stage:
         with pytest.raises(RefsLost) as lost:
-            [c async for c in stage.stream(dpb.GenerateRequest(), None)]
+            [c async for c in stage.stream(dpb.GenerateRequest(), NO_DEADLINE)]
     assert lost.value.error.code == grpc.StatusCode.UNAVAILABLE
     assert lost.value.error.reason == "EMBEDDING_REF_GONE"
     assert lost.value.error.message.startswith("decoder unavailable: images[0].ref")
     async with decode_stage(_Decoder(tokens=2, error=GONE)) as stage:
         got = []
         with pytest.raises(ServiceError) as err:
-            async for chunk in stage.stream(dpb.GenerateRequest(), None):
+            async for chunk in stage.stream(dpb.GenerateRequest(), NO_DEADLINE):
                 got.append(chunk.token_ids[0])
     assert got == [100, 101] and not isinstance(err.value, RefsLost)
     assert err.value.reason == "EMBEDDING_REF_GONE"
@@ -322,7 +326,7 @@ async def test_closing_the_stream_cancels_the_decoder_call() -> None:
     (the decoder then aborts the vLLM request)."""
     decoder = _Decoder(tokens=50)
     async with decode_stage(decoder) as stage:
-        async with contextlib.aclosing(stage.stream(dpb.GenerateRequest(), None)) as chunks:
+        async with contextlib.aclosing(stage.stream(dpb.GenerateRequest(), NO_DEADLINE)) as chunks:
             async for _ in chunks:
                 break
         await asyncio.wait_for(decoder.cancelled.wait(), timeout=10)
@@ -397,7 +401,7 @@ async def test_a_hit_the_gateway_will_not_use_is_released_at_its_holder(tmp_path
     """An exact hit of the wrong width is not bound (a miss), and its held entry is
     released at once, not kept leased until its TTL; a usable hit is kept for the decoder
     (in ``held``); a malformed answer (one result for two queries) releases every ref."""
-    from gateway.stages import HeldRefs
+    from gateway.pipeline.types import HeldRefs
     from vlcommon import handoff
 
     releaser = handoff.Reader()
@@ -406,20 +410,20 @@ async def test_a_hit_the_gateway_will_not_use_is_released_at_its_holder(tmp_path
         async with scripted_cache_stage(results, releaser) as stage:
             held = HeldRefs()
             asked = [fresh(image(1))]
-            await stage.lookup(asked, SIMILAR, None, held)  # type: ignore[arg-type]
+            await stage.lookup(asked, SIMILAR, NO_DEADLINE, held)
             assert asked[0].embedding is None and held.refs == []
             assert await freed(holder, left=1)  # the unusable one, and only it
             assert len(holder) == 1
             # One result for two queries: nothing is bound, every ref is released.
             results[0].embedding.CopyFrom(bad[1])
-            await stage.lookup([fresh(image(2)), fresh(image(3))], SIMILAR, None, held)  # type: ignore[arg-type]
+            await stage.lookup([fresh(image(2)), fresh(image(3))], SIMILAR, NO_DEADLINE, held)
             assert await freed(holder)
     async with held_entries(tmp_path, 1) as (holder, good):
         results = [cpb.LookupResult(tier=generation_pb2.CACHE_TIER_EXACT, embedding=good[0])]
         async with scripted_cache_stage(results, releaser) as stage:
             held = HeldRefs()
             asked = [fresh(image(1))]
-            await stage.lookup(asked, SIMILAR, None, held)  # type: ignore[arg-type]
+            await stage.lookup(asked, SIMILAR, NO_DEADLINE, held)
             assert asked[0].embedding is not None and held.refs == [good[0].ref]
             await asyncio.sleep(0.3)
             assert len(holder) == 1  # kept: it is the decoder's to read
@@ -438,7 +442,7 @@ async def test_a_decode_request_that_never_reached_the_decoder_releases_its_refs
         request = dpb.GenerateRequest(images=msgs[:1])
         request.videos.add(embedding=msgs[1])
         with pytest.raises(ServiceError) as err:
-            [c async for c in stage.stream(request, None)]
+            [c async for c in stage.stream(request, NO_DEADLINE)]
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
         assert await freed(holder)
         await channel.close()
@@ -495,7 +499,7 @@ async def test_a_request_cancelled_while_its_encode_is_answered_releases_the_ans
                 releaser=releaser,
             )
             misses = [fresh(image(1)), fresh(image(2))]
-            task = asyncio.ensure_future(stage.encode(misses, None, readers=2))  # type: ignore[arg-type]
+            task = asyncio.ensure_future(stage.encode(misses, NO_DEADLINE, readers=2))
             await asyncio.sleep(0.2)
             assert len(holder) == 2
             task.cancel()

@@ -411,7 +411,8 @@ def _gateway_servicer(cluster, tiny_model, **kw: object):  # type: ignore[no-unt
     from qwenvl.encoder.v1 import encoder_service_pb2_grpc
 
     from gateway.__main__ import forbidden_tokens
-    from gateway.servicer import Downstream, GatewayServicer
+    from gateway.pipeline import Downstream, Pipeline
+    from gateway.servicer import GatewayServicer
     from vlcommon.model_info import load_vision_spec, model_revision
     from vlcommon.settings import channel_options
 
@@ -426,11 +427,13 @@ def _gateway_servicer(cluster, tiny_model, **kw: object):  # type: ignore[no-unt
     )
     settings = GatewaySettings(model=str(tiny_model), **kw)  # type: ignore[arg-type]
     servicer = GatewayServicer(
-        settings,
-        load_vision_spec(tiny_model),
-        model_revision(tiny_model),
-        forbidden_tokens(tiny_model),
-        downstream,
+        Pipeline(
+            settings,
+            load_vision_spec(tiny_model),
+            model_revision(tiny_model),
+            forbidden_tokens(tiny_model),
+            downstream,
+        )
     )
     return servicer, channels
 
