@@ -47,7 +47,7 @@ test-fast: $(STAMP) $(NODE_DEPS)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy vlcommon encoder_service cache_service decoder_service gateway splitvl splitvl_tools
+	$(BIN)/mypy vlcommon encoder_service cache_service decoder_service gateway splitvl splitvl_tools scripts
 	cd protos && ../$(BIN)/buf lint
 
 clean:

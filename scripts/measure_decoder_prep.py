@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(args.model)
 
-    def user(text: str) -> list[dict[str, object]]:
+    def user(text: str) -> list[dict[str, Any]]:
         return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
 
     times = []

@@ -15,6 +15,7 @@ PACKAGES = [
     "gateway",
     "splitvl",
     "splitvl_tools",
+    "scripts",
 ]
 
 

@@ -5,7 +5,7 @@ Each pair goes through what the gateway computes for an image (``decode_image`` 
 encoded bytes, ``plan_resize``, ``resize_to_plan``, ``similarity_descriptor(image,
 resized)``, ``verification_image``, ``reusable_grids``) and what the cache decides
 (cosine >= the 0.85 default threshold, a stored grid equal or reusable, ``verify``), the
-same functions as ``gateway/servicer.py`` and ``cache_service/store.py``, in process (no
+same functions as ``gateway.pipeline.preprocess`` and ``cache_service/store.py``, in process (no
 services started). A pair the tier would serve is a false hit: the model would be told
 about pixels the user did not send.
 

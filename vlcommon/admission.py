@@ -14,9 +14,6 @@ import grpc
 from vlcommon.errors import ServiceError, abort, resource_exhausted
 from vlcommon.interceptors import Around, AroundInterceptor
 
-#: Trailing metadata key with the retry hint of a RESOURCE_EXHAUSTED answer, milliseconds.
-RETRY_AFTER_KEY = "retry-after-ms"
-
 
 class AdmissionInterceptor(AroundInterceptor):
     """Bounds the RPCs a service runs at once; the one over the limit gets

@@ -1,7 +1,8 @@
 """Errors that travel in the gRPC status, with google.rpc.ErrorInfo details.
 
 Every service raises :class:`ServiceError` (or a subclass) from its domain code; the
-thin servicers turn it into a status with :func:`abort`. The status carries a
+server's :class:`~vlcommon.interceptors.ErrorInterceptor` turns it into the call's status
+with :func:`abort`, so servicers map nothing by hand. The status carries a
 ``google.rpc.ErrorInfo`` (reason in UPPER_SNAKE, metadata naming the field and the
 limit), packed with grpcio-status as in grpc's ``examples/python/errors/``.
 """
@@ -18,6 +19,8 @@ from grpc_status import rpc_status
 _D = TypeVar("_D", error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo)
 
 ERROR_DOMAIN = "splitvl.qwenvl"
+#: Trailing metadata key with the retry hint of a RESOURCE_EXHAUSTED answer, milliseconds.
+RETRY_AFTER_KEY = "retry-after-ms"
 
 
 # gRPC refuses trailing metadata over 16 KiB (its hard limit, on the client side too), and
@@ -146,7 +149,7 @@ def to_status(err: ServiceError) -> grpc.Status:
     return _Status(
         packed.code,
         packed.details,
-        (*packed.trailing_metadata, ("retry-after-ms", str(int(err.retry_after_ms)))),
+        (*packed.trailing_metadata, (RETRY_AFTER_KEY, str(int(err.retry_after_ms)))),
     )
 
 

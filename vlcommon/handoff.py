@@ -821,7 +821,7 @@ async def hold_on_thread(
     cancelled (by its client, or past its deadline) while ``make`` runs, its holds are
     freed once it ends. (A response lost after the handler returned cannot be seen from
     here: grpc's aio context reports no cancellation then; the caller releases what it
-    received late, ``gateway.stages``, and the TTL bounds the rest.)
+    received late, ``gateway.pipeline.types.answer_or_release``, and the TTL bounds the rest.)
 
     Raises:
         asyncio.CancelledError: the call was cancelled (the holds are freed).

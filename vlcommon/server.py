@@ -336,12 +336,3 @@ class _Registrar:
         wrapped = {method: _wrap(h) for method, h in handlers.items()}
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, wrapped),))
         self.server.add_registered_method_handlers(name, wrapped)
-
-
-def add_servicer(
-    add_to_server: Callable[[Any, Any], None], servicer: Any, server: grpc.aio.Server
-) -> None:
-    """Register ``servicer`` with the generated ``add_*Servicer_to_server`` function, so that
-    a request that does not parse gets INVALID_ARGUMENT naming ``request`` (grpc-python
-    would answer UNKNOWN)."""
-    add_to_server(servicer, _Registrar(server))
