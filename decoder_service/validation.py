@@ -21,9 +21,13 @@ from vlcommon.errors import invalid_argument
 from vlcommon.model_info import VisionSpec
 from vlcommon.request_rules import (
     check_grid,
+    check_media_count,
     check_message_counts,
     check_no_control_tokens,
+    check_parts_present,
     check_role,
+    check_text_length,
+    part_empty,
 )
 from vlcommon.tensors import EMBEDDING_DTYPES
 
@@ -68,10 +72,7 @@ def to_chat_messages(
     chars = 0
     for i, message in enumerate(request.messages):
         check_role(message.role, f"messages[{i}].role")
-        if not message.parts:
-            raise invalid_argument(
-                "PARTS_EMPTY", f"messages[{i}].parts is empty", field=f"messages[{i}].parts"
-            )
+        check_parts_present(message.parts, i)
         content: list[dict[str, Any]] = []
         for j, part in enumerate(message.parts):
             field = f"messages[{i}].parts[{j}]"
@@ -100,19 +101,9 @@ def to_chat_messages(
                 order.append(idx)
                 content.append({"type": "image"})
             else:
-                raise invalid_argument(
-                    "PART_EMPTY",
-                    f"{field} has none of text, image_index, video_index",
-                    field=field,
-                )
+                raise part_empty(field, "text, image_index, video_index")
         messages.append({"role": message.role, "content": content})
-    if chars > limits.max_text_chars:
-        raise invalid_argument(
-            "TEXT_TOO_LONG",
-            f"messages hold {chars} characters of text; the limit is {limits.max_text_chars}",
-            field="messages",
-            limit=limits.max_text_chars,
-        )
+    check_text_length(chars, limits.max_text_chars)
     if len(order) != len(request.images):
         unused = sorted(set(range(len(request.images))) - set(order))
         raise invalid_argument(
@@ -120,13 +111,7 @@ def to_chat_messages(
             f"images {unused} are not referenced by any message part",
             field="images",
         )
-    if len(order) > limits.max_images:
-        raise invalid_argument(
-            "TOO_MANY_IMAGES",
-            f"the request has {len(order)} images; the limit is {limits.max_images} per prompt",
-            field="images",
-            limit=limits.max_images,
-        )
+    check_media_count(len(order), noun="images", limit=limits.max_images, where=" per prompt")
     return messages, order
 
 
@@ -162,13 +147,7 @@ def video_order(request: pb.GenerateRequest, max_videos: int) -> list[int]:
             f"videos {unused} are not referenced by any message part",
             field="videos",
         )
-    if len(order) > max_videos:
-        raise invalid_argument(
-            "TOO_MANY_VIDEOS",
-            f"the request has {len(order)} videos; the limit is {max_videos} per prompt",
-            field="videos",
-            limit=max_videos,
-        )
+    check_media_count(len(order), noun="videos", limit=max_videos, where=" per prompt")
     return order
 
 
