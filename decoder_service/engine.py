@@ -7,7 +7,7 @@ Usage::
     prompt = engine.render(messages)           # chat template, one <|image_pad|> per image
     async for delta in engine.generate(rid, prompt, images, params): ...
 
-Everything that could kill the engine is checked first by the servicer, with
+Everything that could kill the engine is checked first (``decoder_service.prepare``), with
 ``decoder_service.validation.check_image`` on each image (FACTS.md:
 a wrong row count or width raises EngineDeadError and fails every later request).
 vLLM gets ``{"image_embeds": [sum tokens, out_hidden*(1+n_deepstack)], "image_grid_thw":
@@ -77,7 +77,7 @@ def cpu_block_size_error(block_size: int) -> str | None:
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image's embeddings as validated by the servicer.
+    """One image's embeddings as validated before the engine (``decoder_service.prepare``).
 
     Attributes:
         embeddings: float32/bfloat16 ``[tokens, out_hidden*(1+n_deepstack)]``.

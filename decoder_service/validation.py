@@ -335,3 +335,30 @@ def check_control_tokens(
                 field="messages",
                 token=token,
             )
+
+
+def check_prompt_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Refuse a prompt that leaves no room for ``max_tokens`` within ``max_model_len``
+    (all three in tokens; the prompt's images and videos expanded).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``PROMPT_TOO_LONG`` with the limit max_model_len,
+            naming ``messages`` when no max_tokens would make the prompt fit, else
+            ``sampling.max_tokens``.
+    """
+    if prompt_tokens >= max_model_len:
+        raise invalid_argument(
+            "PROMPT_TOO_LONG",
+            f"the prompt is {prompt_tokens} tokens (images included); max_model_len is "
+            f"{max_model_len}, and at least one token must be generated: shorten the messages",
+            field="messages",
+            limit=max_model_len,
+        )
+    if prompt_tokens > max_model_len - max_tokens:
+        raise invalid_argument(
+            "PROMPT_TOO_LONG",
+            f"the prompt is {prompt_tokens} tokens (images included) and max_tokens "
+            f"{max_tokens}; together they exceed max_model_len {max_model_len}",
+            field="sampling.max_tokens",
+            limit=max_model_len,
+        )
