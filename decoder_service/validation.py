@@ -199,10 +199,10 @@ def content_uuid(data: bytes | bytearray, dtype: int, grid: tuple[int, int, int]
 
     vLLM's caches (its encoder cache and the prefix cache's multimodal hashes) trust the
     uuid: two requests with one uuid share what was computed for the first. A key taken
-    from the request let a caller of the decoder's port bind its own embeddings to an
-    image's key, and the next genuine request for that image got them (found by an
-    adversarial probe). The digest costs 3.2 ms per 16 MiB here (``blake3``, the hasher
-    vLLM itself depends on), against an isfinite pass over the same bytes.
+    from the request would let a caller of the decoder's port bind its own embeddings to
+    an image's key, and the next genuine request for that image would get them. The digest
+    costs 3.2 ms per 16 MiB here (``blake3``, the hasher vLLM itself depends on), against an
+    isfinite pass over the same bytes.
     """
     digest = blake3.blake3(data).hexdigest()[:32]
     return f"{digest}:{tensors.dtype_name(dtype)}:{grid[0]}x{grid[1]}x{grid[2]}"
