@@ -7,7 +7,7 @@ Usage::
     prompt = engine.render(messages)           # chat template, one <|image_pad|> per image
     async for delta in engine.generate(rid, prompt, images, params): ...
 
-Everything that could kill the engine is checked first by the servicer, with
+Everything that could kill the engine is checked first (``decoder_service.prepare``), with
 ``decoder_service.validation.check_image`` on each image (FACTS.md:
 a wrong row count or width raises EngineDeadError and fails every later request).
 vLLM gets ``{"image_embeds": [sum tokens, out_hidden*(1+n_deepstack)], "image_grid_thw":
@@ -52,7 +52,7 @@ def cpu_block_size_error(block_size: int) -> str | None:
     """Why vLLM's CPU attention cannot run with this KV-cache block size, or None.
 
     The sizes come from vLLM itself (``CPUAttentionBackend.get_supported_kernel_block_sizes``:
-    multiples of 32 in vLLM 0.32); any other size failed later, inside the engine core's
+    multiples of 32 in vLLM 0.32); any other size fails later, inside the engine core's
     KV-cache set-up, with a traceback instead of a usage error.
     """
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -77,10 +77,11 @@ def cpu_block_size_error(block_size: int) -> str | None:
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image's embeddings as validated by the servicer.
+    """One image's embeddings as validated before the engine (``decoder_service.prepare``).
 
     Attributes:
-        embeddings: float32/bfloat16 ``[tokens, out_hidden*(1+n_deepstack)]``.
+        embeddings: float32, float16 or bfloat16 (``vlcommon.tensors.EMBEDDING_DTYPES``)
+            ``[tokens, out_hidden*(1+n_deepstack)]``.
         grid: (t, h, w) in patches.
         uuid: Identity of the content for vLLM's caches
             (:func:`decoder_service.validation.content_uuid`: a digest of the bytes).
@@ -232,8 +233,8 @@ class DecoderEngine:
 
         Videos go in as ``{"video_embeds", "video_grid_thw", "timestamps"}``: vLLM 0.32's
         Qwen3-VL parser requires ``timestamps`` beside embeddings (its
-        ``Qwen3VLMultiModalDataParser.embedding_fields``; older vLLMs raised
-        ``KeyError: 'timestamps'`` here), one list per video, one time per temporal patch.
+        ``Qwen3VLMultiModalDataParser.embedding_fields``; without them it raises
+        ``KeyError: 'timestamps'``), one list per video, one time per temporal patch.
         """
         inputs: dict[str, Any] = {"prompt": prompt}
         mm: dict[str, Any] = {}

@@ -2,7 +2,7 @@
 
 RPC counts and durations (``splitvl_decoder_requests_total{method,code}``, ...) come from
 the shared interceptor in ``vlcommon.metrics``; the ``engine_*`` gauges and prefix-cache
-counters are fed by :class:`decoder_service.engine_stats.EngineStatLogger` from vLLM's own
+counters are fed by the stat logger of :func:`engine_stat_logger` from vLLM's own
 scheduler stats. vLLM's ``vllm:*`` metrics share the registry. Names: docs/observability.md.
 """
 

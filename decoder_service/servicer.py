@@ -1,14 +1,20 @@
-"""``qwenvl.decoder.v1.DecoderService``: validates, renders the prompt, streams vLLM output."""
+"""``qwenvl.decoder.v1.DecoderService``: checks a request, prepares its engine inputs
+(:mod:`decoder_service.prepare`), streams vLLM's output, and maps failures to statuses.
+
+Usage::
+
+    servicer = DecoderServicer(engine, limits, on_engine_dead=stop.set, reader=Reader())
+    decoder_service_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, server)
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 from opentelemetry import trace
@@ -17,20 +23,13 @@ from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 from qwenvl.decoder.v1 import decoder_service_pb2_grpc as pb_grpc
 
 from decoder_service import metrics
-from decoder_service.engine import DecoderEngine
-from decoder_service.validation import (
-    Limits,
-    blank_texts,
-    check_control_tokens,
-    check_embedding_shape,
-    check_image,
-    check_video,
-    to_chat_messages,
-    video_order,
-)
+from decoder_service.engine import DecoderEngine, Delta
+from decoder_service.prepare import Prepared, Preparer
+from decoder_service.validation import Limits
+from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError, abort, invalid_argument
-from vlcommon.handoff import Fetched, Reader
-from vlcommon.sampling import check_max_tokens, check_sampling_ranges
+from vlcommon.handoff import Reader
+from vlcommon.model_info import VisionSpec
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.decoder")
@@ -72,32 +71,72 @@ def _engine_spans(stats: object, parent_end_ns: int) -> tuple[float, float] | No
     return scheduled - queued, first - scheduled
 
 
-def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits) -> object:
-    """vLLM SamplingParams from the proto, with every field range-checked.
+class _StreamRecord:
+    """What one Generate stream records as its deltas arrive: TTFT and ITL, vLLM's queue
+    wait and prefill (metrics and child spans), output and prompt tokens, and the
+    ``decoder.generation`` span (first token -> last token) under ``span``."""
 
-    Raises:
-        ServiceError: INVALID_ARGUMENT naming ``sampling.<field>`` and its range.
-    """
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+        self.start = time.perf_counter()
+        self.last = self.start
+        self.first = True
+        self.generation: trace.Span | None = None
 
-    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else limits.max_tokens_default
-    check_max_tokens(max_tokens, limits.max_tokens_limit)
-    top_p = check_sampling_ranges(msg)
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=msg.temperature,
-            top_p=top_p,
-            seed=msg.seed if msg.HasField("seed") else None,
-            stop=list(msg.stop) or None,
-            ignore_eos=msg.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-        )
-    except ValueError as exc:  # any check of vLLM's own that ours did not anticipate
-        raise invalid_argument(
-            "SAMPLING_INVALID", f"sampling is invalid: {exc}", field="sampling"
-        ) from exc
+    def tokens(self, delta: Delta) -> None:
+        """Record the arrival of ``delta``'s tokens (none: nothing to record)."""
+        if not delta.token_ids:
+            return
+        now = time.perf_counter()
+        if self.first:
+            metrics.TTFT.observe(now - self.start)
+            self.span.add_event("first_token", {"splitvl.ttft_ms": (now - self.start) * 1000})
+            engine_times = _engine_spans(delta.stats, time.time_ns())
+            if engine_times is not None:
+                metrics.QUEUE_WAIT.observe(engine_times[0])
+                metrics.PREFILL_SECONDS.observe(engine_times[1])
+            self.generation = tracer.start_span("decoder.generation")
+            self.first = False
+        else:
+            metrics.ITL.observe((now - self.last) / len(delta.token_ids))
+        self.last = now
+        metrics.OUTPUT_TOKENS.inc(len(delta.token_ids))
+
+    def finished(self, delta: Delta, reason: str) -> None:
+        """Record the last delta's usage and finish ``reason``; end the generation span."""
+        metrics.PROMPT_TOKENS.inc(delta.prompt_tokens)
+        self.span.set_attribute("splitvl.usage.completion_tokens", delta.completion_tokens)
+        self.span.set_attribute("splitvl.finish_reason", reason)
+        if self.generation is not None:
+            self.generation.set_attribute(
+                "splitvl.usage.completion_tokens", delta.completion_tokens
+            )
+        self.end()
+
+    def end(self) -> None:
+        """End the generation span if it is open (cancelled, failed, or no finish reason)."""
+        if self.generation is not None:
+            self.generation.end()
+            self.generation = None
+
+
+def _response(delta: Delta, record: _StreamRecord) -> pb.GenerateResponse:
+    """The response for one delta; the last one carries the finish reason and usage."""
+    record.tokens(delta)
+    response = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
+    if delta.finish_reason is not None:
+        response.finish_reason = FINISH.get(delta.finish_reason, generation_pb2.FINISH_REASON_STOP)
+        response.usage.prompt_tokens = delta.prompt_tokens
+        response.usage.completion_tokens = delta.completion_tokens
+        record.finished(delta, delta.finish_reason)
+    return response
+
+
+def _unread_refs(request: pb.GenerateRequest, read: set[str]) -> list[tensor_pb2.EmbeddingRef]:
+    """The refs of ``request`` whose tickets are not in ``read``."""
+    refs = [e.ref for e in request.images if e.HasField("ref")]
+    refs += [v.embedding.ref for v in request.videos if v.embedding.HasField("ref")]
+    return [r for r in refs if r.ticket not in read]
 
 
 class DecoderServicer(pb_grpc.DecoderServiceServicer):
@@ -114,207 +153,33 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         self.limits = limits
         # Reads the embeddings that arrive by reference (ImageEmbedding.ref).
         self.reader = reader or Reader()
+        self.preparer = Preparer(engine, limits, self.reader)
         # Called once the engine is found dead: the service turns NOT_SERVING and exits so
         # its supervisor restarts it (a dead vLLM engine never recovers in process).
         self.on_engine_dead = on_engine_dead or (lambda: None)
 
-    async def _fetch_all(
-        self,
-        request: pb.GenerateRequest,
-        order: list[int],
-        v_order: list[int],
-        context: grpc.aio.ServicerContext,
-        read: set[str],
-    ) -> tuple[dict[int, Fetched], dict[int, Fetched]]:
-        """Every image's and video's payload, inline or read by reference, concurrently
-        and within the call's deadline (a failed read fails the request with UNAVAILABLE
-        naming the image and its holder). ``read`` collects the tickets read."""
-        timeout = context.time_remaining() if context is not None else None
-        items = [(f"images[{i}]", request.images[i]) for i in order]
-        items += [(f"videos[{i}].embedding", request.videos[i].embedding) for i in v_order]
-
-        async def fetch(field: str, msg: tensor_pb2.ImageEmbedding) -> Fetched:
-            got = await self.reader.fetch(msg, field=field, timeout=timeout)
-            if msg.HasField("ref"):
-                read.add(msg.ref.ticket)  # released by its read
-            return got
-
-        with tracer.start_as_current_span("decoder.fetch_embeddings") as span:
-            # Every read ends before this returns or raises (none left running behind a
-            # failed one, so the tickets read are known when the request fails).
-            results = await asyncio.gather(
-                *(fetch(field, msg) for field, msg in items), return_exceptions=True
-            )
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-            got = [r for r in results if isinstance(r, Fetched)]
-            span.set_attribute("splitvl.embedding.bytes", sum(g.nbytes for g in got))
-            span.set_attribute("splitvl.embedding.transports", [g.transport for g in got])
-        images = dict(zip(order, got[: len(order)], strict=True))
-        videos = dict(zip(v_order, got[len(order) :], strict=True))
-        return images, videos
-
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """Check the request, prepare its engine inputs and stream vLLM's output; a
+        client's cancel aborts the vLLM request.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for a request a check refuses; UNAVAILABLE when
+                the engine is not ready or dead, or an embedding's holder cannot be read;
+                DEADLINE_EXCEEDED. vLLM's own refusal aborts the call with INVALID_ARGUMENT
+                ``ENGINE_REJECTED``, and its engine's death with UNAVAILABLE ``ENGINE_DEAD``.
+        """
         request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
-        generation: trace.Span | None = None  # first token -> last token
         read: set[str] = set()  # tickets of refs read (each read releases its own)
-        fetched = False
         try:
-            if self.engine.llm is None or self.engine.spec is None:
-                raise ServiceError(
-                    grpc.StatusCode.UNAVAILABLE, "ENGINE_NOT_READY", "decoder engine is not ready"
-                )
-            if self.engine.dead:
-                self.on_engine_dead()
-                raise ServiceError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "ENGINE_DEAD",
-                    "decoder engine has died; the service is restarting",
-                )
-            limits = dataclasses.replace(self.limits, max_images=self.engine.max_images)
-            messages, order = to_chat_messages(request, self.engine.forbidden_tokens, limits)
-            v_order = video_order(request, self.engine.max_videos)
-            # Every shape against its grid and the model before any byte is read: a ref's
-            # size is then bounded by what its grid needs (a forged 1 GiB ref for a
-            # 4-token grid was allocated, then refused).
-            for i in order:
-                check_embedding_shape(
-                    request.images[i], i, self.engine.spec, self.engine.max_image_tokens
-                )
-            for i in v_order:
-                check_embedding_shape(
-                    request.videos[i].embedding,
-                    i,
-                    self.engine.spec,
-                    self.engine.max_video_tokens,
-                    field=f"videos[{i}].embedding",
-                    video=True,
-                )
-            # Embeddings sent by reference are read from their holders while the prompt is
-            # rendered and tokenised (the reads wait on other processes, not on this loop).
-            fetching = asyncio.ensure_future(
-                self._fetch_all(request, order, v_order, context, read)
-            )
-            fetching.add_done_callback(lambda f: f.cancelled() or f.exception())
-            try:
-                params = sampling_params(request.sampling, limits)
-                # Render and tokenise once; the blank render is the template's own tokens.
-                prompt = self.engine.render(messages)
-                ids = self.engine.tokenize(prompt)
-                check_control_tokens(
-                    self.engine.control_tokens(ids),
-                    self.engine.control_tokens(
-                        self.engine.tokenize(self.engine.render(blank_texts(messages)))
-                    ),
-                    self.engine.forbidden_tokens,
-                )
-            except BaseException:
-                fetching.cancel()
-                raise
-            image_data, video_data = await fetching
-            fetched = True
-            images = [
-                check_image(
-                    request.images[i],
-                    i,
-                    self.engine.spec,
-                    self.engine.max_image_tokens,
-                    data=image_data[i].data,
-                )
-                for i in order
-            ]
-            videos = [
-                check_video(
-                    request.videos[i],
-                    i,
-                    self.engine.spec,
-                    self.engine.max_video_tokens,
-                    data=video_data[i].data,
-                )
-                for i in v_order
-            ]
-            received = 0
-            for got in [*image_data.values(), *video_data.values()]:
-                metrics.EMBEDDING_RECEIVED_BYTES.labels(
-                    transport=got.transport, holder=got.service
-                ).inc(got.nbytes)
-                received += got.nbytes
-            n_prompt = self.engine.prompt_length(ids, images) + self.engine.video_prompt_length(
-                videos
-            )
-            budget = self.engine.max_model_len - params.max_tokens  # type: ignore[attr-defined]
-            if n_prompt >= self.engine.max_model_len:  # no max_tokens would make it fit
-                raise invalid_argument(
-                    "PROMPT_TOO_LONG",
-                    f"the prompt is {n_prompt} tokens (images included); max_model_len is "
-                    f"{self.engine.max_model_len}, and at least one token must be generated: "
-                    "shorten the messages",
-                    field="messages",
-                    limit=self.engine.max_model_len,
-                )
-            if n_prompt > budget:
-                raise invalid_argument(
-                    "PROMPT_TOO_LONG",
-                    f"the prompt is {n_prompt} tokens (images included) and max_tokens "
-                    f"{params.max_tokens}; together they exceed max_model_len "  # type: ignore[attr-defined]
-                    f"{self.engine.max_model_len}",
-                    field="sampling.max_tokens",
-                    limit=self.engine.max_model_len,
-                )
-            t0 = time.perf_counter()
-            last = t0
-            first = True
-            with tracer.start_as_current_span("decoder.generate") as span:
-                span.set_attribute("splitvl.request.model", str(self.engine.engine_args.model))
-                span.set_attribute("splitvl.request.id", request_id)
-                span.set_attribute("splitvl.request.images", len(images))
-                span.set_attribute("splitvl.request.max_tokens", params.max_tokens)  # type: ignore[attr-defined]
-                span.set_attribute("splitvl.usage.prompt_tokens", n_prompt)
-                span.set_attribute("splitvl.embedding.bytes", received)
-                # aclosing: a GeneratorExit at our yield closes the engine stream (and so aborts
-                # the vLLM request) at once, not when the garbage collector finalises it.
-                span.set_attribute("splitvl.request.videos", len(videos))
-                stream = self.engine.generate(request_id, prompt, images, params, videos)
-                async with contextlib.aclosing(stream):
-                    async for delta in stream:
-                        now = time.perf_counter()
-                        if delta.token_ids:
-                            if first:
-                                metrics.TTFT.observe(now - t0)
-                                ttft_ms = (now - t0) * 1000
-                                span.add_event("first_token", {"splitvl.ttft_ms": ttft_ms})
-                                engine_times = _engine_spans(delta.stats, time.time_ns())
-                                if engine_times is not None:
-                                    metrics.QUEUE_WAIT.observe(engine_times[0])
-                                    metrics.PREFILL_SECONDS.observe(engine_times[1])
-                                generation = tracer.start_span("decoder.generation")
-                                first = False
-                            else:
-                                metrics.ITL.observe((now - last) / len(delta.token_ids))
-                            last = now
-                            metrics.OUTPUT_TOKENS.inc(len(delta.token_ids))
-                        response = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
-                        if delta.finish_reason is not None:
-                            response.finish_reason = FINISH.get(
-                                delta.finish_reason, generation_pb2.FINISH_REASON_STOP
-                            )
-                            response.usage.prompt_tokens = delta.prompt_tokens
-                            response.usage.completion_tokens = delta.completion_tokens
-                            metrics.PROMPT_TOKENS.inc(delta.prompt_tokens)
-                            span.set_attribute(
-                                "splitvl.usage.completion_tokens", delta.completion_tokens
-                            )
-                            span.set_attribute("splitvl.finish_reason", delta.finish_reason)
-                            if generation is not None:
-                                generation.set_attribute(
-                                    "splitvl.usage.completion_tokens", delta.completion_tokens
-                                )
-                                generation.end()
-                                generation = None
-                        yield response
+            checked = self.preparer.check(request, self._ready_spec())
+            prepared = await self.preparer.prepare(request, checked, Deadline.of(context), read)
+            # aclosing: a GeneratorExit at our yield closes _stream, and so aborts the vLLM
+            # request, at once.
+            async with contextlib.aclosing(self._stream(request_id, prepared)) as stream:
+                async for response in stream:
+                    yield response
         except (asyncio.CancelledError, GeneratorExit):
             # A client cancel arrives as CancelledError when it lands in one of our awaits, and
             # as GeneratorExit when it lands while grpc.aio writes a response we yielded (the
@@ -324,30 +189,83 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             log.info("request %s cancelled by the client: vLLM request aborted", request_id)
             raise
         except Exception as exc:
-            from vllm.exceptions import VLLMClientError
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            if isinstance(exc, VLLMClientError | ValueError):
-                await abort(
-                    context,
-                    invalid_argument(
-                        "ENGINE_REJECTED", f"vLLM rejected the request: {exc}", field="request"
-                    ),
-                )
-            if isinstance(exc, EngineDeadError) or self.engine.dead:
-                log.error("vLLM engine died: %s", exc)
-                self.on_engine_dead()
-                await abort(
-                    context,
-                    ServiceError(
-                        grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD", f"decoder engine died: {exc}"
-                    ),
-                )
+            await self._abort_on_engine_error(context, exc)
             raise
         finally:
-            if generation is not None:  # cancelled, failed, or ended without a finish reason
-                generation.end()
-            if not fetched:  # failed before every read: free the rest at their holders now
-                refs = [e.ref for e in request.images if e.HasField("ref")]
-                refs += [v.embedding.ref for v in request.videos if v.embedding.HasField("ref")]
-                self.reader.release_unread([r for r in refs if r.ticket not in read])
+            # Refs not read (the request failed before their reads) are freed at their
+            # holders now rather than at their TTL.
+            self.reader.release_unread(_unread_refs(request, read))
+
+    def _ready_spec(self) -> VisionSpec:
+        """The model's vision spec, once the engine is up and alive.
+
+        Raises:
+            ServiceError: UNAVAILABLE ``ENGINE_NOT_READY`` or ``ENGINE_DEAD`` (the latter
+                also calls ``on_engine_dead``).
+        """
+        if self.engine.llm is None or self.engine.spec is None:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE, "ENGINE_NOT_READY", "decoder engine is not ready"
+            )
+        if self.engine.dead:
+            self.on_engine_dead()
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                "ENGINE_DEAD",
+                "decoder engine has died; the service is restarting",
+            )
+        return self.engine.spec
+
+    async def _stream(
+        self, request_id: str, prepared: Prepared
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Submit ``prepared`` to vLLM under the ``decoder.generate`` span and yield a
+        response per delta. Closing this generator closes the engine stream at once, which
+        aborts the vLLM request."""
+        with tracer.start_as_current_span("decoder.generate") as span:
+            span.set_attribute("splitvl.request.model", str(self.engine.engine_args.model))
+            span.set_attribute("splitvl.request.id", request_id)
+            span.set_attribute("splitvl.request.images", len(prepared.images))
+            span.set_attribute("splitvl.request.max_tokens", prepared.max_tokens)
+            span.set_attribute("splitvl.usage.prompt_tokens", prepared.prompt_tokens)
+            span.set_attribute("splitvl.embedding.bytes", prepared.received_bytes)
+            span.set_attribute("splitvl.request.videos", len(prepared.videos))
+            record = _StreamRecord(span)
+            stream = self.engine.generate(
+                request_id, prepared.prompt, prepared.images, prepared.params, prepared.videos
+            )
+            try:
+                # aclosing: a GeneratorExit at our yield closes the engine stream (and so
+                # aborts the vLLM request) at once, not when the garbage collector
+                # finalises it.
+                async with contextlib.aclosing(stream):
+                    async for delta in stream:
+                        yield _response(delta, record)
+            finally:
+                record.end()
+
+    async def _abort_on_engine_error(
+        self, context: grpc.aio.ServicerContext, exc: Exception
+    ) -> None:
+        """Abort the call for a failure of vLLM's: INVALID_ARGUMENT ``ENGINE_REJECTED``
+        when it refused the request, UNAVAILABLE ``ENGINE_DEAD`` (and ``on_engine_dead``)
+        when its engine died. Any other failure returns, for the caller to re-raise."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, VLLMClientError | ValueError):
+            await abort(
+                context,
+                invalid_argument(
+                    "ENGINE_REJECTED", f"vLLM rejected the request: {exc}", field="request"
+                ),
+            )
+        if isinstance(exc, EngineDeadError) or self.engine.dead:
+            log.error("vLLM engine died: %s", exc)
+            self.on_engine_dead()
+            await abort(
+                context,
+                ServiceError(
+                    grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD", f"decoder engine died: {exc}"
+                ),
+            )

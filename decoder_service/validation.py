@@ -21,9 +21,13 @@ from vlcommon.errors import invalid_argument
 from vlcommon.model_info import VisionSpec
 from vlcommon.request_rules import (
     check_grid,
+    check_media_count,
     check_message_counts,
     check_no_control_tokens,
+    check_parts_present,
     check_role,
+    check_text_length,
+    part_empty,
 )
 from vlcommon.tensors import EMBEDDING_DTYPES
 
@@ -68,10 +72,7 @@ def to_chat_messages(
     chars = 0
     for i, message in enumerate(request.messages):
         check_role(message.role, f"messages[{i}].role")
-        if not message.parts:
-            raise invalid_argument(
-                "PARTS_EMPTY", f"messages[{i}].parts is empty", field=f"messages[{i}].parts"
-            )
+        check_parts_present(message.parts, i)
         content: list[dict[str, Any]] = []
         for j, part in enumerate(message.parts):
             field = f"messages[{i}].parts[{j}]"
@@ -100,19 +101,9 @@ def to_chat_messages(
                 order.append(idx)
                 content.append({"type": "image"})
             else:
-                raise invalid_argument(
-                    "PART_EMPTY",
-                    f"{field} has none of text, image_index, video_index",
-                    field=field,
-                )
+                raise part_empty(field, "text, image_index, video_index")
         messages.append({"role": message.role, "content": content})
-    if chars > limits.max_text_chars:
-        raise invalid_argument(
-            "TEXT_TOO_LONG",
-            f"messages hold {chars} characters of text; the limit is {limits.max_text_chars}",
-            field="messages",
-            limit=limits.max_text_chars,
-        )
+    check_text_length(chars, limits.max_text_chars)
     if len(order) != len(request.images):
         unused = sorted(set(range(len(request.images))) - set(order))
         raise invalid_argument(
@@ -120,13 +111,7 @@ def to_chat_messages(
             f"images {unused} are not referenced by any message part",
             field="images",
         )
-    if len(order) > limits.max_images:
-        raise invalid_argument(
-            "TOO_MANY_IMAGES",
-            f"the request has {len(order)} images; the limit is {limits.max_images} per prompt",
-            field="images",
-            limit=limits.max_images,
-        )
+    check_media_count(len(order), noun="images", limit=limits.max_images, where=" per prompt")
     return messages, order
 
 
@@ -162,13 +147,7 @@ def video_order(request: pb.GenerateRequest, max_videos: int) -> list[int]:
             f"videos {unused} are not referenced by any message part",
             field="videos",
         )
-    if len(order) > max_videos:
-        raise invalid_argument(
-            "TOO_MANY_VIDEOS",
-            f"the request has {len(order)} videos; the limit is {max_videos} per prompt",
-            field="videos",
-            limit=max_videos,
-        )
+    check_media_count(len(order), noun="videos", limit=max_videos, where=" per prompt")
     return order
 
 
@@ -220,10 +199,10 @@ def content_uuid(data: bytes | bytearray, dtype: int, grid: tuple[int, int, int]
 
     vLLM's caches (its encoder cache and the prefix cache's multimodal hashes) trust the
     uuid: two requests with one uuid share what was computed for the first. A key taken
-    from the request let a caller of the decoder's port bind its own embeddings to an
-    image's key, and the next genuine request for that image got them (found by an
-    adversarial probe). The digest costs 3.2 ms per 16 MiB here (``blake3``, the hasher
-    vLLM itself depends on), against an isfinite pass over the same bytes.
+    from the request would let a caller of the decoder's port bind its own embeddings to
+    an image's key, and the next genuine request for that image would get them. The digest
+    costs 3.2 ms per 16 MiB here (``blake3``, the hasher vLLM itself depends on), against an
+    isfinite pass over the same bytes.
     """
     digest = blake3.blake3(data).hexdigest()[:32]
     return f"{digest}:{tensors.dtype_name(dtype)}:{grid[0]}x{grid[1]}x{grid[2]}"
@@ -356,3 +335,30 @@ def check_control_tokens(
                 field="messages",
                 token=token,
             )
+
+
+def check_prompt_length(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Refuse a prompt that leaves no room for ``max_tokens`` within ``max_model_len``
+    (all three in tokens; the prompt's images and videos expanded).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``PROMPT_TOO_LONG`` with the limit max_model_len,
+            naming ``messages`` when no max_tokens would make the prompt fit, else
+            ``sampling.max_tokens``.
+    """
+    if prompt_tokens >= max_model_len:
+        raise invalid_argument(
+            "PROMPT_TOO_LONG",
+            f"the prompt is {prompt_tokens} tokens (images included); max_model_len is "
+            f"{max_model_len}, and at least one token must be generated: shorten the messages",
+            field="messages",
+            limit=max_model_len,
+        )
+    if prompt_tokens > max_model_len - max_tokens:
+        raise invalid_argument(
+            "PROMPT_TOO_LONG",
+            f"the prompt is {prompt_tokens} tokens (images included) and max_tokens "
+            f"{max_tokens}; together they exceed max_model_len {max_model_len}",
+            field="sampling.max_tokens",
+            limit=max_model_len,
+        )
