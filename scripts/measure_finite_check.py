@@ -1,7 +1,7 @@
 """The embeddings' finiteness check, before and after ``tensors.all_finite`` (issue 14).
 
 Every reader of an image's embeddings checks them for NaN and inf once: the decoder on
-every request (``decoder_service.validation.check_embedding``), the cache on every put.
+every request (``decoder_service.validation.check_image``), the cache on every put.
 The check was ``torch.isfinite`` over the decoded tensor (the decoder) or ``np.isfinite``
 over ``to_numpy``'s float32 copy (the cache); ``tensors.all_finite`` reads the payload's
 exponent bits where it lies. Both run here on the same payloads, alternating trial by
