@@ -2,8 +2,8 @@
 
 The decoder renders the chat template and tokenises the prompt twice per request (the
 prompt, and the same messages with blank texts for the control-token check,
-``decoder_service.prepare``, ``Preparer._render``); this times those four calls with the checkpoint's own
-tokenizer, one image part and one text part, and prints the median, min and max.
+``decoder_service.prepare.Preparer``); this times those four calls with the checkpoint's
+own tokenizer, one image part and one text part, and prints the median, min and max.
 
     python scripts/measure_decoder_prep.py MODEL_DIR [--trials 50]
 """
