@@ -2,7 +2,7 @@
 
 Usage::
 
-    config = load_video_config(model_dir)              # the checkpoint's video processor
+    config = load_video_config(model_dir, spec)        # the checkpoint's video processor
     video = decode_video(data, index=0, spec=spec, config=config, limits=limits,
                          request=VideoRequest(...), revision=rev)
     video.frames      # uint8 [frames, resized_height, resized_width, 3], padded to 2
@@ -28,15 +28,14 @@ import io
 import json
 import math
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 
+from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 from vlcommon.imaging import ResizePlan, resize_to_plan
 from vlcommon.model_info import VisionSpec
@@ -44,6 +43,7 @@ from vlcommon.model_info import VisionSpec
 # qwen-vl-utils' sample_fps for a list of frames given without a rate.
 DEFAULT_FRAMES_FPS = 2.0
 KEY_VERSION = b"splitvl-video-v1\0"
+Check = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def sample_indices(
 
     A source of fewer frames than the temporal patch size (2) keeps all of them (the caller
     pads): ``smart_nframes`` would refuse it, while its list-of-frames path pads, and a
-    still image sent as a video (case C16) is better answered than refused.
+    one-frame video (case C16) is better answered than refused.
     """
     import torch
     from qwen_vl_utils.vision_process import FRAME_FACTOR, smart_nframes
@@ -302,18 +302,6 @@ def _key(digest: hashlib._Hash, sampling: SamplingPlan, plan: ResizePlan, revisi
     return digest.hexdigest()
 
 
-def _check_tokens(plan: ResizePlan, max_tokens: int | None, index: int) -> None:
-    if max_tokens is not None and plan.tokens > max_tokens:
-        raise resource_exhausted(
-            "VIDEO_TOKENS_TOO_MANY",
-            f"{_field(index)} needs {plan.tokens} video tokens (grid {list(plan.grid)}); the "
-            f"request has {max_tokens} left of GATEWAY_MAX_VIDEO_TOKENS: lower sample_fps, "
-            "max_frames or max_pixels",
-            field=_field(index),
-            limit=max_tokens,
-        )
-
-
 def _rotate(rgb: np.ndarray, rotation: float) -> np.ndarray:
     """Turn a frame as its display matrix says (FFmpeg's ``av_display_rotation_get``: degrees
     counterclockwise), the way ffmpeg's autorotate and players show it (case C15)."""
@@ -321,7 +309,177 @@ def _rotate(rgb: np.ndarray, rotation: float) -> np.ndarray:
     return np.ascontiguousarray(np.rot90(rgb, k)) if k else rgb
 
 
-Check = Callable[[], None]
+def _open(data: bytes, limits: VideoLimits, index: int) -> Any:
+    """The PyAV container over ``data``. Raises RESOURCE_EXHAUSTED ``VIDEO_BYTES_TOO_LARGE``,
+    INVALID_ARGUMENT ``VIDEO_UNDECODABLE`` (empty, or not a container FFmpeg reads)."""
+    import av
+
+    if len(data) > limits.max_bytes:
+        raise resource_exhausted(
+            "VIDEO_BYTES_TOO_LARGE",
+            f"{_field(index)} is {len(data)} bytes; the limit is {limits.max_bytes} "
+            "(GATEWAY_MAX_VIDEO_BYTES)",
+            field=_field(index),
+            limit=limits.max_bytes,
+        )
+    if not data:
+        raise _undecodable(index, "the file is empty")
+    try:
+        return av.open(io.BytesIO(data), mode="r")
+    except (av.FFmpegError, ValueError, OSError) as exc:
+        raise _undecodable(index, f"not a video container FFmpeg can read ({exc})") from exc
+
+
+def _video_stream(container: Any, index: int) -> Any:
+    """The first video stream. Raises INVALID_ARGUMENT ``VIDEO_NO_VIDEO_STREAM``, or
+    ``VIDEO_IS_AN_IMAGE`` when FFmpeg read a still image."""
+    field = _field(index)
+    streams = [s for s in container.streams if s.type == "video"]
+    if not streams:
+        kinds = sorted({str(s.type) for s in container.streams}) or ["none"]
+        raise invalid_argument(
+            "VIDEO_NO_VIDEO_STREAM",
+            f"{field} has no video stream (streams: {', '.join(kinds)})",
+            field=field,
+        )
+    fmt = container.format.name
+    if fmt.endswith("_pipe"):
+        # FFmpeg's image demuxers (png_pipe, jpeg_pipe, ...) read a photo as a one-frame video.
+        kind = fmt.removesuffix("_pipe").upper()  # an animated GIF ("gif") stays a video
+        raise invalid_argument(
+            "VIDEO_IS_AN_IMAGE",
+            f"{field} is a still image ({kind}), not a video; send it as an image part",
+            field=field,
+        )
+    return streams[0]
+
+
+def _demux(
+    container: Any, stream: Any, limits: VideoLimits, index: int, check: Check
+) -> tuple[list[tuple[int, bool]], list[float], float, float]:
+    """Demux without decoding (``check`` every 256 packets): sorted ``(pts, is_keyframe)`` and
+    time (s from the first) of each frame, duration (s), rate (fps). Raises INVALID_ARGUMENT
+    ``VIDEO_TRUNCATED``, RESOURCE_EXHAUSTED ``VIDEO_TOO_LONG``, ``VIDEO_FRAME_TOO_LARGE``."""
+    import av
+
+    field, time_base = _field(index), float(stream.time_base or 0) or 1e-6
+    packets: list[tuple[int, bool]] = []
+    demux_error = ""
+    try:
+        for packet in container.demux(stream):
+            if packet.size and packet.pts is not None:
+                packets.append((int(packet.pts), bool(packet.is_keyframe)))
+            if len(packets) % 256 == 0:
+                check()
+    except av.FFmpegError as exc:
+        demux_error = str(exc)
+    packets.sort()
+    listed, total = int(stream.frames or 0), len(packets)
+    if demux_error or not packets or (listed and total < listed):
+        detail = f" ({demux_error})" if demux_error else ""
+        raise _truncated(index, f"its index lists {listed} frames, {total} could be read{detail}")
+    times = [(pts - packets[0][0]) * time_base for pts, _ in packets]
+    duration = times[-1] + ((times[-1] / (total - 1)) if total > 1 else 0.0)
+    if duration > limits.max_duration_s:
+        raise resource_exhausted(
+            "VIDEO_TOO_LONG",
+            f"{field} lasts {duration:.1f} s; the limit is {limits.max_duration_s:g} s "
+            "(GATEWAY_MAX_VIDEO_DURATION_S)",
+            field=field,
+            limit=limits.max_duration_s,
+        )
+    rate = stream.average_rate or stream.guessed_rate
+    video_fps = float(rate) if rate else (total / duration if duration > 0 else 1.0)
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width * height > limits.max_decoded_pixels:
+        raise resource_exhausted(
+            "VIDEO_FRAME_TOO_LARGE",
+            f"{field} has {width}x{height} frames ({width * height} pixels); the limit is "
+            f"{limits.max_decoded_pixels} per frame (GATEWAY_VIDEO_MAX_DECODED_PIXELS)",
+            field=field,
+            limit=limits.max_decoded_pixels,
+        )
+    return packets, times, duration, video_fps
+
+
+class _Cursor:
+    """Decodes a stream forward to kept frames (increasing indices into ``packets``), seeking
+    to a frame's key frame only when that lies past the next frame, or the frame was passed."""
+
+    def __init__(self, container: Any, stream: Any, packets: list[tuple[int, bool]]) -> None:
+        self._container, self._stream, self._packets = container, stream, packets
+        self._keyframes = [i for i, (_, key) in enumerate(packets) if key] or [0]
+        self._frames: Any = None  # the decoder's frames since the last seek
+        self._position = -1  # index of the last frame decoded
+        self.produced = 0  # frames the codec produced: the cost of sampling
+
+    def upright(self, target: int, index: int, check: Check) -> np.ndarray:
+        """Frame ``target`` upright, uint8 RGB ``[height, width, 3]``; ``check`` runs first and
+        between frames. Raises INVALID_ARGUMENT ``VIDEO_TRUNCATED`` if the stream ends first."""
+        check()
+        keyframes, packets = self._keyframes, self._packets
+        key_index = keyframes[max(0, bisect.bisect_right(keyframes, target) - 1)]
+        if self._frames is None or self._position < key_index - 1 or self._position >= target:
+            self._container.seek(packets[key_index][0], stream=self._stream, backward=True)
+            self._frames = self._container.decode(self._stream)
+            self._position = key_index - 1
+        target_pts = packets[target][0]
+        for frame in self._frames:
+            self.produced += 1
+            if frame.pts is None:
+                continue
+            self._position = bisect.bisect_left(packets, (int(frame.pts), False))
+            if frame.pts >= target_pts:
+                return _rotate(frame.to_ndarray(format="rgb24"), float(frame.rotation or 0))
+            check()
+        raise _truncated(index, f"frame {target} of {len(packets)} did not decode")
+
+
+def _resize(
+    frames: Iterable[np.ndarray],
+    sampling: SamplingPlan,
+    spec: VisionSpec,
+    config: VideoConfig,
+    request: VideoRequest,
+    max_tokens: int | None,
+    index: int,
+) -> tuple[list[np.ndarray], ResizePlan, hashlib._Hash]:
+    """Plan from the first frame, hash (upright, unresized) and resize each as it comes, so
+    only resized frames stay in memory: uint8 ``[resized_height, resized_width, 3]`` each,
+    the plan, the key's digest. Raises as :func:`plan_video`, RESOURCE_EXHAUSTED
+    ``VIDEO_TOKENS_TOO_MANY``, INVALID_ARGUMENT ``VIDEO_FRAME_SIZE_MISMATCH``."""
+    resized: list[np.ndarray] = []
+    plan: ResizePlan | None = None
+    first_shape: tuple[int, ...] = ()
+    digest = hashlib.sha256(KEY_VERSION)
+    for rgb in frames:
+        if plan is None:
+            h, w = rgb.shape[:2]
+            n = len(sampling.indices)
+            plan = plan_video(h, w, n, spec, config, index=index, max_pixels=request.max_pixels)
+            if max_tokens is not None and plan.tokens > max_tokens:
+                raise resource_exhausted(
+                    "VIDEO_TOKENS_TOO_MANY",
+                    f"{_field(index)} needs {plan.tokens} video tokens (grid {list(plan.grid)}); "
+                    f"the request has {max_tokens} left of GATEWAY_MAX_VIDEO_TOKENS: lower "
+                    "sample_fps, max_frames or max_pixels",
+                    field=_field(index),
+                    limit=max_tokens,
+                )
+            digest.update(f"{h}x{w}\0".encode())
+        elif rgb.shape[:2] != first_shape:
+            raise invalid_argument(
+                "VIDEO_FRAME_SIZE_MISMATCH",
+                f"{_field(index)} changes frame size mid-stream ({first_shape} to "
+                f"{rgb.shape[:2]}); splitvl takes videos of one frame size",
+                field=_field(index),
+            )
+        first_shape = rgb.shape[:2]
+        digest.update(rgb.tobytes())
+        resized.append(resize_to_plan(rgb, plan).permute(1, 2, 0).numpy())
+        del rgb  # before the next frame decodes
+    assert plan is not None  # a video keeps at least one frame
+    return resized, plan, digest
 
 
 def decode_video(
@@ -346,178 +504,43 @@ def decode_video(
             checked once the first kept frame gives the plan, before the others decode.
 
     Raises:
-        ServiceError: INVALID_ARGUMENT ``VIDEO_UNDECODABLE`` (not a container FFmpeg reads),
-            ``VIDEO_NO_VIDEO_STREAM`` (e.g. audio only, case C18), ``VIDEO_IS_AN_IMAGE`` (a
-            still image FFmpeg would read as one frame: PNG, JPEG, WebP, ...),
-            ``VIDEO_TRUNCATED`` (the
-            index lists frames the file does not hold, or a kept frame does not decode,
-            case C17); RESOURCE_EXHAUSTED ``VIDEO_BYTES_TOO_LARGE``, ``VIDEO_TOO_LONG``,
-            ``VIDEO_FRAME_TOO_LARGE`` naming the GATEWAY_* limit; what ``check`` raises.
+        ServiceError: INVALID_ARGUMENT ``VIDEO_UNDECODABLE`` (empty, or not a container
+            FFmpeg reads), ``VIDEO_NO_VIDEO_STREAM`` (e.g. audio only, case C18),
+            ``VIDEO_IS_AN_IMAGE`` (a still image FFmpeg reads as one frame: PNG, JPEG, WebP,
+            ...), ``VIDEO_TRUNCATED`` (the index lists frames the file does not hold, or a
+            kept frame does not decode, case C17), ``VIDEO_ASPECT_RATIO_TOO_LARGE``,
+            ``VIDEO_FRAME_SIZE_MISMATCH``; RESOURCE_EXHAUSTED ``VIDEO_BYTES_TOO_LARGE``,
+            ``VIDEO_TOO_LONG``, ``VIDEO_FRAME_TOO_LARGE`` (naming the GATEWAY_* limit),
+            ``VIDEO_TOKENS_TOO_MANY``; what ``check`` raises.
     """
     import av
 
     check = check or (lambda: None)
-    field = _field(index)
-    if len(data) > limits.max_bytes:
-        raise resource_exhausted(
-            "VIDEO_BYTES_TOO_LARGE",
-            f"{field} is {len(data)} bytes; the limit is {limits.max_bytes} "
-            "(GATEWAY_MAX_VIDEO_BYTES)",
-            field=field,
-            limit=limits.max_bytes,
-        )
-    if not data:
-        raise _undecodable(index, "the file is empty")
-    try:
-        container: Any = av.open(io.BytesIO(data), mode="r")
-    except (av.FFmpegError, ValueError, OSError) as exc:
-        raise _undecodable(index, f"not a video container FFmpeg can read ({exc})") from exc
-    with container:
-        streams = [s for s in container.streams if s.type == "video"]
-        if not streams:
-            kinds = sorted({str(s.type) for s in container.streams}) or ["none"]
-            raise invalid_argument(
-                "VIDEO_NO_VIDEO_STREAM",
-                f"{field} has no video stream (streams: {', '.join(kinds)})",
-                field=field,
-            )
-        stream: Any = streams[0]
-        fmt = container.format.name
-        if fmt.endswith("_pipe"):
-            # FFmpeg's still-image demuxers (png_pipe, jpeg_pipe, webp_pipe, ...) read a
-            # photo as a one-frame "video", which was served as one: refuse it by name.
-            # An animated GIF (demuxer "gif") stays a video.
-            kind = fmt.removesuffix("_pipe").upper()
-            raise invalid_argument(
-                "VIDEO_IS_AN_IMAGE",
-                f"{field} is a still image ({kind}), not a video; send it as an image part",
-                field=field,
-            )
-        codec = stream.codec_context.name
-        time_base = float(stream.time_base or 0) or 1e-6
-        # Demux only (no decoding): every frame's presentation time and key-frame flag.
-        packets: list[tuple[int, bool]] = []
-        demux_error = ""
-        try:
-            for packet in container.demux(stream):
-                if packet.size and packet.pts is not None:
-                    packets.append((int(packet.pts), bool(packet.is_keyframe)))
-                if len(packets) % 256 == 0:
-                    check()
-        except av.FFmpegError as exc:
-            demux_error = str(exc)
-        packets.sort()
-        listed = int(stream.frames or 0)
-        if demux_error or not packets or (listed and len(packets) < listed):
-            raise _truncated(
-                index,
-                f"its index lists {listed} frames, {len(packets)} could be read"
-                + (f" ({demux_error})" if demux_error else ""),
-            )
-        total = len(packets)
-        start = packets[0][0]
-        times = [(pts - start) * time_base for pts, _ in packets]
-        step = (times[-1] / (total - 1)) if total > 1 else 0.0
-        duration = times[-1] + step
-        if duration > limits.max_duration_s:
-            raise resource_exhausted(
-                "VIDEO_TOO_LONG",
-                f"{field} lasts {duration:.1f} s; the limit is {limits.max_duration_s:g} s "
-                "(GATEWAY_MAX_VIDEO_DURATION_S)",
-                field=field,
-                limit=limits.max_duration_s,
-            )
-        rate = stream.average_rate or stream.guessed_rate
-        video_fps = float(rate) if rate else (total / duration if duration > 0 else 1.0)
-        stored = stream.codec_context.width * stream.codec_context.height
-        if stored > limits.max_decoded_pixels:
-            raise resource_exhausted(
-                "VIDEO_FRAME_TOO_LARGE",
-                f"{field} has {stream.codec_context.width}x{stream.codec_context.height} "
-                f"frames ({stored} pixels); the limit is {limits.max_decoded_pixels} per frame "
-                "(GATEWAY_VIDEO_MAX_DECODED_PIXELS)",
-                field=field,
-                limit=limits.max_decoded_pixels,
-            )
-        kept = sample_indices(
-            total,
-            video_fps,
-            request.sample_fps or config.fps,
-            config.min_frames,
-            _max_frames(config, limits, request),
-        )
-        # Decode the kept frames: seek to the key frame before a kept frame when it lies past
-        # the frames already decoded, decode forward to the kept frame's pts. Each is hashed
-        # and resized at once, so only resized frames stay in memory.
-        keyframes = [i for i, (_, key) in enumerate(packets) if key] or [0]
+    with _open(data, limits, index) as container:
+        stream = _video_stream(container, index)
+        fmt, codec = container.format.name, stream.codec_context.name
+        packets, times, duration, video_fps = _demux(container, stream, limits, index, check)
+        fps, max_frames = request.sample_fps or config.fps, _max_frames(config, limits, request)
+        kept = sample_indices(len(packets), video_fps, fps, config.min_frames, max_frames)
         indices, stamps = _pad(kept, [times[i] for i in kept], spec.temporal_patch_size)
-        sampling = SamplingPlan(total, video_fps, tuple(indices), tuple(stamps))
-        resized: dict[int, np.ndarray] = {}
-        plan: ResizePlan | None = None
-        first_shape: tuple[int, ...] = ()
-        frames_iter: Any = None
-        position = -1  # index of the last frame decoded
-        produced = 0
-        digest = hashlib.sha256(KEY_VERSION)
+        sampling = SamplingPlan(len(packets), video_fps, tuple(indices), tuple(stamps))
+        targets = sorted(set(kept))
+        cursor = _Cursor(container, stream, packets)
+        frames = (cursor.upright(target, index, check) for target in targets)
         try:
-            for target in sorted(set(kept)):
-                check()
-                key_index = keyframes[max(0, bisect.bisect_right(keyframes, target) - 1)]
-                if frames_iter is None or position < key_index - 1 or position >= target:
-                    container.seek(packets[key_index][0], stream=stream, backward=True)
-                    frames_iter = container.decode(stream)
-                    position = key_index - 1
-                target_pts = packets[target][0]
-                frame = None
-                for frame in frames_iter:
-                    produced += 1
-                    if frame.pts is None:
-                        continue
-                    position = bisect.bisect_left(packets, (int(frame.pts), False))
-                    if frame.pts >= target_pts:
-                        break
-                    check()
-                else:
-                    frame = None
-                if frame is None:
-                    raise _truncated(index, f"frame {target} of {total} did not decode")
-                rgb = _rotate(frame.to_ndarray(format="rgb24"), float(frame.rotation or 0))
-                if plan is None:
-                    plan = plan_video(
-                        rgb.shape[0],
-                        rgb.shape[1],
-                        len(indices),
-                        spec,
-                        config,
-                        index=index,
-                        max_pixels=request.max_pixels,
-                    )
-                    _check_tokens(plan, max_tokens, index)
-                    digest.update(f"{rgb.shape[0]}x{rgb.shape[1]}\0".encode())
-                elif rgb.shape[:2] != first_shape:
-                    raise invalid_argument(
-                        "VIDEO_FRAME_SIZE_MISMATCH",
-                        f"{field} changes frame size mid-stream ({first_shape} to "
-                        f"{rgb.shape[:2]}); splitvl takes videos of one frame size",
-                        field=field,
-                    )
-                first_shape = rgb.shape[:2]
-                digest.update(rgb.tobytes())
-                resized[target] = resize_to_plan(rgb, plan).permute(1, 2, 0).numpy()
-                del rgb
+            out, plan, digest = _resize(frames, sampling, spec, config, request, max_tokens, index)
         except av.FFmpegError as exc:
             raise _truncated(index, f"decoding failed ({exc})") from exc
-    assert plan is not None  # kept holds at least one frame
-    out = np.stack([resized[i] for i in indices])
+    by_index = dict(zip(targets, out, strict=True))
     return DecodedVideo(
-        frames=out,
+        frames=np.stack([by_index[i] for i in indices]),
         plan=plan,
         sampling=sampling,
         key=_key(digest, sampling, plan, revision),
         container=fmt,
         codec=codec,
         duration_s=duration,
-        frames_decoded=produced,
+        frames_decoded=cursor.produced,
     )
 
 
@@ -558,16 +581,10 @@ def frames_video(
     kept = list(range(len(images)))
     indices, stamps = _pad(kept, [i / rate for i in kept], spec.temporal_patch_size)
     sampling = SamplingPlan(len(images), rate, tuple(indices), tuple(stamps))
-    plan = plan_video(h, w, len(indices), spec, config, index=index, max_pixels=request.max_pixels)
-    _check_tokens(plan, max_tokens, index)
-    digest = hashlib.sha256(KEY_VERSION)
-    digest.update(f"{h}x{w}\0".encode())
-    out = np.empty((len(indices), plan.resized_height, plan.resized_width, 3), np.uint8)
-    for n, i in enumerate(indices):
-        digest.update(images[i].tobytes())
-        out[n] = resize_to_plan(images[i], plan).permute(1, 2, 0).numpy()
+    frames = (images[i] for i in indices)  # the padding too, hashed as sent
+    out, plan, digest = _resize(frames, sampling, spec, config, request, max_tokens, index)
     return DecodedVideo(
-        frames=out,
+        frames=np.stack(out),
         plan=plan,
         sampling=sampling,
         key=_key(digest, sampling, plan, revision),
@@ -575,17 +592,8 @@ def frames_video(
     )
 
 
-def live_check(stop: threading.Event, deadline: float | None, index: int) -> Check:
-    """A ``check`` for :func:`decode_video`: CANCELLED or DEADLINE_EXCEEDED between frames."""
-
-    def check() -> None:
-        if stop.is_set():
-            raise ServiceError(grpc.StatusCode.CANCELLED, "CANCELLED", "the request was cancelled")
-        if deadline is not None and time.monotonic() >= deadline:
-            raise ServiceError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "DEADLINE_EXCEEDED",
-                f"the request's deadline expired while {_field(index)} was decoded",
-            )
-
-    return check
+def live_check(stop: threading.Event, deadline: Deadline, index: int) -> Check:
+    """A ``check`` for :func:`decode_video`: :meth:`Deadline.check` raises CANCELLED once
+    ``stop`` is set, DEADLINE_EXCEEDED ("... while videos[i] was decoded") once past."""
+    what = f"{_field(index)} was decoded"
+    return lambda: deadline.check(stop, what)
