@@ -25,6 +25,7 @@ from cache_service.store import (
     Match,
 )
 from vlcommon import handoff, tensors
+from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 from vlcommon.handoff import Holder, Reader, transport_name
 from vlcommon.request_rules import CACHE_POLICIES, CACHE_TIERS, check_grid
@@ -609,7 +610,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             self._check_count(len(request.entries), "entries")
             for i, emb in refs:  # before any byte is read: a ref's size fits its grid
                 self._check_ref_entry(request.entries[i], emb, f"entries[{i}]")
-            timeout = context.time_remaining() if context is not None else None
+            timeout = Deadline.of(context).left()
             fetched = await asyncio.gather(
                 *(
                     self.reader.fetch(emb, field=f"entries[{i}].embedding", timeout=timeout)

@@ -3,7 +3,7 @@
 Used by the gateway for ``ImageInput.url`` when ``GATEWAY_ALLOW_URLS`` is set::
 
     fetcher = UrlFetcher(settings)
-    data = await fetcher.fetch(url, index=0, time_left=context.time_remaining())
+    data = await fetcher.fetch(url, index=0, time_left=deadline.remaining())
 
 The HTTP client is aiohttp. The guard sits at the socket: aiohttp's ``TCPConnector``
 hands every address it is about to connect to (from DNS or an IP literal) to our
