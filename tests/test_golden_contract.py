@@ -71,7 +71,7 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
 from qwenvl.gateway.v1 import gateway_service_pb2_grpc as gpb_grpc
 
 from tests.conftest import LONG_STREAM_TOKENS, case_file, png_bytes, rgb
-from vlcommon.errors import error_info
+from vlcommon.errors import ServiceError, error_info
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -1090,3 +1090,45 @@ def test_golden_files_hold_exactly_the_tables_cases() -> None:
         "grpc_image_exact_hit",
         "openai_text_only",
     }
+
+
+@pytest.mark.parametrize("rule", sorted(SHARED_RULES))
+def test_shared_rules_give_the_same_reason_in_the_decoders_validation(
+    rule: str, tiny_model: Any
+) -> None:
+    """The same rows through the decoder's validation in process (unit level, no engine):
+    the checks its servicer runs before any byte is read or the engine is asked
+    (``Preparer.check``, then the sampling parameters), with the decoder's default limits
+    and the cluster's media limits (8 images, 2 videos per prompt)."""
+    from types import SimpleNamespace
+
+    from decoder_service.__main__ import DecoderSettings
+    from decoder_service.prepare import Preparer, sampling_params
+    from decoder_service.validation import Limits
+    from vlcommon.model_info import load_vision_spec
+    from vlcommon.request_rules import forbidden_tokens
+
+    settings = DecoderSettings()
+    limits = Limits(
+        max_images=0,
+        max_tokens_default=settings.max_tokens_default,
+        max_tokens_limit=settings.max_tokens_limit,
+        max_text_chars=settings.max_text_chars,
+        max_messages=settings.max_messages,
+        max_parts=settings.max_parts,
+    )
+    engine = SimpleNamespace(
+        max_images=8,
+        max_videos=2,
+        forbidden_tokens=forbidden_tokens(tiny_model),
+        max_image_tokens=16384,
+        max_video_tokens=16384,
+    )
+    preparer = Preparer(engine, limits, reader=None)  # type: ignore[arg-type]
+    request = SHARED_RULES[rule][2]()
+    with pytest.raises(ServiceError) as caught:
+        preparer.check(request, load_vision_spec(tiny_model))
+        sampling_params(request.sampling, limits)
+    expected = SHARED_RULE_DIVERGENCES.get(rule, {}).get("decoder", rule)
+    assert caught.value.reason == expected
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
