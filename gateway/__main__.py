@@ -9,12 +9,13 @@ import logging
 
 import grpc
 from qwenvl.cache.v1 import cache_service_pb2_grpc
-from qwenvl.decoder.v1 import decoder_service_pb2_grpc
 from qwenvl.encoder.v1 import encoder_service_pb2_grpc
 from qwenvl.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 
 from gateway.openai_front import HttpFront, create_app
 from gateway.pipeline import Downstream, Pipeline
+from gateway.pipeline.endpoints import DecoderEndpoints
+from gateway.pipeline.route import DecoderRouter
 from gateway.servicer import GatewayServicer
 from gateway.settings import GatewaySettings
 from vlcommon import handoff, telemetry
@@ -41,6 +42,37 @@ def channel(address: str, security: ClientSecurity | None = None) -> grpc.aio.Ch
     )
 
 
+def connect(
+    settings: GatewaySettings,
+) -> tuple[Downstream, list[grpc.aio.Channel], DecoderEndpoints]:
+    """The downstream services: one channel to the encoders and one to the caches (round
+    robin over their replicas), one per decoder replica behind the affinity router (its
+    endpoints open at :meth:`DecoderEndpoints.start`)."""
+    security = ClientSecurity.from_settings(settings)
+    channels = [channel(settings.encoder_address, security)]
+    cache_stub = None
+    if settings.cache_address:
+        channels.append(channel(settings.cache_address, security))
+        cache_stub = cache_service_pb2_grpc.CacheServiceStub(channels[1])
+    router = DecoderRouter(epsilon=settings.affinity_epsilon)
+    decoders = DecoderEndpoints(
+        settings.decoder_address,
+        lambda address: channel(address, security),
+        router,
+        proxy=settings.decoder_routing == "proxy",
+        resolve_s=settings.decoder_resolve_s,
+    )
+    downstream = Downstream(
+        encoder=encoder_service_pb2_grpc.EncoderServiceStub(channels[0]),
+        decoder=router,
+        cache=cache_stub,
+        # Releases held embeddings that no reader will read (a request that failed before
+        # the decoder took them over), at their holders, with the internal channels' TLS.
+        releaser=handoff.Reader(security),
+    )
+    return downstream, channels, decoders
+
+
 async def main_async(settings: GatewaySettings) -> None:
     # Import the resize implementation now, not inside the first request (seconds of imports).
     from transformers.models.qwen2_vl import image_processing_qwen2_vl  # noqa: F401
@@ -49,23 +81,7 @@ async def main_async(settings: GatewaySettings) -> None:
     spec = load_vision_spec(model_dir)
     revision = settings.model_revision or model_revision(model_dir)
     telemetry.setup_tracing("splitvl-gateway")
-    security = ClientSecurity.from_settings(settings)
-    channels = [
-        channel(settings.encoder_address, security),
-        channel(settings.decoder_address, security),
-    ]
-    cache_stub = None
-    if settings.cache_address:
-        channels.append(channel(settings.cache_address, security))
-        cache_stub = cache_service_pb2_grpc.CacheServiceStub(channels[2])
-    downstream = Downstream(
-        encoder=encoder_service_pb2_grpc.EncoderServiceStub(channels[0]),
-        decoder=decoder_service_pb2_grpc.DecoderServiceStub(channels[1]),
-        cache=cache_stub,
-        # Releases held embeddings that no reader will read (a request that failed before
-        # the decoder took them over), at their holders, with the internal channels' TLS.
-        releaser=handoff.Reader(security),
-    )
+    downstream, channels, decoders = connect(settings)
     pipeline = Pipeline(settings, spec, revision, forbidden_tokens(model_dir), downstream)
     servicer = GatewayServicer(pipeline)
     log.info("model %s revision %s", model_dir, revision)
@@ -92,6 +108,7 @@ async def main_async(settings: GatewaySettings) -> None:
         )
 
     async def startup() -> None:
+        await decoders.start()
         # No cold first request: the preprocess threads, codecs and resize run once first.
         await pipeline.warm_up()
         if http is not None:
@@ -102,6 +119,7 @@ async def main_async(settings: GatewaySettings) -> None:
             await http.stop()
         for ch in channels:
             await ch.close()
+        await decoders.close()
         assert downstream.releaser is not None
         await downstream.releaser.close()
         pipeline.close()

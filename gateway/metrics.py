@@ -4,7 +4,7 @@ RPC counts and durations (``splitvl_gateway_requests_total{method,code}``, ...) 
 the shared interceptor in ``vlcommon.metrics``. Names: docs/observability.md.
 """
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 IMAGES = Counter("splitvl_gateway_images_total", "Images in requests that passed preprocessing.")
 IMAGES_DECODED = Counter(
@@ -68,4 +68,17 @@ REENCODED = Counter(
     "splitvl_gateway_reencoded_requests_total",
     "Requests whose held embeddings the decoder could not read (holder restarted, entry "
     "expired), encoded again and decoded once more.",
+)
+DECODER_ROUTES = Counter(
+    "splitvl_gateway_decoder_routes_total",
+    "Decoder calls by how their endpoint was chosen: home (the affinity key's own replica), "
+    "spilled (the next on the ring: the home one over its bounded load or down), "
+    "least_loaded (no image or video), failover (replayed after a replica failed before "
+    "its first token).",
+    ["how"],
+)
+DECODER_INFLIGHT = Gauge(
+    "splitvl_gateway_decoder_inflight",
+    "This gateway's decoder calls in flight, by decoder endpoint (host:port).",
+    ["endpoint"],
 )

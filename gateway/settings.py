@@ -17,7 +17,25 @@ class GatewaySettings(ServerSettings):
     model_revision: str = Field("", description="Overrides the revision digest in cache keys.")
     encoder_address: str = Field("127.0.0.1:50052")
     cache_address: str = Field("127.0.0.1:50053", description="Empty disables the cache.")
-    decoder_address: str = Field("127.0.0.1:50054")
+    decoder_address: str = Field(
+        "127.0.0.1:50054",
+        description="host:port, an ipv4:/ipv6: list, or dns:///name:port (re-resolved): "
+        "the decoder replicas (gateway.pipeline.endpoints).",
+    )
+    # affinity: the gateway picks each request's decoder replica by its first image's
+    # identity (consistent hashing with bounded loads, gateway.pipeline.route), so a
+    # repeated image meets the replica whose prefix cache holds it; proxy: one channel to
+    # the address, and a proxy or mesh routes by the x-splitvl-affinity header.
+    decoder_routing: Literal["affinity", "proxy"] = Field("affinity")
+    affinity_epsilon: float = Field(
+        0.25,
+        ge=0,
+        description="Bounded load: a replica takes a key's request while it carries fewer "
+        "than ceil((1 + epsilon) * (in flight + 1) / replicas) of this gateway's calls.",
+    )
+    decoder_resolve_s: float = Field(
+        5.0, gt=0, description="Seconds between DNS resolutions of a dns: decoder address."
+    )
     cache_timeout_s: float = Field(
         1.0, gt=0, description="Lookup deadline; past it the request encodes instead."
     )

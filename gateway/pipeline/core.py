@@ -25,6 +25,7 @@ from gateway.pipeline.encode import EncodeStage
 from gateway.pipeline.events import GenerateEvent
 from gateway.pipeline.images import ImageIntake, fetch_urls
 from gateway.pipeline.preprocess import Preprocessor
+from gateway.pipeline.route import DecoderRouter
 from gateway.pipeline.types import (
     HeldRefs,
     PreparedImage,
@@ -49,12 +50,13 @@ OFF = generation_pb2.CACHE_POLICY_OFF
 
 @dataclass(frozen=True)
 class Downstream:
-    """Stubs of the three services the gateway calls (cache may be None), and the client
-    that releases held embeddings the gateway received but no reader will read (None: a
-    plaintext one of its own)."""
+    """Stubs of the three services the gateway calls (cache may be None; the decoder's a
+    :class:`DecoderRouter` over its replicas, or one stub), and the client that releases
+    held embeddings the gateway received but no reader will read (None: a plaintext one of
+    its own)."""
 
     encoder: encoder_service_pb2_grpc.EncoderServiceStub
-    decoder: decoder_service_pb2_grpc.DecoderServiceStub
+    decoder: decoder_service_pb2_grpc.DecoderServiceStub | DecoderRouter
     cache: cache_service_pb2_grpc.CacheServiceStub | None
     releaser: handoff.Reader | None = None
 
@@ -354,7 +356,9 @@ class Pipeline:
             try:
                 # aclosing: a cancelled client (GeneratorExit at the yield below) closes
                 # the stream, which cancels the decoder call, which aborts the vLLM request.
-                stream = self.decode.stream(decode_request, f.request.deadline)
+                stream = self.decode.stream(
+                    decode_request, f.request.deadline, affinity_key(decode_request)
+                )
                 async with contextlib.aclosing(stream) as chunks:
                     async for chunk in chunks:
                         now = time.perf_counter()
@@ -441,3 +445,19 @@ def _video_info(v: PreparedVideo) -> pb.VideoInfo:
         source_frames=sampling.source_frames,
         frame_indices=sampling.indices,
     )
+
+
+def affinity_key(request: decoder_service_pb2.GenerateRequest) -> str | None:
+    """The affinity key: the identity of the request's first image or video in prompt
+    order, as served (after the cache lookup, so a similarity hit routes with the entry it
+    serves): the cache entry's key, which names one embedding content, as the decoder's
+    ``multi_modal_uuids`` (the BLAKE3 of those bytes, ``decoder_service.validation``) does
+    for vLLM's prefix cache. None without images and videos (least loaded)."""
+    for message in request.messages:
+        for part in message.parts:
+            kind = part.WhichOneof("part")
+            if kind == "image_index":
+                return request.images[part.image_index].key or None
+            if kind == "video_index":
+                return request.videos[part.video_index].embedding.key or None
+    return None

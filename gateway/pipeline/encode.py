@@ -102,7 +102,3 @@ class EncodeStage:
             im.embedding = emb
             if held is not None:
                 held.add(emb)
-
-
-# The decoder could not read an image's held embeddings: their holder lost them (restart,
-# expiry) or could not be reached. Encoding again (a new holder) can still answer.
