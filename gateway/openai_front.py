@@ -45,394 +45,38 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
-from qwenvl.common.v1 import generation_pb2
-from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.openai_protocol import (
+    FINISH,
+    INT32_MAX,
+    ChatCompletionRequest,
+    Converted,
+    error_body,
+    http_error_body,
+    splitvl_extension,
+    to_generate_request,
+    usage,
+)
 from gateway.pipeline import GenerateEvent, Pipeline
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import AuthInterceptor
 from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError, invalid_argument
-from vlcommon.request_rules import TIER_NAMES
-from vlcommon.sampling import check_max_tokens
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.gateway.http")
-
-#: HTTP status of each gRPC status code (OpenAI's and vLLM's choices where they have one).
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,  # 413 without a retry hint (error_body)
-    grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNIMPLEMENTED: 501,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-#: OpenAI's error ``type`` by HTTP status.
-ERROR_TYPE = {
-    400: "invalid_request_error",
-    413: "invalid_request_error",
-    501: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    429: "rate_limit_error",
-}
-FINISH = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length"}
-
-
-# -- the request, as OpenAI's chat completions API defines it -----------------------------
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
-
-
-class ChatMessage(BaseModel):
-    # Content parts are checked by hand (to_generate_request), so that each refusal names
-    # its own field (a pydantic union reports only its first branch's error). Other keys
-    # are refused by name unless "off" (MESSAGE_NO_OP_DEFAULTS); they used to be ignored.
-    model_config = ConfigDict(extra="allow")
-
-    role: StrictStr
-    content: StrictStr | list[Any] | None = None
-    name: StrictStr | None = None
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")  # refused by name unless off, as above
-
-    include_usage: StrictBool = False
-
-
-class ChatCompletionRequest(BaseModel):
-    """The fields splitvl serves; any other field is refused by name (``extra`` below),
-    except those whose value is the no-op default (``NO_OP_DEFAULTS``). Strict types: a
-    ``max_tokens`` of ``true`` or ``"5"`` is refused, as the official clients never send
-    one."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    model: StrictStr | None = None  # absent: the served model, as vLLM's server takes it
-    messages: list[ChatMessage]
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: StrictBool = False
-    user: StrictStr | None = None
-
-
-#: Fields of OpenAI's or vLLM's API that splitvl does not implement, accepted only with
-#: the value that means "off" (clients such as vLLM's benchmark send some of them).
-NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "top_k": (None, 0, -1),
-    "min_p": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
-    "response_format": (None, {"type": "text"}),
-    "metadata": (None, {}),
-    "store": (None, False),
-}
-
-
-#: Keys of a message or of ``stream_options`` that OpenAI's or vLLM's API define and that
-#: splitvl does not implement, accepted only "off" (an assistant turn replayed by a client
-#: carries ``tool_calls: []`` or ``refusal: null``).
-MESSAGE_NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "tool_calls": (None, []),
-    "tool_call_id": (None,),
-    "function_call": (None,),
-    "refusal": (None,),
-    "audio": (None,),
-    "reasoning_content": (None,),
-}
-STREAM_OPTIONS_NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "continuous_usage_stats": (None, False),  # vLLM's
-}
-
-
-def _check_extra(
-    extra: dict[str, Any] | None, allowed: dict[str, tuple[Any, ...]], where: str
-) -> None:
-    """Refuse a key splitvl does not serve by its full name (``where`` + key), unless its
-    value is the one that means "off" (``allowed``)."""
-    for name, value in (extra or {}).items():
-        field = f"{where}.{name}" if where else name
-        values = allowed.get(name)
-        if values is None:
-            raise _refused(field, f"{field} is not a parameter splitvl serves")
-        if value not in values:
-            raise _refused(field, f"{field}={value!r} is not supported; leave it unset")
-
-
-def _refused(field: str, message: str) -> ServiceError:
-    return invalid_argument("PARAMETER_UNSUPPORTED", message, field=field)
-
-
-def _utf8(text: str, field: str) -> str:
-    """``text`` if it can travel as UTF-8 (protobuf strings must): a lone surrogate
-    (``"\\ud800"`` in the JSON) cannot."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise invalid_argument(
-            "TEXT_NOT_UTF8",
-            f"{field} holds a lone surrogate (\\ud800-\\udfff): it is not valid UTF-8 text",
-            field=field,
-        ) from None
-    return text
-
-
-@dataclass
-class Converted:
-    """A converted request and how its gRPC field names map back to OpenAI's (for
-    ``param`` in errors: ``images[1]`` -> ``messages[0].content[2].image_url.url``)."""
-
-    request: pb.GenerateRequest
-    fields: dict[str, str]
-    # gRPC names whose every sub-field is the one OpenAI field (an image's ``url`` and
-    # ``data_url`` are both its ``image_url.url``; a string content's ``parts[0].text`` is
-    # the ``content``).
-    whole: frozenset[str] = frozenset()
-
-    def openai_param(self, field: str | None) -> str | None:
-        """The OpenAI name of a gRPC field name, by the longest mapped prefix of it."""
-        if not field:
-            return field
-        matches = [
-            name
-            for name in self.fields
-            if field == name or field.startswith((name + ".", name + "["))
-        ]
-        if not matches:
-            return field
-        name = max(matches, key=len)
-        if name in self.whole:
-            return self.fields[name]
-        return (self.fields[name] + field[len(name) :]).lstrip(".")
-
-
-def to_generate_request(
-    body: ChatCompletionRequest, served: Sequence[str], max_tokens_limit: int = INT32_MAX
-) -> Converted:
-    """The gateway's GenerateRequest for an OpenAI chat completion request.
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT naming the OpenAI field (``messages[0].content[1]``,
-            ``n``, ``max_tokens``, ...) for what the front does not serve or what cannot be
-            represented; NOT_FOUND for a model it does not serve. Everything else (counts,
-            sizes, ranges, images, videos) is checked by the pipeline itself, with the gRPC
-            path's messages.
-    """
-    if body.model is not None and body.model not in served:
-        raise ServiceError(
-            grpc.StatusCode.NOT_FOUND,
-            "MODEL_NOT_FOUND",
-            f"model {body.model!r} is not served here; this server serves {served[0]!r}",
-            {"field": "model"},
-        )
-    _check_extra(body.model_extra, NO_OP_DEFAULTS, "")
-    if body.stream_options is not None:
-        _check_extra(
-            body.stream_options.model_extra, STREAM_OPTIONS_NO_OP_DEFAULTS, "stream_options"
-        )
-    if body.n not in (None, 1):
-        raise _refused("n", f"n is {body.n}; only n=1 is served")
-    if body.max_tokens is not None and body.max_completion_tokens is not None:
-        if body.max_tokens != body.max_completion_tokens:
-            raise _refused(
-                "max_completion_tokens", "max_tokens and max_completion_tokens differ; send one"
-            )
-    request = pb.GenerateRequest()
-    fields: dict[str, str] = {}
-    whole: set[str] = set()
-    images = 0
-    videos = 0
-    for i, message in enumerate(body.messages):
-        _check_extra(message.model_extra, MESSAGE_NO_OP_DEFAULTS, f"messages[{i}]")
-        msg = request.messages.add(role=_utf8(message.role, f"messages[{i}].role"))
-        fields[f"messages[{i}].parts"] = f"messages[{i}].content"
-        whole.update((f"messages[{i}].parts", f"messages[{i}].parts[0]"))
-        content = message.content
-        if content is None:
-            continue
-        if isinstance(content, str):
-            fields[f"messages[{i}].parts[0]"] = f"messages[{i}].content"
-            msg.parts.add(text=_utf8(content, f"messages[{i}].content"))
-            continue
-        whole.discard(f"messages[{i}].parts[0]")
-        for k, part in enumerate(content):
-            field = f"messages[{i}].content[{k}]"
-            fields[f"messages[{i}].parts[{k}]"] = field
-            kind = part.get("type") if isinstance(part, dict) else None
-            if not isinstance(kind, str):
-                raise _refused(field, f"{field} must be an object with a string 'type'")
-            if kind == "text":
-                text = part.get("text")
-                if not isinstance(text, str) or set(part) - {"type", "text"}:
-                    raise _refused(field, f"{field}: a text part is {{'type', 'text': string}}")
-                msg.parts.add(text=_utf8(text, f"{field}.text"))
-            elif kind == "image_url":
-                spec = part.get("image_url")
-                url = spec.get("url") if isinstance(spec, dict) else None
-                if not isinstance(url, str) or set(part) - {"type", "image_url"}:
-                    raise _refused(
-                        f"{field}.image_url",
-                        f"{field}: an image_url part is {{'type', 'image_url': {{'url': string}}}}",
-                    )
-                assert isinstance(spec, dict)
-                if spec.get("detail") not in (None, "auto", "low", "high"):
-                    raise _refused(
-                        f"{field}.image_url.detail",
-                        f"{field}.image_url.detail is {spec.get('detail')!r}; "
-                        "expected 'auto', 'low' or 'high'",
-                    )
-                if set(spec) - {"url", "detail"}:
-                    raise _refused(
-                        f"{field}.image_url", f"{field}.image_url takes only 'url' and 'detail'"
-                    )
-                url = _utf8(url, f"{field}.image_url.url")
-                fields[f"images[{images}]"] = f"{field}.image_url.url"
-                whole.add(f"images[{images}]")
-                images += 1
-                image = pb.ImageInput(data_url=url) if url[:5].lower() == "data:" else None
-                msg.parts.add(image=image or pb.ImageInput(url=url))
-            elif kind == "video_url":
-                # vLLM's chat part for a video file: {"type": "video_url", "video_url": {"url"}}.
-                spec = part.get("video_url")
-                url = spec.get("url") if isinstance(spec, dict) else None
-                if not isinstance(url, str) or set(part) - {"type", "video_url"}:
-                    raise _refused(
-                        f"{field}.video_url",
-                        f"{field}: a video_url part is {{'type', 'video_url': {{'url': string}}}}",
-                    )
-                assert isinstance(spec, dict)
-                # Sampling of a video is set by the server (GATEWAY_VIDEO_*), not per
-                # part: a key such as "fps" used to be ignored silently.
-                extra = sorted(set(spec) - {"url"})
-                if extra:
-                    raise _refused(
-                        f"{field}.video_url",
-                        f"{field}.video_url takes only 'url' (got {', '.join(extra)})",
-                    )
-                url = _utf8(url, f"{field}.video_url.url")
-                fields[f"videos[{videos}]"] = f"{field}.video_url.url"
-                whole.add(f"videos[{videos}]")
-                videos += 1
-                file = pb.VideoFile(data_url=url) if url[:5].lower() == "data:" else None
-                msg.parts.add(video=pb.VideoInput(file=file or pb.VideoFile(url=url)))
-            else:
-                raise _refused(
-                    field, f"{field} has type {kind!r}; served: 'text', 'image_url', 'video_url'"
-                )
-    sampling = request.sampling
-    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = body.max_completion_tokens if name == "max_completion_tokens" else body.max_tokens
-    fields["sampling.max_tokens"] = name
-    if max_tokens is not None:
-        sampling.max_tokens = check_max_tokens(max_tokens, max_tokens_limit, name)
-    fields["sampling"] = ""
-    # OpenAI's and vLLM's default temperature is 1.0; the gRPC API's 0 means greedy.
-    sampling.temperature = (
-        1.0 if body.temperature is None else _float32(body.temperature, "temperature")
-    )
-    if body.top_p is not None:
-        _float32(body.top_p, "top_p")
-        if not 0.0 < body.top_p <= 1.0:  # the gRPC API's 0 means "unset"; vLLM refuses 0
-            raise invalid_argument(
-                "TOP_P_OUT_OF_RANGE", f"top_p is {body.top_p}; allowed (0, 1]", field="top_p"
-            )
-        sampling.top_p = body.top_p
-    if body.seed is not None:
-        if not -INT64_MAX - 1 <= body.seed <= INT64_MAX:
-            raise invalid_argument(
-                "SEED_OUT_OF_RANGE",
-                f"seed is {body.seed}; allowed {-INT64_MAX - 1}..{INT64_MAX} (64-bit)",
-                field="seed",
-            )
-        sampling.seed = body.seed
-    if body.stop is not None:
-        stops = [body.stop] if isinstance(body.stop, str) else body.stop
-        sampling.stop.extend(_utf8(stop, f"stop[{k}]") for k, stop in enumerate(stops))
-    sampling.ignore_eos = body.ignore_eos
-    return Converted(request, fields, frozenset(whole))
-
-
-def _float32(value: float, field: str) -> float:
-    """``value`` unchanged, if the gRPC API's 32-bit float keeps it: one that would become
-    infinite (``1e300``) or zero (``1e-50``, and the gRPC API's 0 means "unset") is
-    refused with INVALID_ARGUMENT naming ``field``, before the range rules see the wrong
-    value."""
-    with np.errstate(over="ignore"):
-        single = float(np.float32(value)) if math.isfinite(value) else value
-    if math.isfinite(value) and (math.isinf(single) or (value != 0 and single == 0)):
-        raise invalid_argument(
-            f"{field.upper()}_OUT_OF_RANGE",
-            f"{field} is {value!r}; not representable as a 32-bit float",
-            field=field,
-        )
-    return value
-
-
-def error_body(
-    err: ServiceError, converted: Converted | None = None
-) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """HTTP status, OpenAI-shaped body and headers (``Retry-After``, seconds) of an error.
-
-    RESOURCE_EXHAUSTED is 429 only when it carries a retry hint (over capacity: a retry
-    later may pass); a size limit (an image's bytes, decoded pixels) is 413, which clients
-    do not retry. ``param`` is the OpenAI name of the field (``converted`` maps the gRPC
-    path's ``images[1]`` and ``sampling.*`` back to the request the client sent).
-    """
-    status = HTTP_STATUS.get(err.code, 500)
-    if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_ms is None:
-        status = 413
-    headers = {}
-    if err.retry_after_ms is not None:
-        headers["Retry-After"] = str(max(1, -(-err.retry_after_ms // 1000)))
-    body = {
-        "error": {
-            "message": err.message,
-            "type": ERROR_TYPE.get(status, "server_error"),
-            "param": converted.openai_param(err.metadata.get("field"))
-            if converted is not None
-            else err.metadata.get("field"),
-            "code": err.reason,
-        }
-    }
-    return status, body, headers
 
 
 def _error_response(err: ServiceError, converted: Converted | None = None) -> JSONResponse:
@@ -445,50 +89,9 @@ def _http_error(
 ) -> JSONResponse:
     """An error of the HTTP layer itself (no gRPC code maps to it: 404 path, 405, 408,
     415, an unparsable body) in OpenAI's shape."""
-    body = {
-        "error": {
-            "message": message,
-            "type": ERROR_TYPE.get(status, "invalid_request_error"),
-            "param": param,
-            "code": code,
-        }
-    }
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _extension(first: GenerateEvent, last: GenerateEvent | None) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "images": [
-            {
-                "index": im.index,
-                "tier": TIER_NAMES.get(im.tier, "unspecified"),
-                "similarity": round(float(im.similarity), 6),
-                "grid": [im.grid.t, im.grid.h, im.grid.w],
-                # A similarity hit may serve the stored entry's grid (docs/cache.md).
-                "served_grid": [im.served_grid.t, im.served_grid.h, im.served_grid.w],
-                "requested_grid": [im.requested_grid.t, im.requested_grid.h, im.requested_grid.w],
-                "tokens": im.tokens,
-                "decoded": im.decoded,
-            }
-            for im in first.images
-        ]
-    }
-    if last is not None and last.timings is not None:
-        t = last.timings
-        out["timings"] = {
-            f"{name}_ms": round(getattr(t, f"{name}_ms"), 3)
-            for name in ("preprocess", "lookup", "encode", "put", "ttft", "decode", "total")
-        }
-    return out
-
-
-def _usage(u: generation_pb2.Usage | None) -> dict[str, Any]:
-    u = u or generation_pb2.Usage()
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-    }
+    return JSONResponse(
+        http_error_body(status, code, message, param), status_code=status, headers=headers
+    )
 
 
 def create_app(
@@ -696,16 +299,16 @@ def create_app(
                     with trace.use_span(span, end_on_exit=False):
                         item = await _next(responses)
                 if include_usage and last is not None:
-                    usage = {
+                    tail = {
                         "id": rid,
                         "object": "chat.completion.chunk",
                         "created": created,
                         "model": served_model_name,
                         "choices": [],
-                        "usage": _usage(last.usage),
-                        "splitvl": _extension(first, last) if first is not None else {},
+                        "usage": usage(last.usage),
+                        "splitvl": splitvl_extension(first, last) if first is not None else {},
                     }
-                    yield f"data: {json.dumps(usage)}\n\n"
+                    yield f"data: {json.dumps(tail)}\n\n"
                 yield "data: [DONE]\n\n"
             except ServiceError as err:
                 # Mid-stream the status line is gone: OpenAI's clients read an error event.
@@ -785,8 +388,8 @@ def create_app(
                         "logprobs": None,
                     }
                 ],
-                "usage": _usage(last.usage) if last is not None else None,
-                "splitvl": _extension(first, last) if first is not None else {},
+                "usage": usage(last.usage) if last is not None else None,
+                "splitvl": splitvl_extension(first, last) if first is not None else {},
             }
         )
 
