@@ -37,61 +37,49 @@ as ``code``, and the HTTP status of the gRPC code (:data:`HTTP_STATUS`); a clien
 disconnects cancels the request down to vLLM. Bearer tokens (``GATEWAY_AUTH_TOKENS``),
 TLS/mTLS (``GATEWAY_TLS_*``) and admission control (``max_concurrent_rpcs``, shared with
 the gRPC server) are the gRPC gateway's.
+
+This module is the router (vLLM's layout): :func:`create_app` wires the exception
+handlers, the body guard, the bearer-token check and the routes to the serving classes of
+:mod:`gateway.openai_serving`; the protocol (request models, conversion, answer and error
+JSON) is :mod:`gateway.openai_protocol`. :class:`HttpFront` runs the app on uvicorn::
+
+    app = create_app(pipeline, served_model_name="Qwen/Qwen3-VL-2B-Instruct",
+                     admission=admission, bearer_tokens=("s3cret",))
+    front = HttpFront(app, "0.0.0.0", 8000, ("", "", ""))
+    await front.start()
+    ...
+    await front.stop()
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import ssl
-import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import propagate, trace
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.base import BaseHTTPMiddleware
 
-from gateway.openai_protocol import (
-    FINISH,
-    INT32_MAX,
-    ChatCompletionRequest,
-    Converted,
-    error_body,
-    http_error_body,
-    splitvl_extension,
-    to_generate_request,
-    usage,
+from gateway.openai_protocol import INT32_MAX, ChatCompletionRequest
+from gateway.openai_serving import (
+    OpenAIServingChat,
+    OpenAIServingModels,
+    error_response,
+    http_error_response,
 )
-from gateway.pipeline import GenerateEvent, Pipeline
+from gateway.pipeline import Pipeline
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import AuthInterceptor
-from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError, invalid_argument
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("splitvl.gateway.http")
-
-
-def _error_response(err: ServiceError, converted: Converted | None = None) -> JSONResponse:
-    status, body, headers = error_body(err, converted)
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _http_error(
-    status: int, code: str, message: str, param: str | None, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    """An error of the HTTP layer itself (no gRPC code maps to it: 404 path, 405, 408,
-    415, an unparsable body) in OpenAI's shape."""
-    return JSONResponse(
-        http_error_body(status, code, message, param), status_code=status, headers=headers
-    )
 
 
 def create_app(
@@ -122,72 +110,24 @@ def create_app(
     """
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    auth = AuthInterceptor(bearer_tokens) if bearer_tokens else None
+    chat = OpenAIServingChat(
+        pipeline,
+        served_model_name=served_model_name,
+        admission=admission,
+        timeout_s=timeout_s,
+        max_tokens_limit=max_tokens_limit,
+    )
+    models = OpenAIServingModels(served_model_name)
     app = FastAPI(title="splitvl", docs_url=None, redoc_url=None, openapi_url=None)
-    served = (served_model_name,)
-
+    # Starlette runs the middleware added last first: the bearer token is checked before
+    # the body guard reads a byte of the body.
     app.add_middleware(BodyGuard, max_bytes=max_body_bytes, read_timeout_s=body_read_timeout_s)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_json(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        # Without "body" and the union-branch tags pydantic adds ("str", "list[any]").
-        loc = [
-            x
-            for x in first.get("loc", ())
-            if x != "body" and not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x))
-        ]
-        field = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
-        kind = first.get("type", "")
-        if kind == "json_invalid":
-            where = f" (at character {loc[0]})" if loc else ""
-            message, field = f"the body is not valid JSON{where}", "body"
-        elif not field:
-            message, field = (
-                "the body must be a JSON object (Content-Type: application/json)",
-                "body",
-            )
-        else:
-            message = f"{field}: {first.get('msg', 'invalid value')}"
-        return _error_response(invalid_argument("REQUEST_INVALID", message, field=field))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        status = exc.status_code
-        message = {
-            404: f"{request.method} {request.url.path} is not served (served: "
-            "/v1/chat/completions, /v1/models, /health, /metrics)",
-            405: f"{request.method} is not allowed on {request.url.path}",
-        }.get(status, str(exc.detail))
-        if status == 400 and "parsing the body" in str(exc.detail):
-            message = "the body could not be parsed as JSON (invalid UTF-8 or too deeply nested)"
-        codes = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
-        param = "body" if status == 400 else None
-        return _http_error(status, codes.get(status, "REQUEST_INVALID"), message, param)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error in %s %s", request.method, request.url.path)
-        body = {
-            "error": {
-                "message": "internal error (see the gateway's log)",
-                "type": "server_error",
-                "param": None,
-                "code": "INTERNAL",
-            }
-        }
-        return JSONResponse(body, status_code=500)
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Response:
-        if auth is not None and request.url.path.startswith("/v1/"):
-            # The gRPC path's own check (reasons AUTH_TOKEN_MISSING / AUTH_TOKEN_INVALID).
-            header = request.headers.get("authorization")
-            err = auth.check(request.url.path, [("authorization", header)] if header else [])
-            if err is not None:
-                return _error_response(err)
-        response: Response = await call_next(request)
-        return response
+    # With or without tokens, so both setups serve alike; it hides disconnects from
+    # request.is_disconnected() (see gateway.openai_serving._watching).
+    app.add_middleware(BaseHTTPMiddleware, dispatch=_BearerAuth(bearer_tokens))
+    app.add_exception_handler(RequestValidationError, _invalid_body)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
 
     @app.get("/health")
     async def health() -> Response:
@@ -198,241 +138,91 @@ def create_app(
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "splitvl",
-                    "root": served_model_name,
-                }
-            ],
-        }
+    async def show_available_models() -> dict[str, Any]:
+        return models.show_available_models()
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(
-        body: ChatCompletionRequest, request: Request
-    ) -> Response | StreamingResponse:
-        span = tracer.start_span(
-            "POST /v1/chat/completions",
-            context=propagate.extract(dict(request.headers)),
-            kind=trace.SpanKind.SERVER,
-        )
-        span.set_attribute("splitvl.front", "openai")
-        if admission is not None and not admission.try_acquire():
-            span.end()
-            return _error_response(admission.refusal())
-        done = False
-
-        def finish(err: ServiceError | None = None) -> None:
-            nonlocal done
-            if done:
-                return
-            done = True
-            if err is not None:
-                span.set_attribute("splitvl.error.reason", err.reason)
-                span.set_status(trace.Status(trace.StatusCode.ERROR, err.message))
-            if admission is not None:
-                admission.release()
-            span.end()
-
-        converted: Converted | None = None
-        responses: Any = None
-        try:
-            converted = to_generate_request(body, served, max_tokens_limit)
-            parsed = pipeline.parse(converted.request, Deadline.after(timeout_s))
-            responses = pipeline.generate(parsed)
-            # Every input error arrives before the first response (the pipeline streams
-            # nothing before the first token), so it still gets its HTTP status. A client
-            # that leaves meanwhile (an encoder queue, a cold decoder) cancels the pipeline.
-            with trace.use_span(span, end_on_exit=False):
-                first = await _watching(request, _next(responses))
-        except ServiceError as err:
-            finish(err)
-            return _error_response(err, converted)
-        except _Disconnected:
-            finish()
-            return Response(status_code=499)
-        except BaseException:
-            finish()
-            raise
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        if not body.stream:
-            return await _complete(request, responses, first, rid, created, span, finish, converted)
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-            data: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": served_model_name,
-                "choices": [
-                    {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-                ],
-            }
-            if include_usage:
-                data["usage"] = None
-            return f"data: {json.dumps(data)}\n\n"
-
-        async def events() -> AsyncIterator[str]:
-            last = first
-            error: ServiceError | None = None
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                item: GenerateEvent | None = first
-                while item is not None:
-                    last = item
-                    reason = FINISH.get(item.finish_reason) if item.finish_reason else None
-                    # One chunk per engine step that made tokens, its text empty or not (a
-                    # byte-level token that ends inside a UTF-8 character has none yet), as
-                    # `vllm serve` streams: skipping those bunched the stream into a few
-                    # events, and clients (and vLLM's benchmark, whose ITL counts chunks)
-                    # saw stalls of several tokens.
-                    if item.token_ids or item.text or reason:
-                        yield chunk({"content": item.text}, reason)
-                    with trace.use_span(span, end_on_exit=False):
-                        item = await _next(responses)
-                if include_usage and last is not None:
-                    tail = {
-                        "id": rid,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": served_model_name,
-                        "choices": [],
-                        "usage": usage(last.usage),
-                        "splitvl": splitvl_extension(first, last) if first is not None else {},
-                    }
-                    yield f"data: {json.dumps(tail)}\n\n"
-                yield "data: [DONE]\n\n"
-            except ServiceError as err:
-                # Mid-stream the status line is gone: OpenAI's clients read an error event.
-                error = err
-                yield f"data: {json.dumps(error_body(err, converted)[1])}\n\n"
-            finally:
-                # A disconnected client cancels this generator (Starlette watches for the
-                # disconnect): closing the pipeline cancels the decoder call, which aborts
-                # vLLM's request.
-                with contextlib.suppress(BaseException), trace.use_span(span, end_on_exit=False):
-                    await responses.aclose()
-                finish(error)
-
-        async def close() -> None:
-            # Also when Starlette never starts events() (the client left before the first
-            # byte went out): the slot and the pipeline are released here, not by the GC.
-            with contextlib.suppress(BaseException), trace.use_span(span, end_on_exit=False):
-                await responses.aclose()
-            finish()
-
-        return _Stream(events(), media_type="text/event-stream", on_close=close)
-
-    async def _complete(
-        request: Request,
-        responses: Any,
-        first: GenerateEvent | None,
-        rid: str,
-        created: int,
-        span: trace.Span,
-        finish: Any,
-        converted: Converted | None,
-    ) -> Response:
-        """The non-streaming answer; a client that disconnects meanwhile cancels it."""
-
-        async def collect() -> list[GenerateEvent]:
-            chunks = [first] if first is not None else []
-            with trace.use_span(span, end_on_exit=False):
-                async for item in responses:
-                    chunks.append(item)
-            return chunks
-
-        task = asyncio.ensure_future(collect())
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.5)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()  # cancels the decoder call: vLLM aborts the request
-                    with contextlib.suppress(BaseException):
-                        await task
-                    finish()
-                    return Response(status_code=499)
-            chunks = task.result()
-        except ServiceError as err:
-            finish(err)
-            return _error_response(err, converted)
-        except BaseException:
-            task.cancel()
-            finish()
-            raise
-        finish()
-        last = chunks[-1] if chunks else None
-        text = "".join(c.text for c in chunks)
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": served_model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {
-                            "role": "assistant",
-                            "content": text,
-                        },
-                        "finish_reason": FINISH.get(last.finish_reason, "stop") if last else "stop",
-                        "logprobs": None,
-                    }
-                ],
-                "usage": usage(last.usage) if last is not None else None,
-                "splitvl": splitvl_extension(first, last) if first is not None else {},
-            }
-        )
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.create_chat_completion(body, request)
 
     return app
 
 
+class _BearerAuth:
+    """The ``Authorization: Bearer`` check on ``/v1/*`` (not on ``/health`` or
+    ``/metrics``): the gRPC path's own (:class:`vlcommon.auth.AuthInterceptor`), so 401
+    with reason ``AUTH_TOKEN_MISSING`` or ``AUTH_TOKEN_INVALID``. No tokens: no check."""
+
+    def __init__(self, tokens: Sequence[str]) -> None:
+        self.auth = AuthInterceptor(tokens) if tokens else None
+
+    async def __call__(
+        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if self.auth is not None and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization")
+            err = self.auth.check(request.url.path, [("authorization", header)] if header else [])
+            if err is not None:
+                return error_response(err)
+        return await call_next(request)
+
+
+#: Tags pydantic adds to a location for the branch of a union ("str", "list[any]").
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-class _Disconnected(Exception):
-    """The HTTP client went away while the pipeline worked."""
+async def _invalid_body(request: Request, exc: Exception) -> JSONResponse:
+    """400 ``REQUEST_INVALID`` for a body the request model refuses, naming the first
+    error's field as OpenAI names it (``messages[0].content``; ``body`` for a body that is
+    not JSON or not an object)."""
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [
+        x
+        for x in first.get("loc", ())
+        if x != "body" and not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x))
+    ]
+    field = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        where = f" (at character {loc[0]})" if loc else ""
+        message, field = f"the body is not valid JSON{where}", "body"
+    elif not field:
+        message, field = "the body must be a JSON object (Content-Type: application/json)", "body"
+    else:
+        message = f"{field}: {first.get('msg', 'invalid value')}"
+    return error_response(invalid_argument("REQUEST_INVALID", message, field=field))
 
 
-async def _watching(request: Request, work: Any, poll_s: float = 0.25) -> Any:
-    """Await ``work``; cancel it and raise :class:`_Disconnected` if the client leaves."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                raise _Disconnected
-    except BaseException:
-        task.cancel()
-        raise
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (404 path, 405 method, a body that cannot be parsed) in
+    OpenAI's shape."""
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    message = {
+        404: f"{request.method} {request.url.path} is not served (served: "
+        "/v1/chat/completions, /v1/models, /health, /metrics)",
+        405: f"{request.method} is not allowed on {request.url.path}",
+    }.get(status, str(exc.detail))
+    if status == 400 and "parsing the body" in str(exc.detail):
+        message = "the body could not be parsed as JSON (invalid UTF-8 or too deeply nested)"
+    codes = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
+    param = "body" if status == 400 else None
+    return http_error_response(status, codes.get(status, "REQUEST_INVALID"), message, param)
 
 
-class _Stream(StreamingResponse):
-    """A StreamingResponse that always runs ``on_close`` once it is done with the client."""
-
-    def __init__(self, content: Any, *, media_type: str, on_close: Any) -> None:
-        super().__init__(content, media_type=media_type)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._on_close()
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """500 for a bug: logged with its traceback, the client told only to look there."""
+    log.exception("unexpected error in %s %s", request.method, request.url.path)
+    body = {
+        "error": {
+            "message": "internal error (see the gateway's log)",
+            "type": "server_error",
+            "param": None,
+            "code": "INTERNAL",
+        }
+    }
+    return JSONResponse(body, status_code=500)
 
 
 class BodyGuard:
@@ -445,11 +235,16 @@ class BodyGuard:
     - no byte of a body still due for ``read_timeout_s`` seconds (a client that sent a
       Content-Length and less body, or stalled mid-upload): 408 ``BODY_READ_TIMEOUT``.
       uvicorn bounds the idle time between requests (``timeout_keep_alive``), not a
-      body that stops arriving, which used to hold the connection and its request
-      open with no answer;
+      body that stops arriving, which would hold the connection and its request open
+      with no answer;
     - a ``Content-Encoding`` other than ``identity`` (gzip, br, ...): 415
-      ``CONTENT_ENCODING_UNSUPPORTED`` (it used to be read as JSON and refused as not
-      JSON). ``vllm serve`` does not decompress bodies either.
+      ``CONTENT_ENCODING_UNSUPPORTED``, rather than a compressed body refused as "not
+      JSON". ``vllm serve`` does not decompress bodies either.
+
+    Args:
+        app: The ASGI application it guards.
+        max_bytes: Largest body, bytes.
+        read_timeout_s: Longest wait for the next piece of a body still due, seconds.
     """
 
     def __init__(self, app: Any, max_bytes: int, read_timeout_s: float = 30.0) -> None:
@@ -459,7 +254,7 @@ class BodyGuard:
 
     def _refusal(self, kind: str) -> JSONResponse:
         if kind == "timeout":
-            return _http_error(
+            return http_error_response(
                 408,
                 "BODY_READ_TIMEOUT",
                 f"the request body stopped arriving: no byte for {self.read_timeout_s:g} s "
@@ -467,7 +262,7 @@ class BodyGuard:
                 "body",
                 {"Connection": "close"},
             )
-        return _error_response(
+        return error_response(
             ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "REQUEST_TOO_LARGE",
@@ -485,7 +280,7 @@ class BodyGuard:
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
         if encoding not in (b"", b"identity"):
             name = encoding.decode("latin-1")
-            await _http_error(
+            await http_error_response(
                 415,
                 "CONTENT_ENCODING_UNSUPPORTED",
                 f"Content-Encoding {name!r} is not supported; "
@@ -550,13 +345,6 @@ class _BodyRefused(Exception):
     pass
 
 
-async def _next(responses: Any) -> GenerateEvent | None:
-    try:
-        return await responses.__anext__()  # type: ignore[no-any-return]
-    except StopAsyncIteration:
-        return None
-
-
 class HttpFront:
     """uvicorn serving :func:`create_app` on the running event loop, beside grpc.aio.
 
@@ -609,6 +397,7 @@ class HttpFront:
         log.info("OpenAI-compatible front on http://%s:%d/v1", self.server.config.host, self.port)
 
     async def stop(self) -> None:
+        """Stop serving: open streams get up to 10 s (``timeout_graceful_shutdown``)."""
         self.server.should_exit = True
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
