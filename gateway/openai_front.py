@@ -16,7 +16,8 @@ Served (FastAPI on uvicorn, on the gateway's event loop beside its gRPC server):
 
 * ``POST /v1/chat/completions``: ``messages`` with ``content`` as a string or as parts
   ``text`` and ``image_url`` (``url``: an http(s) URL, fetched under the gRPC path's switch
-  and SSRF guard, or a data URL; ``detail`` accepted and ignored: the pixel budget decides);
+  and SSRF guard, or a data URL; ``detail`` accepted and ignored: the pixel budget decides)
+  and vLLM's ``video_url`` (``url`` only: the gateway's ``GATEWAY_VIDEO_*`` settings sample it);
   ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (absent: 1.0, as OpenAI and
   vLLM default), ``top_p``, ``seed``, ``stop``, ``n`` = 1, vLLM's ``ignore_eos``;
   ``stream`` as server-sent events in OpenAI's chunk format with
@@ -33,10 +34,11 @@ rules (:meth:`gateway.pipeline.Pipeline.parse`) and run through the same
 decoding, stage timings and spans are the gRPC path's. A W3C ``traceparent`` header joins
 the caller's trace. Errors come in OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``, with the gRPC path's message, the ErrorInfo field as ``param`` and its reason
-as ``code``, and the HTTP status of the gRPC code (:data:`HTTP_STATUS`); a client that
-disconnects cancels the request down to vLLM. Bearer tokens (``GATEWAY_AUTH_TOKENS``),
-TLS/mTLS (``GATEWAY_TLS_*``) and admission control (``max_concurrent_rpcs``, shared with
-the gRPC server) are the gRPC gateway's.
+as ``code``, and the HTTP status of the gRPC code
+(:data:`gateway.openai_protocol.HTTP_STATUS`); a client that leaves a stream cancels the
+request down to vLLM. Bearer tokens (``GATEWAY_AUTH_TOKENS``), TLS/mTLS
+(``GATEWAY_TLS_*``) and admission control (``max_concurrent_rpcs``, shared with the gRPC
+server) are the gRPC gateway's.
 
 This module is the router (vLLM's layout): :func:`create_app` wires the exception
 handlers, the body guard, the bearer-token check and the routes to the serving classes of

@@ -541,7 +541,7 @@ class ChatCompletionRenderer:
 
     Attributes:
         id: ``chatcmpl-`` and 32 hex digits.
-        created: Unix time the answer started, s.
+        created: Unix time, s, when the renderer was made (once the first event came).
         model: The served model id.
         include_usage: ``stream_options.include_usage``: each chunk carries ``usage: null``
             and a last chunk without choices carries the usage.
