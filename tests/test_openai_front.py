@@ -27,13 +27,8 @@ from PIL import Image
 from qwenvl.common.v1 import generation_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 
-from gateway.openai_front import (
-    ChatCompletionRequest,
-    HttpFront,
-    create_app,
-    error_body,
-    to_generate_request,
-)
+from gateway.openai_front import HttpFront, create_app
+from gateway.openai_protocol import ChatCompletionRequest, error_body, to_generate_request
 from gateway.pipeline import GenerateEvent
 from tests.conftest import photo
 from vlcommon.admission import AdmissionInterceptor

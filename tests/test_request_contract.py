@@ -11,7 +11,7 @@ from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service.servicer import POLICIES, TIERS, _grid
 from decoder_service.validation import check_image
-from gateway.openai_front import to_generate_request
+from gateway.openai_protocol import to_generate_request
 from vlcommon import tensors
 from vlcommon.errors import ServiceError
 from vlcommon.model_info import VisionSpec
@@ -100,7 +100,7 @@ def test_max_tokens_is_one_rule_in_the_grpc_and_the_openai_front() -> None:
     grpc_side = refusal(check_max_tokens, 17, 16)
     assert grpc_side.message == "sampling.max_tokens is 17; allowed 1..16"
     assert refusal(check_max_tokens, 0, 16).reason == "MAX_TOKENS_OUT_OF_RANGE"
-    from gateway.openai_front import ChatCompletionRequest
+    from gateway.openai_protocol import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 17}
