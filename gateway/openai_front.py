@@ -59,7 +59,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -67,7 +67,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.base import BaseHTTPMiddleware
 
 from gateway.openai_protocol import INT32_MAX, ChatCompletionRequest
 from gateway.openai_serving import (
@@ -124,9 +123,7 @@ def create_app(
     # Starlette runs the middleware added last first: the bearer token is checked before
     # the body guard reads a byte of the body.
     app.add_middleware(BodyGuard, max_bytes=max_body_bytes, read_timeout_s=body_read_timeout_s)
-    # With or without tokens, so both setups serve alike; it hides disconnects from
-    # request.is_disconnected() (see gateway.openai_serving._watching).
-    app.add_middleware(BaseHTTPMiddleware, dispatch=_BearerAuth(bearer_tokens))
+    app.add_middleware(BearerAuth, tokens=bearer_tokens)
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
@@ -150,23 +147,31 @@ def create_app(
     return app
 
 
-class _BearerAuth:
-    """The ``Authorization: Bearer`` check on ``/v1/*`` (not on ``/health`` or
-    ``/metrics``): the gRPC path's own (:class:`vlcommon.auth.AuthInterceptor`), so 401
-    with reason ``AUTH_TOKEN_MISSING`` or ``AUTH_TOKEN_INVALID``. No tokens: no check."""
+class BearerAuth:
+    """ASGI middleware: the ``Authorization: Bearer`` check on ``/v1/*`` (not on
+    ``/health`` or ``/metrics``), the gRPC path's own (:class:`vlcommon.auth.AuthInterceptor`),
+    so 401 with reason ``AUTH_TOKEN_MISSING`` or ``AUTH_TOKEN_INVALID``. No tokens: no check.
 
-    def __init__(self, tokens: Sequence[str]) -> None:
+    Plain ASGI, not Starlette's ``BaseHTTPMiddleware``: behind that one,
+    ``request.is_disconnected()`` never saw a client leave (its receive runs in a task
+    group that the check's cancelled scope cancels), so a non-streaming request, or a
+    stream before its first token, ran to its end for a client that was gone.
+    """
+
+    def __init__(self, app: Any, tokens: Sequence[str]) -> None:
+        self.app = app
         self.auth = AuthInterceptor(tokens) if tokens else None
 
-    async def __call__(
-        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if self.auth is not None and request.url.path.startswith("/v1/"):
-            header = request.headers.get("authorization")
-            err = self.auth.check(request.url.path, [("authorization", header)] if header else [])
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if self.auth is not None and scope["type"] == "http" and path.startswith("/v1/"):
+            raw = dict(scope.get("headers") or []).get(b"authorization")
+            header = raw.decode("latin-1") if raw is not None else None
+            err = self.auth.check(path, [("authorization", header)] if header else [])
             if err is not None:
-                return error_response(err)
-        return await call_next(request)
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 #: Tags pydantic adds to a location for the branch of a union ("str", "list[any]").

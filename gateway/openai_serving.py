@@ -323,15 +323,9 @@ class OpenAIServingChat:
 
 async def _watching(request: Request, work: Awaitable[T], poll_s: float = 0.25) -> T:
     """Await ``work``; cancel it and raise :class:`_Disconnected` if the client leaves
-    (``request.is_disconnected()``, polled every ``poll_s`` seconds).
-
-    Known limit: ``is_disconnected()`` stays False behind Starlette's
-    ``BaseHTTPMiddleware`` (the router's bearer check, installed with or without tokens):
-    its receive runs in an anyio task group, which yields to the event loop, where the
-    already-cancelled scope of ``is_disconnected()`` cancels it: the disconnect message
-    never comes back (seen with starlette 1.10, uvicorn 0.55). So a client gone before
-    the first token, or during a non-streaming answer, is not seen and its request runs
-    to its end; a stream's is seen by Starlette once the stream started.
+    (``request.is_disconnected()``, polled every ``poll_s`` seconds). Every middleware
+    in front of the route is plain ASGI (``gateway.openai_front``): behind Starlette's
+    ``BaseHTTPMiddleware`` this check never sees a client leave.
     """
     task = asyncio.ensure_future(work)
     try:

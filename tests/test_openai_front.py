@@ -244,8 +244,10 @@ class ScriptedPipeline:
         self.tokens = ["Hel", "lo", "!"]
         self.error: ServiceError | None = None
         self.delay_s = 0.0
+        self.first_delay_s = 0.0
         self.requests: list[pb.GenerateRequest] = []
         self.closed = asyncio.Event()
+        self.yielded = 0
 
     def parse(self, request: pb.GenerateRequest, deadline: Any, arrived: Any = None) -> Any:
         self.requests.append(request)
@@ -255,6 +257,7 @@ class ScriptedPipeline:
         try:
             if self.error is not None:
                 raise self.error
+            await asyncio.sleep(self.first_delay_s)
             for i, text in enumerate(self.tokens):
                 await asyncio.sleep(self.delay_s)
                 out = GenerateEvent(token_ids=[i], text=text)
@@ -268,6 +271,7 @@ class ScriptedPipeline:
                         prompt_tokens=70, completion_tokens=len(self.tokens)
                     )
                     out.timings = pb.StageTimings(total_ms=12.5)
+                self.yielded += 1
                 yield out
         finally:
             self.closed.set()
@@ -428,6 +432,33 @@ def test_a_client_that_disconnects_mid_stream_closes_the_pipeline() -> None:
         while not servicer.closed.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
     assert servicer.closed.is_set()  # the pipeline's finally ran: its decoder call cancelled
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_before_the_answer_starts_closes_the_pipeline(stream: bool) -> None:
+    """A non-streaming client that leaves while its answer is computed, or a streaming one
+    that leaves before the first token (a slow encoder queue), cancels the pipeline at
+    once instead of letting it run to max_tokens for nobody."""
+    pipeline = ScriptedPipeline()
+    pipeline.tokens = [f"t{i}" for i in range(200)]
+    pipeline.delay_s = 0.05  # 10 s to the end
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": stream}
+    if stream:
+        pipeline.delay_s = 0.0
+        pipeline.first_delay_s = 10.0
+    with serving(pipeline, bearer_tokens=["secret"]) as url:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(
+                f"{url}/chat/completions",
+                json=body,
+                headers={"Authorization": "Bearer secret"},
+                timeout=1.0,
+            )
+        deadline = time.monotonic() + 5
+        while not pipeline.closed.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert pipeline.closed.is_set()
+    assert pipeline.yielded < 100  # cancelled, not run to its end
 
 
 # -- e2e: the four services ---------------------------------------------------------------
