@@ -57,7 +57,7 @@ def connect(
     router = DecoderRouter(epsilon=settings.affinity_epsilon)
     decoders = DecoderEndpoints(
         settings.decoder_address,
-        lambda address: channel(address, security),
+        lambda address, name: channel(address, security.named(name)),
         router,
         proxy=settings.decoder_routing == "proxy",
         resolve_s=settings.decoder_resolve_s,

@@ -138,9 +138,11 @@ def test_static_targets_and_the_affinity_key_of_a_request() -> None:
 async def test_dns_targets_resolve_to_one_endpoint_per_address() -> None:
     router = DecoderRouter()
     opened: list[str] = []
+    names: set[str | None] = set()
 
-    def make_channel(address: str) -> Any:
+    def make_channel(address: str, name: str | None) -> Any:
         opened.append(address)
+        names.add(name)
         return grpc.aio.insecure_channel(address)
 
     endpoints = DecoderEndpoints("dns:///localhost:50999", make_channel, router)
@@ -155,6 +157,7 @@ async def test_dns_targets_resolve_to_one_endpoint_per_address() -> None:
         assert sorted(e.address for e in router.endpoints) == expected == sorted(opened)
         await endpoints.refresh()  # the same records: nothing reopened
         assert sorted(opened) == expected
+        assert names == {"localhost"}  # TLS checks the name, not the IP dialled
     finally:
         await endpoints.close()
 
@@ -267,3 +270,13 @@ async def test_every_replica_down_is_unavailable_not_a_hang() -> None:
     assert err.value.metadata["dependency"] == "decoder"
     for c in channels:
         await c.close()
+
+
+def test_tls_checks_a_resolved_replica_against_its_dns_name() -> None:
+    from vlcommon.tls import ClientSecurity
+
+    tls = ClientSecurity(ca_file="/ca.pem")
+    assert tls.named("decoder-headless.ns.svc").server_name == "decoder-headless.ns.svc"
+    assert tls.named(None) is tls
+    pinned = ClientSecurity(ca_file="/ca.pem", server_name="decoder.internal")
+    assert pinned.named("decoder-headless").server_name == "decoder.internal"

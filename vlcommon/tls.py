@@ -15,6 +15,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 from collections.abc import Sequence
@@ -139,6 +140,14 @@ class ClientSecurity:
         if self.bearer_token:
             out.append(("authorization", f"Bearer {self.bearer_token}"))
         return tuple(out)
+
+    def named(self, name: str | None) -> ClientSecurity:
+        """This security for an address resolved from DNS ``name``: TLS checks the
+        certificate against ``name`` (unless a server name is configured), not the IP
+        dialled (a decoder replica of a headless Service, ``gateway.pipeline.endpoints``)."""
+        if not name or self.server_name:
+            return self
+        return dataclasses.replace(self, server_name=name)
 
     def channel_options(self) -> list[tuple[str, str]]:
         if self.server_name and self.uses_tls:

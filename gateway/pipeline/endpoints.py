@@ -67,7 +67,9 @@ class DecoderEndpoints:
 
     Args:
         target: ``GATEWAY_DECODER_ADDRESS``.
-        make_channel: Opens a channel to one address (TLS, token, limits, tracing).
+        make_channel: Opens a channel to one address (TLS, token, limits, tracing); its
+            second argument is the DNS name the address was resolved from (None for a fixed
+            address), which TLS checks the certificate against, not the IP.
         router: The router to keep up to date.
         proxy: One endpoint for the whole target (``GATEWAY_DECODER_ROUTING=proxy``).
         resolve_s: Seconds between DNS resolutions of a ``dns:`` target.
@@ -76,7 +78,7 @@ class DecoderEndpoints:
     def __init__(
         self,
         target: str,
-        make_channel: Callable[[str], Any],
+        make_channel: Callable[[str, str | None], Any],
         router: DecoderRouter,
         *,
         proxy: bool = False,
@@ -91,7 +93,10 @@ class DecoderEndpoints:
         self._retired: list[Endpoint] = []
 
     def _endpoint(self, address: str) -> Endpoint:
-        channel = self.make_channel(address)
+        name = (
+            _dns_name(self.target)[0] if self.target.startswith("dns:") and not self.proxy else None
+        )
+        channel = self.make_channel(address, name)
         return Endpoint(address, decoder_service_pb2_grpc.DecoderServiceStub(channel), channel)
 
     def _apply(self, addresses: list[str]) -> None:
