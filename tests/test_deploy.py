@@ -569,6 +569,26 @@ def test_container_env_is_set_before_use_and_names_settings(path: Path) -> None:
         check_settings_keys({e["name"]: e for e in c.get("env", [])}, f"{path.name} {name} env")
 
 
+def test_istio_example_hashes_the_affinity_header_over_a_non_headless_service() -> None:
+    import kubernetes_validate
+
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "istio" / "destinationrule.yaml").read_text())]
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    (rule,) = [d for d in docs if d["kind"] == "DestinationRule"]
+    kubernetes_validate.validate(service, KUBERNETES_VERSION, strict=True)
+    # Istio ignores a DestinationRule's load balancer on a headless Service: a ClusterIP one.
+    assert service["spec"].get("clusterIP") != "None"
+    decoder = by_kind(render(K8S / "base"), "Deployment")["splitvl-decoder"]
+    assert selects(service, decoder)
+    service_port(service, decoder, COMPONENT_PORTS["decoder"])
+    assert service["spec"]["ports"][0]["appProtocol"] == "grpc"  # HTTP/2, balanced per call
+    assert rule["apiVersion"] in ("networking.istio.io/v1", "networking.istio.io/v1beta1")
+    assert set(rule["spec"]) == {"host", "trafficPolicy"}
+    assert rule["spec"]["host"] == service["metadata"]["name"]
+    hashing = rule["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]
+    assert hashing == {"httpHeaderName": "x-splitvl-affinity"}
+
+
 # ----------------------------------------------------------------------------- compose
 
 
