@@ -21,9 +21,11 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import re
 import shutil
 import subprocess
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -423,6 +425,17 @@ def service_port(service: dict[str, Any], workload: dict[str, Any], port: int) -
     assert declared.get(target, target) in declared.values(), (entry, declared)
 
 
+def redis_bytes(size: str) -> int:
+    """A redis.conf memory size (8gb: GiB, 8g: 10^9 bytes) in bytes."""
+    match = re.fullmatch(r"(\d+)([kmg]b?)?", size.lower())
+    assert match, size
+    number, unit = int(match.group(1)), match.group(2) or ""
+    if not unit:
+        return number
+    base = 1024 if unit.endswith("b") else 1000
+    return number * base ** ("kmg".index(unit[0]) + 1)
+
+
 def check_scale_out(objects: list[dict[str, Any]]) -> None:
     """What the scale-out overlays promise, in the rendered objects."""
     deployments = by_kind(objects, "Deployment")
@@ -460,9 +473,9 @@ def check_scale_out(objects: list[dict[str, Any]]) -> None:
         for line in conf_map["data"]["redis.conf"].splitlines()
         if line.strip() and not line.startswith("#")
     )
-    assert re.fullmatch(r"\d+[kmg]b", conf["maxmemory"]), conf.get("maxmemory")
+    assert "maxmemory" in conf, "Redis without a byte budget grows until the pod is killed"
     assert conf["maxmemory-policy"] == "allkeys-lru"
-    budget = int(conf["maxmemory"][:-2]) * 1024 ** "kmg".index(conf["maxmemory"][-2]) * 1024
+    budget = redis_bytes(conf["maxmemory"])
     limit = container(redis)["resources"]["limits"]["memory"]
     assert limit.endswith("Gi") and budget < int(limit[:-2]) * 2**30, (budget, limit)
 
@@ -549,6 +562,82 @@ def test_the_scale_out_checks_catch_a_lost_promise(breakage: Any) -> None:
     breakage(broken)
     with pytest.raises(AssertionError):
         check_scale_out(broken)
+
+
+def test_the_redis_statefulset_starts_redis_with_its_config_and_password(tmp_path: Path) -> None:
+    """The StatefulSet's start command and redis.conf, run by Debian's redis-server (paths
+    and port moved into tmp_path): the password is required, the byte budget and LRU
+    eviction are in force, and the readiness probe's command answers."""
+    server = shutil.which("redis-server")
+    if server is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server/redis-cli are not installed (`make system-deps` installs them)")
+    objects = render(K8S / "overlays" / "scale-out")
+    redis = by_kind(objects, "StatefulSet")["splitvl-redis"]
+    c = container(redis)
+    (conf,) = [m for n, m in by_kind(objects, "ConfigMap").items() if n.startswith("splitvl-redis")]
+    (etc := tmp_path / "etc").mkdir()
+    (run := tmp_path / "run").mkdir()
+    (data := tmp_path / "data").mkdir()
+    (etc / "redis.conf").write_text(conf["data"]["redis.conf"].replace("dir /data", f"dir {data}"))
+    assert c["command"][:2] == ["sh", "-c"]
+    port = free_tcp_port()
+    script = (
+        c["command"][2].replace("/etc/redis", str(etc)).replace("/run/redis", str(run))
+        + f" --port {port} --bind 127.0.0.1"
+    )
+    password = "0123abcd" * 8
+    with (tmp_path / "redis.log").open("wb") as log:
+        process = subprocess.Popen(
+            ["sh", "-c", script],
+            env={**os.environ, "REDIS_PASSWORD": password},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        probe = c["readinessProbe"]["exec"]["command"]
+        assert probe[:2] == ["sh", "-c"]
+        ready = probe[2].replace("redis-cli", f"redis-cli -p {port}")
+        authed = {**os.environ, "REDISCLI_AUTH": password}
+        deadline = time.monotonic() + 20
+        while subprocess.run(
+            ["sh", "-c", ready], env=authed, stderr=subprocess.DEVNULL, timeout=10
+        ).returncode:
+            assert process.poll() is None, "redis-server exited"
+            assert time.monotonic() < deadline, "redis never answered the readiness probe"
+            time.sleep(0.1)
+        anonymous = {k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"}
+        refused = subprocess.run(["sh", "-c", ready], env=anonymous, timeout=10)
+        assert refused.returncode != 0  # NOAUTH: no password, no answer
+
+        def config_get(name: str) -> str:
+            out = subprocess.run(
+                ["redis-cli", "-p", str(port), "config", "get", name],
+                env=authed,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            lines = out.stdout.splitlines()
+            assert lines[:1] == [name], out.stdout + out.stderr
+            return lines[1] if len(lines) > 1 else ""
+
+        budget = re.search(r"^maxmemory (\S+)$", conf["data"]["redis.conf"], re.M)
+        assert budget and config_get("maxmemory") == str(redis_bytes(budget.group(1)))
+        assert config_get("maxmemory-policy") == "allkeys-lru"
+        assert config_get("save") == "" and config_get("appendonly") == "no"  # a cache
+        # The password is not on the command line.
+        assert password not in Path(f"/proc/{process.pid}/cmdline").read_text()
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("path", [K8S / "base", *OVERLAYS], ids=lambda p: p.name)
