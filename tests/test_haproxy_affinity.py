@@ -14,7 +14,12 @@ can hold calls in flight. Shown here:
 * a stopped server's keys move to the others and no other key moves; they come back when
   it returns; a server that reports NOT_SERVING on grpc.health.v1 is drained the same way
   (the gRPC health check, not a TCP connect);
-* a call without the header (text only) still succeeds.
+* a call without the header (text only) still succeeds;
+* decoders named by DNS (the Kubernetes way, a stub DNS server here) fill the
+  server-template slots: keys stick and spread, and a record that leaves and returns moves
+  only its own keys;
+* a decoder killed mid-stream ends its call at once (HAProxy 2.6 cuts the stream without
+  trailers: grpcio reports UNKNOWN), and the next call with that key goes elsewhere.
 
 Skipped, with the reason, only where haproxy is not installed (``make system-deps`` installs
 it; CI has it).
@@ -31,8 +36,10 @@ import math
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -73,9 +80,10 @@ def free_port() -> int:
 class Backend:
     """One grpcio server that answers with its name, plus grpc.health.v1."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0) -> None:
         self.name = name
-        self.port = 0
+        self.host = host
+        self.port = port
         self.health = health.HealthServicer()
         self.server: grpc.Server | None = None
 
@@ -104,7 +112,7 @@ class Backend:
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")  # the same port again
+        self.port = server.add_insecure_port(f"{self.host}:{self.port}")  # the same port again
         assert self.port
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         server.start()
@@ -123,15 +131,24 @@ class HasPort(Protocol):
 class Proxy:
     """haproxy -f deploy/haproxy/haproxy.cfg in the foreground, stopped at the end."""
 
-    def __init__(self, backends: Sequence[HasPort], workdir: Path) -> None:
+    def __init__(
+        self,
+        backends: Sequence[HasPort],
+        workdir: Path,
+        dns: dict[str, str] | None = None,
+        servers: Sequence[str] = NAMES,
+    ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
+        self.servers = tuple(servers)
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITVL_")}
         env.update(
             SPLITVL_HAPROXY_BIND=f"127.0.0.1:{self.port}",
             SPLITVL_HAPROXY_METRICS_BIND=f"127.0.0.1:{self.metrics_port}",
             SPLITVL_HAPROXY_CHECK_INTER=CHECK_INTER,
         )
+        if dns is not None:  # decoders from DNS (server-template) instead of a list
+            env.update(dns)
         for i, backend in enumerate(backends, start=1):
             env[f"SPLITVL_DECODER_{i}"] = f"127.0.0.1:{backend.port}"
         self.log = workdir / f"haproxy-{self.port}.log"
@@ -145,7 +162,7 @@ class Proxy:
             )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         try:
-            self.wait_for({name: "UP" for name in NAMES[: len(backends)]})
+            self.wait_for({name: "UP" for name in self.servers[: len(backends) or None]})
         except BaseException:
             self.close()
             raise
@@ -169,7 +186,7 @@ class Proxy:
 
     def status(self) -> dict[str, str]:
         """Each server's state as HAProxy's stats report it (UP, DOWN, UP 1/2 ...)."""
-        return {r["svname"]: r["status"] for r in self.stats() if r["svname"] in NAMES}
+        return {r["svname"]: r["status"] for r in self.stats() if r["svname"] in self.servers}
 
     def wait_for(self, wanted: dict[str, str], timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
@@ -434,6 +451,107 @@ def test_a_not_serving_server_is_drained_by_the_grpc_health_check(
     backend.health.set("", health_pb2.HealthCheckResponse.SERVING)
     proxy.wait_for({victim: "UP"})
     assert proxy.mapping() == before
+
+
+class Dns:
+    """A tiny authoritative DNS server on UDP loopback: A records for one name, changeable."""
+
+    def __init__(self, name: str, addresses: list[str]) -> None:
+        self.name = name.rstrip(".").lower()
+        self.addresses = list(addresses)
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.settimeout(0.2)
+        self.port = int(self.socket.getsockname()[1])
+        self.queries = 0
+        self.running = True
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        while self.running:
+            try:
+                query, peer = self.socket.recvfrom(4096)
+            except TimeoutError:
+                continue
+            with contextlib.suppress(Exception):  # a malformed query gets no answer
+                self.socket.sendto(self.answer(query), peer)
+
+    def answer(self, query: bytes) -> bytes:
+        ident, _, qdcount = struct.unpack(">HHH", query[:6])
+        assert qdcount == 1
+        labels, at = [], 12
+        while query[at]:
+            labels.append(query[at + 1 : at + 1 + query[at]].decode().lower())
+            at += 1 + query[at]
+        qtype, _ = struct.unpack(">HH", query[at + 1 : at + 5])
+        question = query[12 : at + 5]
+        self.queries += 1
+        if ".".join(labels) != self.name:
+            return struct.pack(">HHHHHH", ident, 0x8583, 1, 0, 0, 0) + question  # NXDOMAIN
+        records = [
+            struct.pack(">HHHIH", 0xC00C, 1, 1, 1, 4) + socket.inet_aton(address)
+            for address in (self.addresses if qtype == 1 else [])  # A only; AAAA: none
+        ]
+        header = struct.pack(">HHHHHH", ident, 0x8580, 1, len(records), 0, 0)
+        return header + question + b"".join(records)
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join(5)
+        self.socket.close()
+
+
+def test_decoders_from_dns_fill_server_template_slots(tmp_path: Path) -> None:
+    """The Kubernetes way: SPLITVL_DECODER_DNS names a headless Service; its A records fill
+    the server-template slots. Keys stick and spread, a record that leaves the answer takes
+    only its keys with it, and one that comes back gets them back."""
+    addresses = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    port = free_port()
+    backends = [Backend(f"dns-{a}", a, port) for a in addresses]
+    dns = Dns("decoders.splitvl.test", addresses)
+    proxy = None
+    try:
+        for backend in backends:
+            backend.start()
+        proxy = Proxy(
+            [],
+            tmp_path,
+            dns={
+                "SPLITVL_DECODER_DNS": f"decoders.splitvl.test:{port}",
+                "SPLITVL_DECODER_SLOTS": "4",  # one slot more than decoders
+                "SPLITVL_HAPROXY_NAMESERVER": f"127.0.0.1:{dns.port}",
+            },
+            servers=NAMES,
+        )
+        before = proxy.mapping()
+        assert [before == proxy.mapping() for _ in range(3)] == [True] * 3
+        spread = Counter(before.values())
+        print(f"DNS slots, keys per server: {dict(sorted(spread.items()))}")
+        assert set(spread) == {b.name for b in backends}, spread
+        # 127.0.0.2 leaves the answer (its pod is gone or not ready).
+        dns.addresses = ["127.0.0.1", "127.0.0.3"]
+        deadline = time.monotonic() + 20
+        while "dns-127.0.0.2" in proxy.mapping().values():
+            assert time.monotonic() < deadline, proxy.status()
+            time.sleep(0.2)
+        after = proxy.mapping()
+        for key, server in before.items():
+            if server != "dns-127.0.0.2":
+                assert after[key] == server, key  # the rest do not move
+        # It comes back: the freed slot takes it, and its keys return.
+        dns.addresses = addresses
+        deadline = time.monotonic() + 20
+        while proxy.mapping() != before:
+            assert time.monotonic() < deadline, (proxy.status(), proxy.mapping())
+            time.sleep(0.2)
+        assert dns.queries > 0
+    finally:
+        if proxy is not None:
+            proxy.close()
+        dns.close()
+        for backend in backends:
+            backend.stop()
 
 
 def test_a_call_without_the_header_still_succeeds(proxy: Proxy) -> None:
