@@ -513,6 +513,12 @@ def check_scale_out(objects: list[dict[str, Any]]) -> None:
         cfg = configmaps[volumes["config"]["configMap"]["name"]]["data"]["haproxy.cfg"]
         assert cfg == (DEPLOY / "haproxy" / "haproxy.cfg").read_text()
         assert f"{mount['mountPath']}/haproxy.cfg" in container(proxy)["command"]
+        # A rolling update soft-stops it (SIGUSR1 to PID 1, which is haproxy itself), as
+        # tests/test_haproxy_affinity.py shows: calls in flight finish.
+        assert container(proxy)["command"][0] == "haproxy"
+        assert "kill -USR1 1" in " ".join(
+            container(proxy)["lifecycle"]["preStop"]["exec"]["command"]
+        )
 
 
 @pytest.mark.parametrize("path", SCALE_OUT, ids=lambda p: p.name)

@@ -35,6 +35,7 @@ import io
 import math
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -559,6 +560,21 @@ def test_a_call_without_the_header_still_succeeds(proxy: Proxy) -> None:
     print(f"no header, 9 calls: {dict(sorted(Counter(servers).items()))}")
     assert set(servers) <= set(NAMES)
     assert len(set(servers)) >= 2  # round robin, not all on one server
+
+
+def test_a_soft_stop_lets_calls_in_flight_finish(proxy: Proxy) -> None:
+    """SIGUSR1 (the Kubernetes preStop hook): no new connections, the open call goes on, and
+    HAProxy exits once it ends."""
+    _, call = proxy.hold(KEYS[0])
+    proxy.process.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    assert proxy.process.poll() is None  # still serving the open call
+    with grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as fresh:
+        with pytest.raises(grpc.FutureTimeoutError):
+            grpc.channel_ready_future(fresh).result(timeout=1)
+    assert call.is_active()
+    call.cancel()
+    assert proxy.process.wait(10) == 0
 
 
 def test_prometheus_metrics_are_served(proxy: Proxy) -> None:
