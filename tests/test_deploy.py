@@ -67,10 +67,10 @@ def settings_fields() -> dict[str, set[str]]:
     }
 
 
-# Settings the scale-out overlays use that the services are gaining now (issue 37: the
-# gateway's own decoder routing, the cache's shared store). Until a settings class has one,
-# its name passes with a warning; from then on it is checked like every other key.
-PENDING_SETTINGS = {"GATEWAY_DECODER_ROUTING", "GATEWAY_AFFINITY_EPSILON", "CACHE_STORE"}
+# A setting the scale-out overlays use that a service is gaining now (issue 37: the cache's
+# shared store, CACHE_STORE). Until its settings class has it, the name passes with a
+# warning; from then on it is checked like every other key.
+PENDING_SETTINGS = {"CACHE_STORE"}
 
 
 def check_settings_keys(env: dict[str, Any], where: str) -> None:
