@@ -164,7 +164,12 @@ class DecodeStage:
         """Raise what a failed call means: a replay, lost refs, or the decoder's status."""
         info = error_info(err)
         lost = info is not None and info.reason in REF_LOST_REASONS
-        if first and not last and err.code() == grpc.StatusCode.UNAVAILABLE and not lost:
+        # A replica gone (killed, unreachable, its engine dead): UNAVAILABLE, or UNKNOWN
+        # without a status of the decoder's own ("Stream removed" through a proxy).
+        gone = err.code() == grpc.StatusCode.UNAVAILABLE or (
+            err.code() == grpc.StatusCode.UNKNOWN and info is None
+        )
+        if first and not last and gone and not lost:
             raise _Replay(err) from err
         error = from_rpc_error(err, dependency="decoder")
         if info is None and first:  # never reached a decoder's servicer
@@ -172,7 +177,7 @@ class DecodeStage:
             release(self.releaser, embeddings)
         if first and lost:
             raise RefsLost(error) from err
-        if not first and err.code() == grpc.StatusCode.UNAVAILABLE:
+        if not first and gone:
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,
                 "DECODER_LOST_MID_STREAM",
