@@ -164,12 +164,13 @@ class DecodeStage:
         """Raise what a failed call means: a replay, lost refs, or the decoder's status."""
         info = error_info(err)
         lost = info is not None and info.reason in REF_LOST_REASONS
-        # A replica gone (killed, unreachable, its engine dead): UNAVAILABLE, or UNKNOWN
-        # without a status of the decoder's own ("Stream removed" through a proxy).
-        gone = err.code() == grpc.StatusCode.UNAVAILABLE or (
-            err.code() == grpc.StatusCode.UNKNOWN and info is None
-        )
-        if first and not last and gone and not lost:
+        # The replica itself gone (killed, unreachable): no status of the decoder's own,
+        # UNAVAILABLE or UNKNOWN ("Stream removed" through a proxy). Before a token, a
+        # decoder's own UNAVAILABLE (its engine dead) is replayed too; lost refs are not
+        # (the pipeline encodes again).
+        code = err.code()
+        gone = info is None and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
+        if first and not last and not lost and (gone or code == grpc.StatusCode.UNAVAILABLE):
             raise _Replay(err) from err
         error = from_rpc_error(err, dependency="decoder")
         if info is None and first:  # never reached a decoder's servicer
