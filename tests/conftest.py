@@ -135,9 +135,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class OtlpReceiver:
-    """An in-process OTLP/gRPC trace receiver (opentelemetry-proto's TraceService)."""
+    """An in-process OTLP/gRPC trace receiver (opentelemetry-proto's TraceService),
+    listening on ``host`` (another network namespace reaches it on a bridge address)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         from opentelemetry.proto.collector.trace.v1 import (
             trace_service_pb2,
             trace_service_pb2_grpc,
@@ -175,7 +176,7 @@ class OtlpReceiver:
 
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"{host}:0")
         self.server.start()
 
     def snapshot(self) -> list[dict[str, object]]:
