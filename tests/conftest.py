@@ -104,7 +104,7 @@ SERVICE_FIXTURES = {
     "grpc_gateway",
 }
 # Modules whose tests start services without one of those fixtures.
-SERVICE_MODULES = {"test_c12_exporter"}
+SERVICE_MODULES = {"test_c12_exporter", "test_multihost"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
