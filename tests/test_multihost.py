@@ -62,8 +62,9 @@ MAX_TOKENS = 16
 # Each namespace has its own ports: fixed ones collide with nothing.
 GRPC_PORT = {"gateway": 50051, "encoder": 50052, "cache": 50053, "decoder": 50054}
 METRICS_PORT = {"gateway": 9401, "encoder": 9402, "cache": 9403, "decoder": 9404}
-# Where each service runs (the decoder on both C and D).
-PLACES = [("gateway", "a"), ("encoder", "a"), ("cache", "b"), ("decoder", "c"), ("decoder", "d")]
+# Where each service runs (the decoder on both C and D), in the order they start: the
+# decoders first, as the launcher does (vLLM's engine takes longest to come up).
+PLACES = [("decoder", "c"), ("decoder", "d"), ("encoder", "a"), ("cache", "b"), ("gateway", "a")]
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 ROOT_SPAN = "/qwenvl.gateway.v1.GatewayService/Generate"
 
