@@ -55,13 +55,31 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from cache_service import metrics
-from cache_service.index import IndexParams, VectorIndex, build_index, choose_kind, gpu_count
+from cache_service.entries import (
+    CacheFullError,
+    Entry,
+    EntryTooLargeError,
+    KeyGridConflictError,
+    Match,
+)
+from cache_service.index import IndexParams, VectorIndex, choose_kind, gpu_count
+from cache_service.rebuild import IndexRebuilds, Rebuild
 from vlcommon.verification import VerificationImage, verify
+
+__all__ = [
+    "MAX_ALIASES_PER_ENTRY",
+    "SCORE_TOLERANCE",
+    "CacheFullError",
+    "EmbeddingStore",
+    "Entry",
+    "EntryTooLargeError",
+    "KeyGridConflictError",
+    "Match",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,107 +94,7 @@ CATCH_UP_UNDER_LOCK = 64
 MAX_ALIASES_PER_ENTRY = 4
 
 
-class EntryTooLargeError(ValueError):
-    """An entry alone is larger than the byte budget (RESOURCE_EXHAUSTED)."""
-
-
-class KeyGridConflictError(ValueError):
-    """A key already held with another ``image_grid_thw`` (INVALID_ARGUMENT).
-
-    The exact key is a digest over the pixels and the resize plan, so one key has one grid;
-    another grid under the same key is a client's bug, and the stored entry is kept.
-
-    Attributes:
-        stored_grid: The grid stored under the key.
-    """
-
-    def __init__(self, stored_grid: tuple[int, int, int]) -> None:
-        super().__init__(f"the key is already stored with grid {list(stored_grid)}")
-        self.stored_grid = stored_grid
-
-
-class CacheFullError(RuntimeError):
-    """Leased entries hold so many bytes that an entry cannot fit (RESOURCE_EXHAUSTED).
-
-    Attributes:
-        needed: Bytes of the refused entry.
-        leased_bytes: Bytes held by leased entries.
-        capacity_bytes: The budget.
-    """
-
-    def __init__(self, needed: int, leased_bytes: int, capacity_bytes: int) -> None:
-        super().__init__(
-            f"an entry of {needed} bytes does not fit: {leased_bytes} of the "
-            f"{capacity_bytes}-byte budget are leased by lookups in flight"
-        )
-        self.needed = needed
-        self.leased_bytes = leased_bytes
-        self.capacity_bytes = capacity_bytes
-
-
-@dataclass(eq=False)
-class Entry:
-    """One stored image.
-
-    Attributes:
-        key: Exact key (hex digest).
-        grid: (t, h, w).
-        dtype: DataType enum value of ``data``.
-        shape: ``[tokens, width]``.
-        data: Raw embedding bytes.
-        index_id: The entry's id in the FAISS index (-1 when it has no descriptor).
-        verification: the verification image (luma and chroma), or None (never a
-            similarity hit).
-        revision: Model revision of the embeddings ("" when the writer sent none).
-        expires_at: Clock time (seconds) after which it is never served; inf without TTL.
-        leases: Lookups in flight that hold it (never evicted while > 0).
-        aliases: Other keys that find it, oldest first (at most MAX_ALIASES_PER_ENTRY).
-    """
-
-    key: str
-    grid: tuple[int, int, int]
-    dtype: int
-    shape: tuple[int, ...]
-    data: bytes
-    index_id: int
-    expires_at: float = math.inf
-    leases: int = 0
-    verification: VerificationImage | None = None
-    revision: str = ""
-    aliases: list[str] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes counted in the budget: embeddings plus the verification image."""
-        extra = 0 if self.verification is None else int(self.verification.nbytes)
-        return len(self.data) + extra
-
-
-@dataclass(frozen=True)
-class Match:
-    """Result of one lookup: tier is ``exact``, ``similar`` or ``miss``.
-
-    ``consulted_similar`` says whether the similarity tier was searched (for metrics);
-    ``rejected`` counts candidates at or above the threshold with an equal grid that were
-    refused for another revision or a failed verification.
-    """
-
-    tier: str
-    similarity: float
-    entry: Entry | None
-    consulted_similar: bool = False
-    rejected: int = 0
-
-
-@dataclass
-class _Rebuild:
-    kind: str
-    snapshot: set[int]
-    adds: list[int] = field(default_factory=list)
-    removes: set[int] = field(default_factory=set)
-
-
-class EmbeddingStore:
+class EmbeddingStore(IndexRebuilds):
     """Exact + similarity cache of vision embeddings with a byte budget, LRU, TTL, leases.
 
     Args:
@@ -232,7 +150,7 @@ class EmbeddingStore:
         self._index = VectorIndex(
             choose_kind(0, index_threshold, self.gpu), descriptor_dim, self.index_params
         )
-        self._rebuild: _Rebuild | None = None
+        self._rebuild: Rebuild | None = None
         self._rebuild_done = threading.Condition(self._lock)
         self.bytes = 0
         self._leased = 0
@@ -577,91 +495,10 @@ class EmbeddingStore:
         self.evictions[reason] += 1
         metrics.EVICTIONS.labels(reason=reason).inc()
 
-    # -- index maintenance ----------------------------------------------------------------
-    def _rebuild_due(self) -> str | None:
-        """The kind to rebuild into, or None when the index is fine as it is."""
-        index = self._index
-        live = len(self._by_id)
-        kind = index.kind
-        if not self.gpu:
-            if kind == "flat" and live >= self.index_threshold:
-                return "hnsw"
-            if kind == "hnsw" and live < self.index_threshold // 2:
-                return "flat"
-        dead = len(index.tombstones)
-        if dead >= self.min_rebuild_tombstones and dead > self.rebuild_fraction * index.ntotal:
-            return kind  # a purge: same kind, only the live vectors
-        return None
-
-    def _maybe_rebuild(self) -> None:
-        if self._rebuild is not None:
-            return
-        kind = self._rebuild_due()
-        if kind is None:
-            return
-        ids = np.fromiter(self._by_id, dtype=np.int64, count=len(self._by_id))
-        vectors = self._index.reconstruct(ids)
-        state = _Rebuild(kind, set(ids.tolist()))
-        self._rebuild = state
-        log.info(
-            "rebuilding the similarity index: %s -> %s, %d vectors, %d tombstones",
-            self._index.kind,
-            kind,
-            len(ids),
-            len(self._index.tombstones),
-        )
-        if self.background_rebuild:
-            threading.Thread(
-                target=self._build_and_swap,
-                args=(state, ids, vectors),
-                name="cache-index-rebuild",
-                daemon=True,
-            ).start()
-        else:
-            self._build_and_swap(state, ids, vectors)
-
-    def _build_and_swap(self, state: _Rebuild, ids: np.ndarray, vectors: np.ndarray) -> None:
-        try:
-            new = build_index(state.kind, self.dim, self.index_params, ids, vectors)
-            # Catch up with the adds made meanwhile outside the lock, in rounds, so the swap
-            # below replays only a few (an HNSW insert is ~1 ms; thousands under the lock
-            # would stall every lookup).
-            while True:
-                with self._lock:
-                    if len(state.adds) <= CATCH_UP_UNDER_LOCK:
-                        break
-                    batch = np.array([i for i in state.adds if i in self._by_id], np.int64)
-                    state.adds = []
-                    batch_vectors = self._index.reconstruct(batch)
-                new.add(batch, batch_vectors)
-                state.snapshot.update(batch.tolist())
-        except Exception:
-            log.exception("similarity index rebuild failed; keeping the current index")
-            with self._lock:
-                self._rebuild = None
-                self._rebuild_done.notify_all()
-            return
-        with self._lock:
-            # Replay what changed since: the last few adds, and every removal of an id the
-            # new index holds.
-            adds = np.array([i for i in state.adds if i in self._by_id], dtype=np.int64)
-            new.add(adds, self._index.reconstruct(adds))
-            for index_id in state.removes & state.snapshot:
-                new.remove(index_id)
-            self._index = new
-            self._rebuild = None
-            self.rebuilds += 1
-            metrics.INDEX_REBUILDS.labels(kind=new.kind).inc()
-            self._rebuild_done.notify_all()
-            self._maybe_rebuild()
-            self._publish()
-
-    def wait_for_rebuild(self, timeout: float | None = None) -> bool:
-        """Block until no rebuild is running; False on timeout."""
-        with self._lock:
-            return self._rebuild_done.wait_for(lambda: self._rebuild is None, timeout)
-
     # -- bookkeeping ----------------------------------------------------------------------
+    def _catch_up_under_lock(self) -> int:
+        return CATCH_UP_UNDER_LOCK
+
     def _publish(self) -> None:
         metrics.ENTRIES.set(len(self._entries))
         metrics.LEASED.set(self._leased)
