@@ -17,6 +17,12 @@ import numpy as np
 
 from vlcommon.verification import VerificationImage
 
+# Alias keys per entry, newest kept. Aliases sit outside the byte budget (like keys, at most
+# 256 characters each: cache_service.servicer.MAX_KEY_CHARS), so they are bounded per entry;
+# one is the usual case (the one file the pixels came from), a few cover the same pixels
+# sent as a few files (a JPEG and its lossless PNG copy).
+MAX_ALIASES_PER_ENTRY = 4
+
 
 class EntryTooLargeError(ValueError):
     """An entry alone is larger than the byte budget (RESOURCE_EXHAUSTED)."""

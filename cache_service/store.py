@@ -55,11 +55,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
+from typing import Literal
 
 import numpy as np
 
 from cache_service import metrics
 from cache_service.entries import (
+    MAX_ALIASES_PER_ENTRY,
     CacheFullError,
     Entry,
     EntryTooLargeError,
@@ -67,6 +69,7 @@ from cache_service.entries import (
     Match,
 )
 from cache_service.index import IndexParams, VectorIndex, choose_kind, gpu_count
+from cache_service.invariants import store_problems
 from cache_service.rebuild import IndexRebuilds, Rebuild
 from vlcommon.verification import VerificationImage, verify
 
@@ -87,11 +90,6 @@ log = logging.getLogger(__name__)
 SCORE_TOLERANCE = 1e-5
 # A rebuild swaps its new index in once at most this many adds remain to replay under the lock.
 CATCH_UP_UNDER_LOCK = 64
-# Alias keys per entry, newest kept. Aliases sit outside the byte budget (like keys, at most
-# 256 characters each: cache_service.servicer.MAX_KEY_CHARS), so they are bounded per entry;
-# one is the usual case (the one file the pixels came from), a few cover the same pixels
-# sent as a few files (a JPEG and its lossless PNG copy).
-MAX_ALIASES_PER_ENTRY = 4
 
 
 class EmbeddingStore(IndexRebuilds):
@@ -111,6 +109,10 @@ class EmbeddingStore(IndexRebuilds):
         rebuild_fraction: Tombstones / indexed vectors that trigger a rebuild.
         min_rebuild_tombstones: Do not rebuild for fewer tombstones than this.
         background_rebuild: Build new indexes in a thread (the service) or inline (tests).
+        publish: Which metrics this store sets: ``all`` (the in-process store); with a
+            shared store (:mod:`cache_service.store_redis`) the local copies publish
+            ``payloads`` (entries, bytes, leases, budget, evictions) and the index of the
+            store's entries ``index`` (index vectors and tombstones).
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class EmbeddingStore(IndexRebuilds):
         rebuild_fraction: float = 0.25,
         min_rebuild_tombstones: int = 64,
         background_rebuild: bool = False,
+        publish: Literal["all", "payloads", "index"] = "all",
     ) -> None:
         self.dim = descriptor_dim
         self.capacity_bytes = capacity_bytes
@@ -156,7 +159,9 @@ class EmbeddingStore(IndexRebuilds):
         self._leased = 0
         self.evictions = {"lru": 0, "ttl": 0}
         self.rebuilds = 0
-        metrics.CAPACITY_BYTES.set(capacity_bytes)
+        self.publish = publish
+        if publish != "index":
+            metrics.CAPACITY_BYTES.set(capacity_bytes)
 
     # -- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -285,6 +290,18 @@ class EmbeddingStore(IndexRebuilds):
             if entry.grid != grid:  # not this image's plan: never answer with another grid
                 return Match("miss", 0.0, None), []
             return Match("exact", 1.0, entry), []
+        return self._candidates(descriptor, grid, similar, now, revision, reusable)
+
+    def _candidates(
+        self,
+        descriptor: np.ndarray | None,
+        grid: tuple[int, int, int],
+        similar: bool,
+        now: float,
+        revision: str,
+        reusable: Collection[tuple[int, int, int]],
+    ) -> tuple[Match, list[tuple[float, Entry]]]:
+        """The similarity tier's miss with its candidates still to verify (see _lookup)."""
         if not similar or descriptor is None or self._index.live == 0:
             return Match("miss", 0.0, None), []
         vec = self.normalise(descriptor)
@@ -310,6 +327,44 @@ class EmbeddingStore(IndexRebuilds):
             candidates.append((s, cand))
         candidates.sort(key=lambda c: (c[1].grid != grid, -c[0]))
         return Match("miss", best, None, consulted_similar=True, rejected=rejected), candidates
+
+    def candidates(
+        self,
+        descriptor: np.ndarray | None,
+        grid: tuple[int, int, int],
+        *,
+        revision: str = "",
+        reusable: Collection[tuple[int, int, int]] = (),
+    ) -> tuple[Match, list[tuple[float, Entry]]]:
+        """The similarity tier alone, without verification: a miss carrying the best score
+        seen and the candidates at or above the threshold with an equal grid (first) or
+        one in ``reusable``, and an equal ``revision``, best score first; the caller
+        verifies them (:mod:`cache_service.store_redis` reads their verification images
+        from the shared store). Nothing is leased or refreshed."""
+        with self._lock:
+            return self._candidates(descriptor, grid, True, self.clock(), revision, reusable)
+
+    def holds(self, entry: Entry) -> bool:
+        """True when ``entry`` is the one stored under its key (not evicted or replaced)."""
+        with self._lock:
+            return self._entries.get(entry.key) is entry
+
+    def keys(self) -> list[str]:
+        """The keys held now, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def discard(self, key: str, reason: str = "lru") -> bool:
+        """Remove the entry stored under ``key`` (with its aliases and index vector) unless
+        it is leased; True when it was removed. ``reason`` labels the eviction metric."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.leases:
+                return False
+            self._remove(entry, reason)
+            self._maybe_rebuild()
+            self._publish()
+            return True
 
     def _expired(self, entry: Entry, now: float) -> bool:
         """True when past its TTL; reclaims it at once unless it is leased."""
@@ -492,67 +547,27 @@ class EmbeddingStore(IndexRebuilds):
             if self._rebuild is not None:
                 self._rebuild.removes.add(entry.index_id)
         self.bytes -= entry.nbytes
-        self.evictions[reason] += 1
-        metrics.EVICTIONS.labels(reason=reason).inc()
+        self.evictions[reason] = self.evictions.get(reason, 0) + 1
+        if self.publish != "index":
+            metrics.EVICTIONS.labels(reason=reason).inc()
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _catch_up_under_lock(self) -> int:
         return CATCH_UP_UNDER_LOCK
 
     def _publish(self) -> None:
-        metrics.ENTRIES.set(len(self._entries))
-        metrics.LEASED.set(self._leased)
-        metrics.BYTES.set(self.bytes)
-        metrics.INDEX_VECTORS.set(self._index.ntotal)
-        metrics.INDEX_TOMBSTONES.set(len(self._index.tombstones))
+        if self.publish != "index":
+            metrics.ENTRIES.set(len(self._entries))
+            metrics.LEASED.set(self._leased)
+            metrics.BYTES.set(self.bytes)
+        if self.publish != "payloads":
+            metrics.INDEX_VECTORS.set(self._index.ntotal)
+            metrics.INDEX_TOMBSTONES.set(len(self._index.tombstones))
 
     def check_invariants(self) -> None:
-        """Raise AssertionError when the store's bookkeeping is inconsistent.
-
-        Checks: bytes equal the sum of entry sizes and stay within the budget; the LRU and
-        expiry orders hold the same keys; every alias finds a held entry that lists it, no
-        alias is an entry's own key, and no entry lists more than MAX_ALIASES_PER_ENTRY;
-        every indexed entry's vector is in the index and
-        every live index id belongs to an entry (no orphans either way); tombstones are
-        index ids no entry holds; lease counts are not negative.
-        """
+        """Raise AssertionError when the store's bookkeeping is inconsistent
+        (:func:`cache_service.invariants.store_problems` lists what is checked)."""
         with self._lock:
-            problems: list[str] = []
-            total = sum(e.nbytes for e in self._entries.values())
-            if total != self.bytes:
-                problems.append(f"bytes {self.bytes} != sum of entries {total}")
-            if self.bytes > self.capacity_bytes:
-                problems.append(f"bytes {self.bytes} exceed the budget {self.capacity_bytes}")
-            if set(self._entries) != set(self._by_put):
-                problems.append("LRU and expiry orders hold different keys")
-            for key, entry in self._entries.items():
-                if entry.key != key:
-                    problems.append(f"entry under {key[:16]} has key {entry.key[:16]}")
-                if entry.leases < 0:
-                    problems.append(f"entry {key[:16]} has {entry.leases} leases")
-                if entry.index_id >= 0 and self._by_id.get(entry.index_id) is not entry:
-                    problems.append(f"entry {key[:16]} id {entry.index_id} not mapped back")
-            listed = {a: e.key for e in self._entries.values() for a in e.aliases}
-            if listed != self._aliases:
-                problems.append("alias map and the entries' alias lists disagree")
-            if set(self._aliases) & set(self._entries):
-                problems.append("an alias is also an entry's own key")
-            if any(len(e.aliases) > MAX_ALIASES_PER_ENTRY for e in self._entries.values()):
-                problems.append(f"an entry holds more than {MAX_ALIASES_PER_ENTRY} aliases")
-            leased = sum(1 for e in self._entries.values() if e.leases)
-            if leased != self._leased:
-                problems.append(f"{self._leased} leased entries counted, {leased} held")
-            indexed = {e.index_id for e in self._entries.values() if e.index_id >= 0}
-            if set(self._by_id) != indexed:
-                problems.append("id map holds ids of no entry")
-            in_index = set(self._index.ids().tolist())
-            tomb = self._index.tombstones
-            if in_index - tomb != indexed:
-                problems.append(
-                    f"index ids without entries: {sorted(in_index - tomb - indexed)[:5]}, "
-                    f"entries without index ids: {sorted(indexed - (in_index - tomb))[:5]}"
-                )
-            if not tomb <= in_index or tomb & indexed:
-                problems.append("tombstones are not dead index ids")
-            if problems:
-                raise AssertionError("; ".join(problems))
+            problems = store_problems(self)
+        if problems:
+            raise AssertionError("; ".join(problems))
