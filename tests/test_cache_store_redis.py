@@ -143,8 +143,9 @@ def replica(
     """A started replica's store (closed after the test)."""
     args: dict[str, object] = {"descriptor_dim": DIM, "capacity_bytes": 10**7, "prefix": prefix}
     timeout_s = float(kw.pop("timeout_s", 1.0))  # type: ignore[arg-type]
+    tls = {k: str(kw.pop(k)) for k in ("tls_ca_file", "tls_cert_file", "tls_key_file") if k in kw}
     args.update(kw)
-    access = StoreAccess(parse_store_url(url or server.url), timeout_s=timeout_s)  # type: ignore[arg-type]
+    access = StoreAccess(parse_store_url(url or server.url), timeout_s=timeout_s, **tls)  # type: ignore[arg-type]
     store = RedisStore(access, secret=secret, **args)  # type: ignore[arg-type]
     STORES.append(store)
     store.start(follow=follow)
@@ -166,7 +167,9 @@ def near(v: np.ndarray, seed: int = 99) -> np.ndarray:
 
 def payload(i: int, rows: int = 4, width: int = 4) -> bytes:
     """Entry i's embeddings: every value encodes i, so a mixed-up read shows."""
-    return (np.full((rows, width), float(i), np.float32) + np.arange(width)).tobytes()
+    return (
+        np.full((rows, width), float(i), np.float32) + np.arange(width, dtype=np.float32)
+    ).tobytes()
 
 
 def put(store: RedisStore, i: int, *, key: str = "", **kw: object) -> int:
