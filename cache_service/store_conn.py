@@ -36,7 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import AuthenticationError, RedisClusterException
 from redis.retry import Retry
 
 from cache_service import metrics
@@ -57,6 +57,17 @@ STORE_RETRY_S = 1.0
 LOG_EVERY_S = 10.0
 
 RedisClient = redis.Redis | RedisCluster
+# What a failing store raises: redis-py's errors, and its cluster client's own (not a
+# RedisError) when no node of the cluster answers.
+STORE_FAILURES: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+# Replies that no retry fixes (a wrong password or user, a refused certificate).
+CONFIG_FAILURES = (
+    "NOAUTH",
+    "WRONGPASS",
+    "NOPERM",
+    "invalid username-password",
+    "certificate verify failed",
+)
 
 
 @dataclass(frozen=True)
@@ -148,14 +159,12 @@ class StoreAccess:
 
 
 def is_config_error(err: Exception) -> bool:
-    """True for errors a retry cannot fix: a wrong password or ACL user, a refused
-    certificate file."""
+    """True for errors a retry cannot fix: a wrong password or ACL user, a store
+    certificate the configured CA does not sign."""
     if isinstance(err, AuthenticationError):
         return True
-    if isinstance(err, ResponseError):
-        text = str(err)
-        return text.startswith(("NOAUTH", "WRONGPASS", "NOPERM"))
-    return isinstance(err, redis.ConnectionError) and "certificate" in str(err).lower()
+    text = str(err)
+    return any(marker in text for marker in CONFIG_FAILURES)
 
 
 def eviction_warnings(client: RedisClient, ttl_s: float) -> list[str]:

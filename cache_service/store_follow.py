@@ -23,10 +23,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import redis
-
 from cache_service.store_codec import IntegrityError, descriptor_of, open_header
-from cache_service.store_conn import as_bytes
+from cache_service.store_conn import STORE_FAILURES, as_bytes
 
 if TYPE_CHECKING:
     from cache_service.store_conn import RedisClient
@@ -101,7 +99,7 @@ class Follower:
                     self._next_sync = time.monotonic() + self.sync_interval_s
                 self.follow_once(client)
                 self.store.health.ok()
-            except redis.RedisError as err:
+            except STORE_FAILURES as err:
                 self.store.health.failed("follow", err, skip=False)
                 self.resync_due = True
                 self._stop.wait(RETRY_S)

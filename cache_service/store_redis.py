@@ -35,7 +35,6 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import numpy as np
-import redis
 
 from cache_service import metrics
 from cache_service.entries import (
@@ -61,6 +60,7 @@ from cache_service.store_codec import (
     verification_of,
 )
 from cache_service.store_conn import (
+    STORE_FAILURES,
     RedisClient,
     StoreAccess,
     StoreHealth,
@@ -239,7 +239,7 @@ class RedisStore:
                 found,
                 time.perf_counter() - t0,
             )
-        except redis.RedisError as err:
+        except STORE_FAILURES as err:
             if is_config_error(err):
                 raise config_error(err, shown) from err
             self.health.failed("start", err)
@@ -290,7 +290,7 @@ class RedisStore:
             match = self._similar(client, descriptor, grid, lease, revision, verification, reusable)
             self.health.ok()
             return match
-        except redis.RedisError as err:
+        except STORE_FAILURES as err:
             self.health.failed("lookup", err)
             return Match("miss", 0.0, None)
 
@@ -510,7 +510,7 @@ class RedisStore:
         try:
             self._write(self.client(), header, fields, alias)
             self.health.ok()
-        except redis.RedisError as err:
+        except STORE_FAILURES as err:
             self.health.failed("put", err)
             raise StoreUnavailableError(f"the cache store failed: {err}") from err
         self.index(header, vec)
@@ -557,7 +557,7 @@ class RedisStore:
         try:
             ttl = max(1, round(self.ttl_s * 1000)) if self.ttl_s > 0 else None
             client.set(self.keys.alias(alias), seal_alias(self.mac_key, alias, key), px=ttl)
-        except redis.RedisError as err:
+        except STORE_FAILURES as err:
             self.health.failed("alias", err)
 
     # -- leases and bookkeeping -----------------------------------------------------------
