@@ -87,6 +87,7 @@ class RedisServer:
                 return self
             except redis.RedisError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
                     raise RuntimeError((self.root / "redis.log").read_text()[-2000:]) from None
                 time.sleep(0.02)
 

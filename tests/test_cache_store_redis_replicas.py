@@ -285,10 +285,10 @@ def test_redis_cluster_store(tmp_path: Path) -> None:
         RedisServer(tmp_path / str(p), "--cluster-enabled", "yes", "--cluster-node-timeout", "2000")
         for p in ports
     ]
-    for s, p in zip(servers, ports, strict=True):
-        s.port = p
-        s.start()
     try:
+        for s, p in zip(servers, ports, strict=True):
+            s.port = p
+            s.start()
         cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
         subprocess.run(
             [cli, "-a", PASSWORD, "--no-auth-warning", "--cluster", "create",
