@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from typing import Protocol
 
-from cache_service.entries import MAX_ALIASES_PER_ENTRY
-
-if TYPE_CHECKING:
-    from cache_service.store import EmbeddingStore
+from cache_service.entries import MAX_ALIASES_PER_ENTRY, Entry
+from cache_service.index import VectorIndex
 
 
-def store_problems(store: EmbeddingStore) -> list[str]:
+class Bookkept(Protocol):
+    """What the checks read of :class:`cache_service.store.EmbeddingStore`."""
+
+    bytes: int
+    capacity_bytes: int
+    _entries: OrderedDict[str, Entry]
+    _by_put: OrderedDict[str, None]
+    _by_id: dict[int, Entry]
+    _aliases: dict[str, str]
+    _index: VectorIndex
+
+    @property
+    def leased(self) -> int: ...
+
+
+def store_problems(store: Bookkept) -> list[str]:
     """What is inconsistent in ``store``'s bookkeeping (call it under the store's lock).
 
     Checks: bytes equal the sum of entry sizes and stay within the budget; the LRU and

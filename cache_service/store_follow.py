@@ -21,14 +21,13 @@ import math
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from cache_service.store_codec import IntegrityError, descriptor_of, open_header
-from cache_service.store_conn import STORE_FAILURES, as_bytes
+import numpy as np
 
-if TYPE_CHECKING:
-    from cache_service.store_conn import RedisClient
-    from cache_service.store_redis import RedisStore
+from cache_service.store import EmbeddingStore
+from cache_service.store_codec import Header, IntegrityError, StoreKeys, descriptor_of, open_header
+from cache_service.store_conn import STORE_FAILURES, RedisClient, StoreHealth, as_bytes
 
 log = logging.getLogger("cache_service.store")
 
@@ -52,6 +51,25 @@ def _batches(items: Iterable[object], n: int) -> Iterator[list[str]]:
         yield batch
 
 
+class FollowedStore(Protocol):
+    """What the follower uses of its replica's store
+    (:class:`cache_service.store_redis.RedisStore`)."""
+
+    keys: StoreKeys
+    mac_key: bytes
+    dim: int
+    catalog: EmbeddingStore
+    health: StoreHealth
+
+    def follow_client(self, blocking_s: float) -> RedisClient: ...
+
+    def index(self, header: Header, vector: np.ndarray | None, source: str = "") -> None: ...
+
+    def forget(self, key: str, found: str) -> None: ...
+
+    def refused(self, err: IntegrityError, key: str) -> None: ...
+
+
 class Follower:
     """Keeps one replica's index of the store current (module docstring).
 
@@ -61,7 +79,7 @@ class Follower:
             the log could not be read.
     """
 
-    def __init__(self, store: RedisStore, *, sync_interval_s: float = 30.0) -> None:
+    def __init__(self, store: FollowedStore, *, sync_interval_s: float = 30.0) -> None:
         self.store = store
         self.sync_interval_s = sync_interval_s
         self.last_id = "0-0"
