@@ -227,6 +227,7 @@ def health_status(port: int) -> int:
             return -1
 
 
+@pytest.mark.e2e  # it starts the cache service as a process (no model: about 3 s)
 def test_a_restarted_cache_rebuilds_its_index_from_the_store_before_serving(
     server: RedisServer, tmp_path: Path
 ) -> None:
