@@ -1,6 +1,8 @@
 """Run the cache service: ``python -m cache_service --port 50053``.
 
-Settings come from ``CACHE_*`` environment variables; flags override them.
+Settings come from ``CACHE_*`` environment variables; flags override them. With
+``--store redis://host:port/0`` (``CACHE_STORE``) replicas share their entries through
+Redis (docs/scaling.md, "Store"); the default, ``memory``, keeps them in this process.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import logging
 import faiss
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
 
+from cache_service.entries import Store
 from cache_service.index import gpu_count
 from cache_service.servicer import POLICIES, CacheServicer
 from cache_service.settings import CacheSettings
 from cache_service.store import EmbeddingStore
+from cache_service.store_redis import RedisStore
 from vlcommon import handoff
 from vlcommon.server import serve
 from vlcommon.service_main import service_main
@@ -25,8 +29,9 @@ SERVICE = cache_service_pb2.DESCRIPTOR.services_by_name["CacheService"].full_nam
 log = logging.getLogger("cache_service")
 
 
-def build_store(settings: CacheSettings) -> EmbeddingStore:
-    """The store the settings describe; checks the GPU capability once, at startup.
+def build_store(settings: CacheSettings) -> Store:
+    """The store the settings describe (in process, or a shared Redis store: then its
+    :meth:`RedisStore.start` must run before SERVING); checks the GPU capability once.
 
     Raises:
         RuntimeError: ``gpu=on`` but FAISS sees no GPU (faiss-cpu, or no device).
@@ -35,18 +40,28 @@ def build_store(settings: CacheSettings) -> EmbeddingStore:
     if settings.gpu == "on" and gpus == 0:
         raise RuntimeError("CACHE_GPU=on but FAISS sees no GPU (install faiss-gpu-cu12)")
     use_gpu = gpus > 0 and settings.gpu != "off"
-    store = EmbeddingStore(
-        descriptor_dim=settings.descriptor_dim,
-        capacity_bytes=settings.capacity_bytes,
-        threshold=settings.threshold,
-        search_k=settings.search_k,
-        ttl_s=settings.ttl_s,
-        index_threshold=settings.index_threshold,
-        index_params=settings.index_params(),
-        use_gpu=use_gpu,
-        rebuild_fraction=settings.rebuild_fraction,
-        background_rebuild=True,
-    )
+    store: Store
+    if settings.store != "memory":
+        store = RedisStore.from_settings(settings, use_gpu=use_gpu)
+        log.info(
+            "entries live in the shared store %s; this replica keeps copies within "
+            "CACHE_CAPACITY_BYTES=%d",
+            store.access.url.shown,
+            settings.capacity_bytes,
+        )
+    else:
+        store = EmbeddingStore(
+            descriptor_dim=settings.descriptor_dim,
+            capacity_bytes=settings.capacity_bytes,
+            threshold=settings.threshold,
+            search_k=settings.search_k,
+            ttl_s=settings.ttl_s,
+            index_threshold=settings.index_threshold,
+            index_params=settings.index_params(),
+            use_gpu=use_gpu,
+            rebuild_fraction=settings.rebuild_fraction,
+            background_rebuild=True,
+        )
     log.info(
         "FAISS %s, GPUs seen: %d; similarity index: %s",
         faiss.__version__,
@@ -73,7 +88,7 @@ def build_servicer(settings: CacheSettings) -> CacheServicer:
     )
 
 
-async def _reclaim_expired(store: EmbeddingStore, interval_s: float) -> None:
+async def _reclaim_expired(store: Store, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         n = store.expire()
@@ -97,7 +112,10 @@ async def main_async(settings: CacheSettings) -> None:
     async def startup() -> None:
         nonlocal reclaim, expiry
         expiry = asyncio.ensure_future(handoff.expire_periodically(holder))
-        if settings.ttl_s > 0:
+        if isinstance(servicer.store, RedisStore):
+            # Before SERVING: the similarity index is rebuilt from the store itself.
+            await asyncio.to_thread(servicer.store.start)
+        elif settings.ttl_s > 0:
             reclaim = asyncio.create_task(
                 _reclaim_expired(servicer.store, settings.expire_interval_s)
             )
@@ -111,6 +129,8 @@ async def main_async(settings: CacheSettings) -> None:
             reclaim.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reclaim
+        if isinstance(servicer.store, RedisStore):
+            await asyncio.to_thread(servicer.store.close)
 
     def register(server: object) -> None:
         cache_service_pb2_grpc.add_CacheServiceServicer_to_server(servicer, server)
@@ -140,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             "threshold",
             "index_threshold",
             "gpu",
+            "store",
         ),
         serve=lambda settings, _: main_async(settings),
         argv=argv,

@@ -52,3 +52,49 @@ LOOKUP_SECONDS = Histogram(
     "Lookup RPC latency (whole batch, server side).",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5),
 )
+
+# A shared store (CACHE_STORE=redis://...; docs/scaling.md, "Store"). With the default
+# in-process store these stay at 0 (and store_up at 1).
+STORE_ERRORS = Counter(
+    "splitvl_cache_store_errors_total",
+    "Shared-store operations that failed, or were skipped while it was down; a lookup then "
+    "answers a miss and a put is dropped.",
+    ["op"],
+)  # op = lookup | put | alias | follow | sync | start
+for _op in ("lookup", "put", "alias", "follow", "sync", "start"):
+    STORE_ERRORS.labels(op=_op)
+STORE_INTEGRITY_FAILURES = Counter(
+    "splitvl_cache_store_integrity_failures_total",
+    "Entries or aliases read from the shared store and refused (never served), by reason.",
+    ["reason"],
+)  # reason = mac (tag mismatch) | key (another key's entry) | digest (a field) | format
+for _reason in ("mac", "key", "digest", "format"):
+    STORE_INTEGRITY_FAILURES.labels(reason=_reason)
+STORE_DROPPED = Counter(
+    "splitvl_cache_store_dropped_total",
+    "Entries removed from this replica's index because the store no longer holds them "
+    "(TTL, maxmemory eviction), by where that was noticed.",
+    ["found"],
+)  # found = read (a lookup's read) | sync (the periodic scan)
+for _found in ("read", "sync"):
+    STORE_DROPPED.labels(found=_found)
+STORE_FOLLOWED = Counter(
+    "splitvl_cache_store_followed_total",
+    "Entries put through other replicas that this replica added to its index, by source.",
+    ["source"],
+)  # source = log (the Redis Stream) | scan (the startup and periodic scan)
+for _source in ("log", "scan"):
+    STORE_FOLLOWED.labels(source=_source)
+STORE_BYTES = Counter(
+    "splitvl_cache_store_bytes_total",
+    "Bytes of entry fields written to and read from the shared store.",
+    ["direction"],
+)  # direction = write | read
+for _direction in ("write", "read"):
+    STORE_BYTES.labels(direction=_direction)
+STORE_UP = Gauge(
+    "splitvl_cache_store_up",
+    "1 while the shared store answers (always with the in-process store), 0 from a failure "
+    "until it answers again.",
+)
+STORE_UP.set(1)

@@ -17,12 +17,13 @@ from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service import metrics
-from cache_service.store import (
+from cache_service.entries import (
     CacheFullError,
-    EmbeddingStore,
     Entry,
     KeyGridConflictError,
     Match,
+    Store,
+    StoreUnavailableError,
 )
 from vlcommon import handoff, tensors
 from vlcommon.deadline import Deadline
@@ -116,7 +117,7 @@ class _Leases:
     would keep the entry from eviction for ever).
     """
 
-    def __init__(self, store: EmbeddingStore) -> None:
+    def __init__(self, store: Store) -> None:
         self._store = store
         self._lock = threading.Lock()
         self._entries: list[Entry] = []
@@ -328,11 +329,13 @@ def _embedding_proto(
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
-    """Serves Lookup, Put and GetStats over one :class:`EmbeddingStore`."""
+    """Serves Lookup, Put and GetStats over one store: the in-process
+    :class:`cache_service.store.EmbeddingStore` or a shared
+    :class:`cache_service.store_redis.RedisStore`."""
 
     def __init__(
         self,
-        store: EmbeddingStore,
+        store: Store,
         *,
         default_policy: int,
         max_queries: int,
@@ -598,7 +601,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         Raises (as status): INVALID_ARGUMENT for a bad key or alias key, grid, descriptor or
         tensor (then nothing is stored); RESOURCE_EXHAUSTED for an entry larger than the byte budget
         (nothing stored) or one that cannot fit because leased entries hold the budget (the
-        entries before it were stored; the message says how many).
+        entries before it were stored; the message says how many). An entry a shared store
+        could not take (down or slow) is dropped without an error: ``stored`` leaves it out.
         """
         # Entries sent by reference are read from their holder first (on this loop, the
         # reads of one request concurrently); a ref that cannot be read fails the Put.
@@ -739,7 +743,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             checked.append(
                 (key, descriptor, grid, emb, data, verification, entry.revision, alias_key)
             )
-        stored = evicted = 0
+        stored = evicted = dropped = 0
         for i, checked_entry in enumerate(checked):
             key, descriptor, grid, emb, data, verification, revision, alias_key = checked_entry
             try:
@@ -763,6 +767,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     "were stored",
                     field=f"entries[{i}].embedding.grid",
                 ) from err
+            except StoreUnavailableError:
+                dropped += 1  # a shared store down: not stored, never an error (counted)
+                continue
             except CacheFullError as err:
                 metrics.PUTS_REFUSED.labels(reason="leased").inc()
                 raise resource_exhausted(
@@ -776,6 +783,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 ) from err
             stored += 1
             metrics.PUTS.inc()
+        if dropped:
+            trace.get_current_span().set_attribute("splitvl.cache.dropped_entries", dropped)
         return pb.PutResponse(stored=stored, evicted=evicted)
 
     async def GetStats(

@@ -2,10 +2,11 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from cache_service.index import IndexParams
+from cache_service.store_conn import parse_store_url
 from vlcommon.imaging import DESCRIPTOR_DIM
 from vlcommon.settings import HoldingSettings
 
@@ -55,6 +56,45 @@ class CacheSettings(HoldingSettings):
     gpu: Literal["auto", "on", "off"] = Field(
         "auto", description="FAISS GPU index: auto = if one is seen."
     )
+    # A shared store (docs/scaling.md, "Store"): replicas share entries and follow each
+    # other's puts; capacity_bytes is then each replica's budget for its local copies.
+    store: str = Field(
+        "memory",
+        description="Where entries live: memory (this process), redis://[user:password@]"
+        "host:port/db, rediss://... (TLS), redis+cluster://host:port (Redis Cluster; "
+        "rediss+cluster:// with TLS). A password here shows in ps: prefer "
+        "CACHE_STORE_PASSWORD.",
+    )
+    store_password: SecretStr = Field(
+        SecretStr(""), description="Password of the store's user when the URL has none."
+    )
+    store_tls_ca_file: str = Field(
+        "", description="PEM CA that signs the store's certificate (rediss://); empty = system."
+    )
+    store_tls_cert_file: str = Field(
+        "", description="PEM client certificate for a store that requires one (rediss://)."
+    )
+    store_tls_key_file: str = Field("", description="PEM private key of store_tls_cert_file.")
+    store_prefix: str = Field(
+        "splitvl:", min_length=1, description="Prefix of every key in the store."
+    )
+    # A lookup makes one to three round trips (header, payload or candidates); a slow store
+    # must cost a lookup less than the gateway's 1 s cache deadline.
+    store_timeout_s: float = Field(
+        0.5, gt=0, description="Connect and command timeout of the store, seconds."
+    )
+    store_log_maxlen: int = Field(
+        100_000, ge=100, description="Puts kept in the store's log (approximate, XADD MAXLEN ~)."
+    )
+    store_sync_interval_s: float = Field(
+        30.0, gt=0, description="Seconds between two scans of the store by each replica."
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        parse_store_url(value)  # raises ValueError with the reason
+        return value.strip()
 
     def index_params(self) -> IndexParams:
         """The FAISS index parameters these settings name (service and cache-bench alike)."""

@@ -55,13 +55,34 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
 from cache_service import metrics
-from cache_service.index import IndexParams, VectorIndex, build_index, choose_kind, gpu_count
+from cache_service.entries import (
+    MAX_ALIASES_PER_ENTRY,
+    CacheFullError,
+    Entry,
+    EntryTooLargeError,
+    KeyGridConflictError,
+    Match,
+)
+from cache_service.index import IndexParams, VectorIndex, choose_kind, gpu_count
+from cache_service.invariants import store_problems
+from cache_service.rebuild import IndexRebuilds, Rebuild
 from vlcommon.verification import VerificationImage, verify
+
+__all__ = [
+    "MAX_ALIASES_PER_ENTRY",
+    "SCORE_TOLERANCE",
+    "CacheFullError",
+    "EmbeddingStore",
+    "Entry",
+    "EntryTooLargeError",
+    "KeyGridConflictError",
+    "Match",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,114 +90,9 @@ log = logging.getLogger(__name__)
 SCORE_TOLERANCE = 1e-5
 # A rebuild swaps its new index in once at most this many adds remain to replay under the lock.
 CATCH_UP_UNDER_LOCK = 64
-# Alias keys per entry, newest kept. Aliases sit outside the byte budget (like keys, at most
-# 256 characters each: cache_service.servicer.MAX_KEY_CHARS), so they are bounded per entry;
-# one is the usual case (the one file the pixels came from), a few cover the same pixels
-# sent as a few files (a JPEG and its lossless PNG copy).
-MAX_ALIASES_PER_ENTRY = 4
 
 
-class EntryTooLargeError(ValueError):
-    """An entry alone is larger than the byte budget (RESOURCE_EXHAUSTED)."""
-
-
-class KeyGridConflictError(ValueError):
-    """A key already held with another ``image_grid_thw`` (INVALID_ARGUMENT).
-
-    The exact key is a digest over the pixels and the resize plan, so one key has one grid;
-    another grid under the same key is a client's bug, and the stored entry is kept.
-
-    Attributes:
-        stored_grid: The grid stored under the key.
-    """
-
-    def __init__(self, stored_grid: tuple[int, int, int]) -> None:
-        super().__init__(f"the key is already stored with grid {list(stored_grid)}")
-        self.stored_grid = stored_grid
-
-
-class CacheFullError(RuntimeError):
-    """Leased entries hold so many bytes that an entry cannot fit (RESOURCE_EXHAUSTED).
-
-    Attributes:
-        needed: Bytes of the refused entry.
-        leased_bytes: Bytes held by leased entries.
-        capacity_bytes: The budget.
-    """
-
-    def __init__(self, needed: int, leased_bytes: int, capacity_bytes: int) -> None:
-        super().__init__(
-            f"an entry of {needed} bytes does not fit: {leased_bytes} of the "
-            f"{capacity_bytes}-byte budget are leased by lookups in flight"
-        )
-        self.needed = needed
-        self.leased_bytes = leased_bytes
-        self.capacity_bytes = capacity_bytes
-
-
-@dataclass(eq=False)
-class Entry:
-    """One stored image.
-
-    Attributes:
-        key: Exact key (hex digest).
-        grid: (t, h, w).
-        dtype: DataType enum value of ``data``.
-        shape: ``[tokens, width]``.
-        data: Raw embedding bytes.
-        index_id: The entry's id in the FAISS index (-1 when it has no descriptor).
-        verification: the verification image (luma and chroma), or None (never a
-            similarity hit).
-        revision: Model revision of the embeddings ("" when the writer sent none).
-        expires_at: Clock time (seconds) after which it is never served; inf without TTL.
-        leases: Lookups in flight that hold it (never evicted while > 0).
-        aliases: Other keys that find it, oldest first (at most MAX_ALIASES_PER_ENTRY).
-    """
-
-    key: str
-    grid: tuple[int, int, int]
-    dtype: int
-    shape: tuple[int, ...]
-    data: bytes
-    index_id: int
-    expires_at: float = math.inf
-    leases: int = 0
-    verification: VerificationImage | None = None
-    revision: str = ""
-    aliases: list[str] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes counted in the budget: embeddings plus the verification image."""
-        extra = 0 if self.verification is None else int(self.verification.nbytes)
-        return len(self.data) + extra
-
-
-@dataclass(frozen=True)
-class Match:
-    """Result of one lookup: tier is ``exact``, ``similar`` or ``miss``.
-
-    ``consulted_similar`` says whether the similarity tier was searched (for metrics);
-    ``rejected`` counts candidates at or above the threshold with an equal grid that were
-    refused for another revision or a failed verification.
-    """
-
-    tier: str
-    similarity: float
-    entry: Entry | None
-    consulted_similar: bool = False
-    rejected: int = 0
-
-
-@dataclass
-class _Rebuild:
-    kind: str
-    snapshot: set[int]
-    adds: list[int] = field(default_factory=list)
-    removes: set[int] = field(default_factory=set)
-
-
-class EmbeddingStore:
+class EmbeddingStore(IndexRebuilds):
     """Exact + similarity cache of vision embeddings with a byte budget, LRU, TTL, leases.
 
     Args:
@@ -193,6 +109,10 @@ class EmbeddingStore:
         rebuild_fraction: Tombstones / indexed vectors that trigger a rebuild.
         min_rebuild_tombstones: Do not rebuild for fewer tombstones than this.
         background_rebuild: Build new indexes in a thread (the service) or inline (tests).
+        publish: Which metrics this store sets: ``all`` (the in-process store); with a
+            shared store (:mod:`cache_service.store_redis`) the local copies publish
+            ``payloads`` (entries, bytes, leases, budget, evictions) and the index of the
+            store's entries ``index`` (index vectors and tombstones).
     """
 
     def __init__(
@@ -210,6 +130,7 @@ class EmbeddingStore:
         rebuild_fraction: float = 0.25,
         min_rebuild_tombstones: int = 64,
         background_rebuild: bool = False,
+        publish: Literal["all", "payloads", "index"] = "all",
     ) -> None:
         self.dim = descriptor_dim
         self.capacity_bytes = capacity_bytes
@@ -232,13 +153,15 @@ class EmbeddingStore:
         self._index = VectorIndex(
             choose_kind(0, index_threshold, self.gpu), descriptor_dim, self.index_params
         )
-        self._rebuild: _Rebuild | None = None
+        self._rebuild: Rebuild | None = None
         self._rebuild_done = threading.Condition(self._lock)
         self.bytes = 0
         self._leased = 0
         self.evictions = {"lru": 0, "ttl": 0}
         self.rebuilds = 0
-        metrics.CAPACITY_BYTES.set(capacity_bytes)
+        self.publish = publish
+        if publish != "index":
+            metrics.CAPACITY_BYTES.set(capacity_bytes)
 
     # -- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -367,6 +290,18 @@ class EmbeddingStore:
             if entry.grid != grid:  # not this image's plan: never answer with another grid
                 return Match("miss", 0.0, None), []
             return Match("exact", 1.0, entry), []
+        return self._candidates(descriptor, grid, similar, now, revision, reusable)
+
+    def _candidates(
+        self,
+        descriptor: np.ndarray | None,
+        grid: tuple[int, int, int],
+        similar: bool,
+        now: float,
+        revision: str,
+        reusable: Collection[tuple[int, int, int]],
+    ) -> tuple[Match, list[tuple[float, Entry]]]:
+        """The similarity tier's miss with its candidates still to verify (see _lookup)."""
         if not similar or descriptor is None or self._index.live == 0:
             return Match("miss", 0.0, None), []
         vec = self.normalise(descriptor)
@@ -392,6 +327,44 @@ class EmbeddingStore:
             candidates.append((s, cand))
         candidates.sort(key=lambda c: (c[1].grid != grid, -c[0]))
         return Match("miss", best, None, consulted_similar=True, rejected=rejected), candidates
+
+    def candidates(
+        self,
+        descriptor: np.ndarray | None,
+        grid: tuple[int, int, int],
+        *,
+        revision: str = "",
+        reusable: Collection[tuple[int, int, int]] = (),
+    ) -> tuple[Match, list[tuple[float, Entry]]]:
+        """The similarity tier alone, without verification: a miss carrying the best score
+        seen and the candidates at or above the threshold with an equal grid (first) or
+        one in ``reusable``, and an equal ``revision``, best score first; the caller
+        verifies them (:mod:`cache_service.store_redis` reads their verification images
+        from the shared store). Nothing is leased or refreshed."""
+        with self._lock:
+            return self._candidates(descriptor, grid, True, self.clock(), revision, reusable)
+
+    def holds(self, entry: Entry) -> bool:
+        """True when ``entry`` is the one stored under its key (not evicted or replaced)."""
+        with self._lock:
+            return self._entries.get(entry.key) is entry
+
+    def keys(self) -> list[str]:
+        """The keys held now, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def discard(self, key: str, reason: str = "lru") -> bool:
+        """Remove the entry stored under ``key`` (with its aliases and index vector) unless
+        it is leased; True when it was removed. ``reason`` labels the eviction metric."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.leases:
+                return False
+            self._remove(entry, reason)
+            self._maybe_rebuild()
+            self._publish()
+            return True
 
     def _expired(self, entry: Entry, now: float) -> bool:
         """True when past its TTL; reclaims it at once unless it is leased."""
@@ -574,148 +547,27 @@ class EmbeddingStore:
             if self._rebuild is not None:
                 self._rebuild.removes.add(entry.index_id)
         self.bytes -= entry.nbytes
-        self.evictions[reason] += 1
-        metrics.EVICTIONS.labels(reason=reason).inc()
-
-    # -- index maintenance ----------------------------------------------------------------
-    def _rebuild_due(self) -> str | None:
-        """The kind to rebuild into, or None when the index is fine as it is."""
-        index = self._index
-        live = len(self._by_id)
-        kind = index.kind
-        if not self.gpu:
-            if kind == "flat" and live >= self.index_threshold:
-                return "hnsw"
-            if kind == "hnsw" and live < self.index_threshold // 2:
-                return "flat"
-        dead = len(index.tombstones)
-        if dead >= self.min_rebuild_tombstones and dead > self.rebuild_fraction * index.ntotal:
-            return kind  # a purge: same kind, only the live vectors
-        return None
-
-    def _maybe_rebuild(self) -> None:
-        if self._rebuild is not None:
-            return
-        kind = self._rebuild_due()
-        if kind is None:
-            return
-        ids = np.fromiter(self._by_id, dtype=np.int64, count=len(self._by_id))
-        vectors = self._index.reconstruct(ids)
-        state = _Rebuild(kind, set(ids.tolist()))
-        self._rebuild = state
-        log.info(
-            "rebuilding the similarity index: %s -> %s, %d vectors, %d tombstones",
-            self._index.kind,
-            kind,
-            len(ids),
-            len(self._index.tombstones),
-        )
-        if self.background_rebuild:
-            threading.Thread(
-                target=self._build_and_swap,
-                args=(state, ids, vectors),
-                name="cache-index-rebuild",
-                daemon=True,
-            ).start()
-        else:
-            self._build_and_swap(state, ids, vectors)
-
-    def _build_and_swap(self, state: _Rebuild, ids: np.ndarray, vectors: np.ndarray) -> None:
-        try:
-            new = build_index(state.kind, self.dim, self.index_params, ids, vectors)
-            # Catch up with the adds made meanwhile outside the lock, in rounds, so the swap
-            # below replays only a few (an HNSW insert is ~1 ms; thousands under the lock
-            # would stall every lookup).
-            while True:
-                with self._lock:
-                    if len(state.adds) <= CATCH_UP_UNDER_LOCK:
-                        break
-                    batch = np.array([i for i in state.adds if i in self._by_id], np.int64)
-                    state.adds = []
-                    batch_vectors = self._index.reconstruct(batch)
-                new.add(batch, batch_vectors)
-                state.snapshot.update(batch.tolist())
-        except Exception:
-            log.exception("similarity index rebuild failed; keeping the current index")
-            with self._lock:
-                self._rebuild = None
-                self._rebuild_done.notify_all()
-            return
-        with self._lock:
-            # Replay what changed since: the last few adds, and every removal of an id the
-            # new index holds.
-            adds = np.array([i for i in state.adds if i in self._by_id], dtype=np.int64)
-            new.add(adds, self._index.reconstruct(adds))
-            for index_id in state.removes & state.snapshot:
-                new.remove(index_id)
-            self._index = new
-            self._rebuild = None
-            self.rebuilds += 1
-            metrics.INDEX_REBUILDS.labels(kind=new.kind).inc()
-            self._rebuild_done.notify_all()
-            self._maybe_rebuild()
-            self._publish()
-
-    def wait_for_rebuild(self, timeout: float | None = None) -> bool:
-        """Block until no rebuild is running; False on timeout."""
-        with self._lock:
-            return self._rebuild_done.wait_for(lambda: self._rebuild is None, timeout)
+        self.evictions[reason] = self.evictions.get(reason, 0) + 1
+        if self.publish != "index":
+            metrics.EVICTIONS.labels(reason=reason).inc()
 
     # -- bookkeeping ----------------------------------------------------------------------
+    def _catch_up_under_lock(self) -> int:
+        return CATCH_UP_UNDER_LOCK
+
     def _publish(self) -> None:
-        metrics.ENTRIES.set(len(self._entries))
-        metrics.LEASED.set(self._leased)
-        metrics.BYTES.set(self.bytes)
-        metrics.INDEX_VECTORS.set(self._index.ntotal)
-        metrics.INDEX_TOMBSTONES.set(len(self._index.tombstones))
+        if self.publish != "index":
+            metrics.ENTRIES.set(len(self._entries))
+            metrics.LEASED.set(self._leased)
+            metrics.BYTES.set(self.bytes)
+        if self.publish != "payloads":
+            metrics.INDEX_VECTORS.set(self._index.ntotal)
+            metrics.INDEX_TOMBSTONES.set(len(self._index.tombstones))
 
     def check_invariants(self) -> None:
-        """Raise AssertionError when the store's bookkeeping is inconsistent.
-
-        Checks: bytes equal the sum of entry sizes and stay within the budget; the LRU and
-        expiry orders hold the same keys; every alias finds a held entry that lists it, no
-        alias is an entry's own key, and no entry lists more than MAX_ALIASES_PER_ENTRY;
-        every indexed entry's vector is in the index and
-        every live index id belongs to an entry (no orphans either way); tombstones are
-        index ids no entry holds; lease counts are not negative.
-        """
+        """Raise AssertionError when the store's bookkeeping is inconsistent
+        (:func:`cache_service.invariants.store_problems` lists what is checked)."""
         with self._lock:
-            problems: list[str] = []
-            total = sum(e.nbytes for e in self._entries.values())
-            if total != self.bytes:
-                problems.append(f"bytes {self.bytes} != sum of entries {total}")
-            if self.bytes > self.capacity_bytes:
-                problems.append(f"bytes {self.bytes} exceed the budget {self.capacity_bytes}")
-            if set(self._entries) != set(self._by_put):
-                problems.append("LRU and expiry orders hold different keys")
-            for key, entry in self._entries.items():
-                if entry.key != key:
-                    problems.append(f"entry under {key[:16]} has key {entry.key[:16]}")
-                if entry.leases < 0:
-                    problems.append(f"entry {key[:16]} has {entry.leases} leases")
-                if entry.index_id >= 0 and self._by_id.get(entry.index_id) is not entry:
-                    problems.append(f"entry {key[:16]} id {entry.index_id} not mapped back")
-            listed = {a: e.key for e in self._entries.values() for a in e.aliases}
-            if listed != self._aliases:
-                problems.append("alias map and the entries' alias lists disagree")
-            if set(self._aliases) & set(self._entries):
-                problems.append("an alias is also an entry's own key")
-            if any(len(e.aliases) > MAX_ALIASES_PER_ENTRY for e in self._entries.values()):
-                problems.append(f"an entry holds more than {MAX_ALIASES_PER_ENTRY} aliases")
-            leased = sum(1 for e in self._entries.values() if e.leases)
-            if leased != self._leased:
-                problems.append(f"{self._leased} leased entries counted, {leased} held")
-            indexed = {e.index_id for e in self._entries.values() if e.index_id >= 0}
-            if set(self._by_id) != indexed:
-                problems.append("id map holds ids of no entry")
-            in_index = set(self._index.ids().tolist())
-            tomb = self._index.tombstones
-            if in_index - tomb != indexed:
-                problems.append(
-                    f"index ids without entries: {sorted(in_index - tomb - indexed)[:5]}, "
-                    f"entries without index ids: {sorted(indexed - (in_index - tomb))[:5]}"
-                )
-            if not tomb <= in_index or tomb & indexed:
-                problems.append("tombstones are not dead index ids")
-            if problems:
-                raise AssertionError("; ".join(problems))
+            problems = store_problems(self)
+        if problems:
+            raise AssertionError("; ".join(problems))

@@ -1,0 +1,202 @@
+"""How a replica's similarity index follows the shared store: the log and the scan.
+
+* The log: every Put appends its key to a Redis Stream (``<prefix>log``, trimmed to about
+  ``CACHE_STORE_LOG_MAXLEN`` entries). :class:`Follower` reads it in a thread with a
+  blocking ``XREAD`` of at most ``BLOCK_MS``, reads the new entries' headers and
+  descriptors (``HMGET h d``, one pipelined round trip per batch), checks them and adds
+  them to the index: an entry put through another replica is found by similarity here
+  within about ``BLOCK_MS`` plus a round trip.
+* The scan (:meth:`Follower.sync`): ``SCAN`` over every entry key (on every primary of a
+  cluster). At start, before the service reports SERVING, it rebuilds the index from the
+  store itself, not from the trimmed log; then every ``sync_interval_s`` and after the log
+  could not be read, it adds what the log missed and removes entries the store no longer
+  holds (expired or evicted), so the index tracks the store within one interval.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from cache_service.store import EmbeddingStore
+from cache_service.store_codec import Header, IntegrityError, StoreKeys, descriptor_of, open_header
+from cache_service.store_conn import STORE_FAILURES, RedisClient, StoreHealth, as_bytes
+
+log = logging.getLogger("cache_service.store")
+
+# Longest blocking XREAD: how late another replica's put may be seen (plus a round trip).
+BLOCK_MS = 200
+# Log messages read per XREAD, and entries read per pipelined HMGET.
+BATCH = 256
+# Keys asked per SCAN step.
+SCAN_COUNT = 1000
+# Pause after the log could not be read, seconds (the store is down or restarting).
+RETRY_S = 0.5
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _batches(items: Iterable[object], n: int) -> Iterator[list[str]]:
+    it = iter(items)
+    while batch := [_text(x) for x in itertools.islice(it, n)]:
+        yield batch
+
+
+class FollowedStore(Protocol):
+    """What the follower uses of its replica's store
+    (:class:`cache_service.store_redis.RedisStore`)."""
+
+    keys: StoreKeys
+    mac_key: bytes
+    dim: int
+    catalog: EmbeddingStore
+    health: StoreHealth
+
+    def follow_client(self, blocking_s: float) -> RedisClient: ...
+
+    def index(self, header: Header, vector: np.ndarray | None, source: str = "") -> None: ...
+
+    def forget(self, key: str, found: str) -> None: ...
+
+    def refused(self, err: IntegrityError, key: str) -> None: ...
+
+
+class Follower:
+    """Keeps one replica's index of the store current (module docstring).
+
+    Args:
+        store: The replica's store (its client, key names, MAC key, index).
+        sync_interval_s: Seconds between two scans; ``inf`` = only at start and after
+            the log could not be read.
+    """
+
+    def __init__(self, store: FollowedStore, *, sync_interval_s: float = 30.0) -> None:
+        self.store = store
+        self.sync_interval_s = sync_interval_s
+        self.last_id = "0-0"
+        self.resync_due = False
+        self.syncs = 0
+        self._next_sync = math.inf
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Follow the log from ``last_id`` in a daemon thread."""
+        self._next_sync = time.monotonic() + self.sync_interval_s
+        self._thread = threading.Thread(target=self._run, name="cache-store-follow", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def log_tail(self, client: RedisClient) -> str:
+        """The id of the log's newest message ("0-0" when empty): following from it skips
+        what a scan made now already sees."""
+        newest: Any = client.xrevrange(self.store.keys.log, count=1)
+        return _text(newest[0][0]) if newest else "0-0"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client = self.store.follow_client(BLOCK_MS / 1000)
+                if self.resync_due or time.monotonic() >= self._next_sync:
+                    self.sync(client)
+                    self.resync_due = False
+                    self._next_sync = time.monotonic() + self.sync_interval_s
+                self.follow_once(client)
+                self.store.health.ok()
+            except STORE_FAILURES as err:
+                self.store.health.failed("follow", err, skip=False)
+                self.resync_due = True
+                self._stop.wait(RETRY_S)
+            except Exception:  # a bug here must not end following for good
+                log.exception("following the cache store's log failed; retrying")
+                self._stop.wait(RETRY_S)
+
+    def follow_once(self, client: RedisClient, block_ms: int = BLOCK_MS) -> int:
+        """Read the log after ``last_id`` (waiting up to ``block_ms``) and index the entries
+        it names; returns how many were added."""
+        got: Any = client.xread({self.store.keys.log: self.last_id}, count=BATCH, block=block_ms)
+        keys = []
+        for _stream, messages in got or []:
+            for message_id, fields in messages:
+                self.last_id = _text(message_id)
+                key = fields.get(b"k")
+                if key is not None:
+                    keys.append(_text(key))
+        return self.index_keys(client, keys, "log") if keys else 0
+
+    def index_keys(self, client: RedisClient, keys: list[str], source: str) -> int:
+        """Read, check and index the entries of ``keys`` not indexed yet; returns how many
+        were added (an entry gone already, or refused, is skipped)."""
+        store = self.store
+        new = [k for k in dict.fromkeys(keys) if k not in store.catalog]
+        added = 0
+        for batch in _batches(new, BATCH):
+            pipe = client.pipeline(transaction=False)
+            for key in batch:
+                pipe.hmget(store.keys.entry(key), ["h", "d"])
+            for key, (sealed, raw) in zip(batch, pipe.execute(), strict=True):
+                added += self._index_one(as_bytes(sealed), as_bytes(raw), key, None, source)
+        return added
+
+    def _index_one(
+        self,
+        sealed: bytes | None,
+        raw: bytes | None,
+        key: str | None,
+        name: str | None,
+        source: str,
+    ) -> int:
+        """Index one entry read as (``h``, ``d``), expected to be ``key``'s or (from a scan)
+        stored under ``name``; 1 when added."""
+        if sealed is None:
+            return 0
+        store = self.store
+        try:
+            header = open_header(store.mac_key, sealed, key)
+            if name is not None and store.keys.entry(header.key) != name:
+                raise IntegrityError("key", "an entry is stored under another key's name")
+            vector = descriptor_of(header, raw, store.dim)
+        except IntegrityError as err:
+            store.refused(err, key or "")
+            return 0
+        store.index(header, vector, source)
+        return 1
+
+    def sync(self, client: RedisClient) -> int:
+        """Scan the store: index every entry this replica has not indexed, and remove the
+        indexed ones it no longer holds (known before the scan began and not seen by it:
+        SCAN returns every key present for the whole scan). Returns entries added."""
+        store = self.store
+        known = {store.keys.entry(k): k for k in store.catalog.keys()}
+        seen: set[str] = set()
+        added = 0
+        pattern = store.keys.entry_pattern
+        for batch in _batches(client.scan_iter(match=pattern, count=SCAN_COUNT), BATCH):
+            seen.update(batch)
+            new = [name for name in batch if name not in known]
+            if not new:
+                continue
+            pipe = client.pipeline(transaction=False)
+            for name in new:
+                pipe.hmget(name, ["h", "d"])
+            for name, (sealed, raw) in zip(new, pipe.execute(), strict=True):
+                added += self._index_one(as_bytes(sealed), as_bytes(raw), None, name, "scan")
+        for name, key in known.items():
+            if name not in seen:
+                store.forget(key, "sync")
+        self.syncs += 1
+        return added

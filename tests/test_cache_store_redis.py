@@ -1,0 +1,444 @@
+"""The cache's shared Redis store, one replica at a time: what it serves and what it refuses.
+
+A real ``redis-server`` (Debian's) on a free loopback port with a password and a temporary
+directory, no mocks: entries round-trip with their bytes, dtype, shape and grid; a byte
+changed in Redis, an entry copied under another key's name, or one written under another
+secret is a miss and a metric, never served; Redis's TTL and its maxmemory eviction make
+misses and the vector leaves the index; a store that is down or hung answers misses within
+its timeouts, a Put through the servicer is dropped without an error, and caching resumes
+when the store returns. tests/test_cache_store_redis_replicas.py covers several replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from prometheus_client import REGISTRY
+from pydantic import ValidationError
+from qwenvl.common.v1 import tensor_pb2
+
+from cache_service.entries import KeyGridConflictError, StoreUnavailableError
+from cache_service.settings import CacheSettings
+from cache_service.store_codec import StoreKeys, derive_mac_key, open_header
+from cache_service.store_conn import StoreAccess, parse_store_url
+from cache_service.store_redis import RedisStore
+from vlcommon.errors import ConfigError
+from vlcommon.verification import VerificationImage
+
+DIM = 16
+GRID = (1, 4, 4)  # 4 rows after the 2x2 merge
+PASSWORD = "redis-test-password"
+SECRET = "cluster-internal-token"
+FP32 = tensor_pb2.DATA_TYPE_FP32
+# A verification image that passes against itself (tests/test_cache_store.py's V).
+V = VerificationImage(np.full((1, 4), 128, np.uint8), np.full((1, 2, 2), 128, np.uint8))
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """One ``redis-server`` on 127.0.0.1 with ``requirepass``, its data in ``root``,
+    stopped (and startable again on the same port) by the test."""
+
+    def __init__(self, root: Path, *extra: str, password: str = PASSWORD) -> None:
+        self.root = root
+        self.port = free_port()
+        self.password = password
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+        root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def args(self) -> list[str]:
+        return [
+            REDIS_SERVER,
+            "--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", self.password,
+            "--dir", str(self.root), "--save", "", "--appendonly", "no",
+            *self.extra,
+        ]  # fmt: skip
+
+    def start(self) -> RedisServer:
+        log = open(self.root / "redis.log", "ab")  # noqa: SIM115 - the server writes it
+        self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.client().ping()
+                return self
+            except redis.RedisError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError((self.root / "redis.log").read_text()[-2000:]) from None
+                time.sleep(0.02)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+
+@contextlib.contextmanager
+def redis_server(root: Path, *extra: str) -> Iterator[RedisServer]:
+    server = RedisServer(root, *extra).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One server for the module; each test keys its entries under its own prefix."""
+    with redis_server(tmp_path_factory.mktemp("redis")) as s:
+        yield s
+
+
+@pytest.fixture
+def prefix(request: pytest.FixtureRequest) -> str:
+    return f"t-{request.node.name}:"
+
+
+STORES: list[RedisStore] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_stores() -> Iterator[None]:
+    yield
+    while STORES:
+        STORES.pop().close()
+
+
+def replica(
+    server: RedisServer,
+    prefix: str,
+    *,
+    follow: bool = True,
+    secret: str = SECRET,
+    url: str = "",
+    **kw: object,
+) -> RedisStore:
+    """A started replica's store (closed after the test)."""
+    args: dict[str, object] = {"descriptor_dim": DIM, "capacity_bytes": 10**7, "prefix": prefix}
+    timeout_s = float(kw.pop("timeout_s", 1.0))  # type: ignore[arg-type]
+    tls = {k: str(kw.pop(k)) for k in ("tls_ca_file", "tls_cert_file", "tls_key_file") if k in kw}
+    args.update(kw)
+    access = StoreAccess(parse_store_url(url or server.url), timeout_s=timeout_s, **tls)  # type: ignore[arg-type]
+    store = RedisStore(access, secret=secret, **args)  # type: ignore[arg-type]
+    STORES.append(store)
+    store.start(follow=follow)
+    return store
+
+
+def unit(seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def near(v: np.ndarray, seed: int = 99) -> np.ndarray:
+    """A unit vector with cosine similarity ~0.99 to ``v``."""
+    r = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
+    r -= r.dot(v) * v
+    r /= np.linalg.norm(r)
+    return (0.99 * v + np.sqrt(1 - 0.99**2) * r).astype(np.float32)
+
+
+def payload(i: int, rows: int = 4, width: int = 4) -> bytes:
+    """Entry i's embeddings: every value encodes i, so a mixed-up read shows."""
+    return (
+        np.full((rows, width), float(i), np.float32) + np.arange(width, dtype=np.float32)
+    ).tobytes()
+
+
+def put(store: RedisStore, i: int, *, key: str = "", **kw: object) -> int:
+    return store.put(
+        key or f"k{i}",
+        unit(i),
+        GRID,
+        FP32,
+        (4, 4),
+        payload(i),
+        verification=V,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def exact(store: RedisStore, key: str, grid: tuple[int, int, int] = GRID) -> bytes | None:
+    m = store.lookup(key, None, grid, similar=False)
+    return None if m.entry is None else m.entry.data
+
+
+def similar(store: RedisStore, i: int, revision: str = "") -> str | None:
+    m = store.lookup("query", near(unit(i)), GRID, similar=True, verification=V, revision=revision)
+    return None if m.entry is None else m.entry.key
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def integrity(reason: str) -> float:
+    return metric("splitvl_cache_store_integrity_failures_total", reason=reason)
+
+
+def test_memory_is_the_default_and_store_urls_parse() -> None:
+    from cache_service.__main__ import build_store
+    from cache_service.store import EmbeddingStore
+
+    assert CacheSettings().store == "memory"
+    assert type(build_store(CacheSettings(descriptor_dim=DIM))) is EmbeddingStore
+    url = parse_store_url("rediss://cache:s3cret@redis.internal:6380/2")
+    assert url is not None and url.tls and not url.cluster
+    assert url.url == "rediss://cache:s3cret@redis.internal:6380/2"
+    assert "s3cret" not in url.shown and ":***@" in url.shown
+    cluster = parse_store_url("redis+cluster://10.0.0.5:7000")
+    assert cluster is not None and cluster.cluster and cluster.url == "redis://10.0.0.5:7000"
+    for bad in ("mooncake://x:1", "redis://", "redis+cluster://h:1/3", "memcached://h:1"):
+        with pytest.raises(ValidationError):
+            CacheSettings(store=bad)
+
+
+def test_a_fresh_replica_serves_exact_alias_and_similar_hits_from_the_store(
+    server: RedisServer, prefix: str
+) -> None:
+    a = replica(server, prefix, follow=False)
+    assert put(a, 1, alias="file-digest-1") == 0
+    put(a, 2)
+    c = replica(server, prefix, follow=False)  # its index comes from the scan alone
+    assert len(c.catalog) == 2
+    read = metric("splitvl_cache_store_bytes_total", direction="read")
+    m = c.lookup("k1", None, GRID, similar=False)
+    assert m.tier == "exact" and m.entry is not None
+    assert (m.entry.data, m.entry.dtype, m.entry.shape, m.entry.grid) == (
+        payload(1),
+        FP32,
+        (4, 4),
+        GRID,
+    )
+    first_read = metric("splitvl_cache_store_bytes_total", direction="read") - read
+    assert first_read >= len(payload(1))
+    assert exact(c, "k1") == payload(1)  # again: from its local copy, the header only
+    assert metric("splitvl_cache_store_bytes_total", direction="read") - read == first_read
+    assert exact(c, "file-digest-1") == payload(1)  # the alias
+    assert exact(c, "k1", grid=(1, 4, 8)) is None  # another grid: never another plan's
+    assert similar(c, 2) == "k2" and similar(c, 1) == "k1"
+    assert similar(c, 2, revision="another checkpoint") is None
+    assert exact(c, "k3") is None and similar(c, 3) is None
+    c.check_invariants()
+
+
+def tamper(server: RedisServer, prefix: str, key: str, field: str, at: int = -1) -> None:
+    """Flip one byte of an entry's field in Redis."""
+    client, name = server.client(), StoreKeys(prefix).entry(key)
+    value = bytearray(client.hget(name, field))  # type: ignore[arg-type]
+    value[at] ^= 0x01
+    client.hset(name, field, bytes(value))
+
+
+@pytest.mark.parametrize(
+    ("field", "at", "reason", "tier", "counted"),
+    [
+        ("p", -1, "digest", "exact", 1),  # the embeddings: refused at the hit
+        ("h", 20, "mac", "exact", 2),  # the header (its grid): by the scan, then the hit
+        ("v", -1, "digest", "similar", 1),  # the verification image: at the candidate
+        ("d", 0, "digest", "scan", 1),  # the descriptor: by the scan
+    ],
+)
+def test_one_tampered_byte_is_a_miss_and_a_metric_never_served(
+    server: RedisServer, prefix: str, field: str, at: int, reason: str, tier: str, counted: int
+) -> None:
+    a = replica(server, prefix, follow=False)
+    put(a, 1)
+    tamper(server, prefix, "k1", field, at)
+    before = integrity(reason)
+    c = replica(server, prefix, follow=False)  # no local copy: it reads the store
+    if tier == "scan":  # the scan refuses to index it; the exact tier reads h and p only
+        assert len(c.catalog) == 0 and similar(c, 1) is None
+    elif tier == "exact":
+        assert exact(c, "k1") is None and similar(c, 1) is None
+    else:
+        assert similar(c, 1) is None and len(c.catalog) == 0  # it left the index
+    assert integrity(reason) == before + counted
+    if field == "h":  # the replica that wrote it (with a local copy) refuses it too
+        assert exact(a, "k1") is None
+    put(a, 1)  # a Put of the key writes it again: served again
+    assert exact(c, "k1") == payload(1)
+
+
+def test_an_entry_under_another_keys_name_is_a_key_collision_and_a_miss(
+    server: RedisServer, prefix: str
+) -> None:
+    a = replica(server, prefix, follow=False)
+    put(a, 1, alias="alias-1")
+    client, keys = server.client(), StoreKeys(prefix)
+    # What a collision of two keys' store names, or an attacker moving entries, looks like.
+    client.hset(keys.entry("k2"), mapping=client.hgetall(keys.entry("k1")))  # type: ignore[arg-type]
+    client.set(keys.alias("alias-2"), client.get(keys.alias("alias-1")))  # type: ignore[arg-type]
+    before = integrity("key")
+    c = replica(server, prefix, follow=False)
+    assert integrity("key") == before + 1  # the scan found k1's entry under k2's name
+    assert len(c.catalog) == 1
+    assert exact(c, "k2") is None and exact(c, "alias-2") is None
+    assert integrity("key") == before + 3
+    assert exact(c, "k1") == payload(1) and exact(c, "alias-1") == payload(1)
+
+
+def test_entries_are_tagged_under_a_key_derived_from_the_internal_token(
+    server: RedisServer, prefix: str
+) -> None:
+    import hashlib
+    import hmac
+
+    a = replica(server, prefix, follow=False)
+    put(a, 1)
+    sealed: bytes = server.client().hget(StoreKeys(prefix).entry("k1"), "h")  # type: ignore[assignment]
+    body, tag = sealed[:-32], sealed[-32:]
+    mac_key = derive_mac_key(SECRET)
+    assert mac_key != SECRET.encode() and len(mac_key) == 32
+    raw = hmac.new(SECRET.encode(), b"splitvl.cache.entry.v1\0" + body, hashlib.sha256).digest()
+    assert tag != raw  # the token itself is not the MAC key
+    assert open_header(mac_key, sealed, "k1").key == "k1"
+    before = integrity("mac")
+    other = replica(server, prefix, follow=False, secret="another cluster's token")
+    assert len(other.catalog) == 0 and exact(other, "k1") is None and similar(other, 1) is None
+    assert integrity("mac") >= before + 2
+
+
+def test_ttl_expiry_is_a_miss_and_the_vector_leaves_the_index(
+    server: RedisServer, prefix: str
+) -> None:
+    a = replica(server, prefix, follow=False, ttl_s=0.4)
+    put(a, 1, alias="alias-1")
+    client = server.client()
+    assert 0 < client.pttl(StoreKeys(prefix).entry("k1")) <= 400  # type: ignore[operator]
+    assert 0 < client.pttl(StoreKeys(prefix).alias("alias-1")) <= 400  # type: ignore[operator]
+    assert exact(a, "k1") == payload(1) and similar(a, 1) == "k1"
+    time.sleep(0.5)
+    dropped = metric("splitvl_cache_store_dropped_total", found="read")
+    assert len(a.catalog) == 1
+    assert exact(a, "k1") is None and exact(a, "alias-1") is None  # the local copy too
+    assert similar(a, 1) is None  # no error: a miss, and the vector is gone
+    assert len(a.catalog) == 0 and len(a.local) == 0
+    assert metric("splitvl_cache_store_dropped_total", found="read") == dropped + 1
+    a.check_invariants()
+
+
+def test_entries_redis_evicts_become_misses_and_leave_the_index(tmp_path: Path) -> None:
+    with redis_server(tmp_path, "--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru") as s:
+        a = replica(s, "ev:", follow=False)
+        rows, n = 8192, 24  # 128 KiB entries: 3 MiB in all, over what 4 MiB leaves
+        for i in range(n):
+            a.put(f"k{i}", unit(i), GRID, FP32, (rows, 4), payload(i, rows), verification=V)
+        held = [i for i in range(n) if s.client().exists(StoreKeys("ev:").entry(f"k{i}"))]
+        assert 0 < len(held) < n, held  # Redis evicted some
+        c = replica(s, "ev:", follow=False)  # a replica that has no local copies
+        for i in range(n):  # every lookup is a hit with the right bytes or a miss
+            m = c.lookup(f"k{i}", None, GRID, similar=False)
+            assert (m.entry.data if m.entry else None) == (
+                payload(i, rows) if i in held else None
+            ), i
+        gone = next(i for i in range(n) if i not in held)
+        assert f"k{gone}" in a.catalog
+        assert similar(a, gone) in (None, *(f"k{i}" for i in held))
+        assert f"k{gone}" not in a.catalog  # left at its first failed read
+        a.follower.sync(a.client())  # the scan removes the rest
+        assert sorted(a.catalog.keys()) == sorted(f"k{i}" for i in held)
+        a.check_invariants()
+
+
+def test_a_key_held_with_another_grid_is_refused_and_kept(server: RedisServer, prefix: str) -> None:
+    a = replica(server, prefix, follow=False)
+    put(a, 1)
+    with pytest.raises(KeyGridConflictError) as err:
+        a.put("k1", unit(1), (1, 4, 8), FP32, (8, 4), payload(1, 8))
+    assert err.value.stored_grid == GRID
+    c = replica(server, prefix, follow=False)
+    assert exact(c, "k1") == payload(1)
+
+
+def test_a_wrong_password_refuses_to_start(server: RedisServer, prefix: str) -> None:
+    url = server.url.replace(PASSWORD, "wrong")
+    with pytest.raises(ConfigError, match="WRONGPASS|invalid|password"):
+        replica(server, prefix, url=url)
+
+
+def test_noeviction_and_no_maxmemory_are_warned_about_at_start(
+    server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="cache_service.store")
+    replica(server, prefix, follow=False)
+    assert "no maxmemory" in caplog.text
+    client = server.client()
+    client.config_set("maxmemory", "512mb")
+    try:
+        caplog.clear()
+        replica(server, prefix, follow=False)
+        assert "noeviction" in caplog.text
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        caplog.clear()
+        replica(server, prefix, follow=False)
+        assert "maxmemory" not in caplog.text
+    finally:
+        client.config_set("maxmemory", "0")
+        client.config_set("maxmemory-policy", "noeviction")
+
+
+def test_a_store_down_or_hung_is_misses_then_caching_resumes(tmp_path: Path) -> None:
+    s = RedisServer(tmp_path).start()
+    try:
+        a = replica(s, "down:", timeout_s=0.3)
+        put(a, 1)
+        errors = metric("splitvl_cache_store_errors_total", op="lookup")
+        s.stop()
+        for i in range(3):  # misses, each within the 0.3 s timeout (then skipped at once)
+            t0 = time.perf_counter()
+            assert exact(a, "k1") is None and similar(a, 1) is None
+            assert time.perf_counter() - t0 < 0.7, i
+        with pytest.raises(StoreUnavailableError):
+            put(a, 2)
+        assert metric("splitvl_cache_store_errors_total", op="lookup") >= errors + 6
+        assert metric("splitvl_cache_store_up") == 0
+        s.start()  # the same port, empty (no persistence): caching resumes, no restart
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(StoreUnavailableError):
+                put(a, 2)
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert exact(a, "k2") == payload(2) and similar(a, 2) == "k2"
+        assert exact(a, "k1") is None  # the restarted store lost it: a miss, it left the index
+        assert "k1" not in a.catalog
+        assert metric("splitvl_cache_store_up") == 1
+        os.kill(s.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]  # hung, not dead
+        try:
+            t0 = time.perf_counter()
+            assert exact(a, "k2") is None
+            assert time.perf_counter() - t0 < 1.0
+        finally:
+            os.kill(s.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+    finally:
+        s.stop()
