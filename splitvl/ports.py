@@ -1,6 +1,13 @@
 """The services' names and the ports a cluster binds: free-port choice below the host's
 ephemeral range, the :class:`Ports` layout, and the check that every port is free
 before anything starts (:func:`check_ports`).
+
+The layout (``splitvl up`` prints it, docs/usage.md states it): the gateway on the base
+port, the encoder, cache and decoder on the next three; with ``--replicas``, replica r
+(1-based) of a service listens :data:`PORT_STRIDE` x (r - 1) above replica 1, so replica 2
+of the decoder is base + 13, replica 3 base + 23. Metrics ports follow the same layout
+from the metrics base port. A service run once is named as before (``decoder``, its log
+``decoder.log``); a replicated one's instances are ``decoder-1``, ``decoder-2``, ...
 """
 
 from __future__ import annotations
@@ -11,9 +18,10 @@ import os
 import random
 import shlex
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from splitvl.errors import PortInUseError
+from splitvl.errors import LaunchConfigError, PortInUseError
 
 SERVICES = ("gateway", "encoder", "cache", "decoder")
 PACKAGES = {
@@ -22,6 +30,22 @@ PACKAGES = {
     "cache": "cache_service",
     "decoder": "decoder_service",
 }
+#: The services ``--replicas`` may run more than once: one gateway owns the base port.
+REPLICATED = ("encoder", "cache", "decoder")
+#: Ports between one replica of a service and the next: room for the four services'
+#: offsets (0-3), and round numbers a reader can add in their head.
+PORT_STRIDE = 10
+
+
+def instance_name(service: str, replica: int, count: int) -> str:
+    """``decoder`` when the service runs once, ``decoder-2`` for replica 2 of several."""
+    return service if count == 1 else f"{service}-{replica}"
+
+
+def service_of(instance: str) -> str:
+    """The service an instance belongs to: ``decoder-2`` -> ``decoder``."""
+    return instance.split("-", 1)[0]
+
 
 # Linux's default ip_local_port_range; macOS and Windows use 49152-65535 (IANA's range).
 _DEFAULT_EPHEMERAL = (32768, 60999)
@@ -99,26 +123,65 @@ class Ports:
     http: int = 0
 
     @classmethod
-    def from_base(cls, base: int, metrics_base: int, http: int = 0) -> Ports:
-        return cls(
-            grpc={name: base + i for i, name in enumerate(SERVICES)},
-            metrics={
-                name: (metrics_base + i if metrics_base else 0) for i, name in enumerate(SERVICES)
-            },
-            http=http,
-        )
+    def from_base(
+        cls,
+        base: int,
+        metrics_base: int,
+        http: int = 0,
+        replicas: Mapping[str, int] | None = None,
+    ) -> Ports:
+        """The layout from a base port (module docstring); ``metrics_base`` 0 = no metrics.
+
+        Args:
+            replicas: Instances per service (``{"decoder": 2}``); absent services run once.
+
+        Raises:
+            LaunchConfigError: a replica's port would pass 65535.
+        """
+        grpc: dict[str, int] = {}
+        metrics: dict[str, int] = {}
+        for i, service in enumerate(SERVICES):
+            count = (replicas or {}).get(service, 1)
+            for r in range(1, count + 1):
+                name = instance_name(service, r, count)
+                offset = i + PORT_STRIDE * (r - 1)
+                grpc[name] = base + offset
+                metrics[name] = metrics_base + offset if metrics_base else 0
+                top = max(grpc[name], metrics[name])
+                if top > 65535:
+                    raise LaunchConfigError(
+                        f"{name} would listen on port {top}, past 65535: lower --base-port "
+                        "or --metrics-base-port, or run fewer replicas"
+                    )
+        return cls(grpc=grpc, metrics=metrics, http=http)
 
     @classmethod
-    def free(cls) -> Ports:
-        ports = free_ports(2 * len(SERVICES) + 1)
+    def free(cls, replicas: Mapping[str, int] | None = None) -> Ports:
+        """Free ports for every instance (``replicas`` as in :meth:`from_base`)."""
+        names = list(cls.from_base(1, 0, replicas=replicas).grpc)
+        ports = free_ports(2 * len(names) + 1)
         return cls(
-            grpc=dict(zip(SERVICES, ports[: len(SERVICES)], strict=True)),
-            metrics=dict(zip(SERVICES, ports[len(SERVICES) : 2 * len(SERVICES)], strict=True)),
+            grpc=dict(zip(names, ports[: len(names)], strict=True)),
+            metrics=dict(zip(names, ports[len(names) : 2 * len(names)], strict=True)),
             http=ports[-1],
         )
 
     def address(self, name: str) -> str:
+        """``127.0.0.1:PORT`` of one instance (``decoder`` or ``decoder-2``)."""
         return f"127.0.0.1:{self.grpc[name]}"
+
+    def instances(self, service: str) -> list[str]:
+        """The instances of one service, in replica order."""
+        return [name for name in self.grpc if service_of(name) == service]
+
+    def target(self, service: str) -> str:
+        """The gRPC target that reaches every instance of ``service``: ``127.0.0.1:P`` for
+        one, grpc's address-list form ``ipv4:127.0.0.1:P1,127.0.0.1:P2`` for several
+        (the channel's round_robin policy, or the gateway's own decoder routing, picks)."""
+        names = self.instances(service)
+        if len(names) == 1:
+            return self.address(names[0])
+        return "ipv4:" + ",".join(self.address(name) for name in names)
 
     def bindings(self) -> list[tuple[int, str, str]]:
         """Every port the cluster binds: ``(port, what, the flag that moves it)``."""
