@@ -1,9 +1,11 @@
 """Start, watch, restart and stop the four services as child processes on loopback.
 
-Each service runs as ``python -m <package>`` in its own process group (so a terminal's
-Ctrl-C reaches only the launcher, which then stops the services in order: gateway first,
-so no new work arrives, then decoder, encoder and cache). Each is waited on through its
-grpc.health.v1 ``Check``; logs go to one file per service.
+Each service instance (one per service, or several replicas of the encoder, cache and
+decoder: :mod:`splitvl.replicas`) runs as ``python -m <package>`` in its own process group
+(so a terminal's Ctrl-C reaches only the launcher, which then stops them in order: gateway
+first, so no new work arrives, then decoders, encoders and caches, then a local store
+server if it started one). Each is waited on through its grpc.health.v1 ``Check``; logs
+go to one file per instance.
 
 Before anything starts, every port the cluster will bind is checked (:func:`check_ports`)
 and the log folder is locked (:class:`LogDirLock`), so a second launcher never reports
@@ -13,14 +15,14 @@ service and its vLLM processes when the launcher dies, however it dies.
 :class:`Supervisor` restarts a service that exits unexpectedly, with backoff.
 
 The port layout and its checks are in :mod:`splitvl.ports`, supervision in
-:mod:`splitvl.supervisor`, the launch errors in :mod:`splitvl.errors` (re-exported here).
+:mod:`splitvl.supervisor`, the launch errors in :mod:`splitvl.errors`, the services'
+checkpoint-derived arguments in :mod:`splitvl.engine_args` (all re-exported here).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -35,7 +37,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # Re-exported (``X as X``): the tests and the tools import these from here; they live in
-# errors, ports and supervisor so that this module holds the cluster itself.
+# engine_args, errors, ports and supervisor so that this module holds the cluster itself.
+from splitvl.engine_args import DECODER_DEFAULT_ARGS as DECODER_DEFAULT_ARGS
+from splitvl.engine_args import SERVED_DTYPES as SERVED_DTYPES
+from splitvl.engine_args import checkpoint_dtype as checkpoint_dtype
+from splitvl.engine_args import decoder_default_args as decoder_default_args
+from splitvl.engine_args import split_args as split_args
 from splitvl.errors import LaunchConfigError as LaunchConfigError
 from splitvl.errors import PortInUseError as PortInUseError
 from splitvl.errors import ServiceStartError as ServiceStartError
@@ -49,6 +56,9 @@ from splitvl.ports import free_base as free_base
 from splitvl.ports import free_port as free_port
 from splitvl.ports import free_ports as free_ports
 from splitvl.ports import port_owner as port_owner
+from splitvl.ports import service_of
+from splitvl.redis_server import RedisServer
+from splitvl.replicas import replica_env
 from splitvl.supervisor import Supervisor as Supervisor
 from vlcommon.cpus import available_cpus, format_cpu_list, split_cpus
 from vlcommon.lifeline import LAUNCHER_PID_ENV
@@ -59,64 +69,6 @@ DEFAULT_BASE_PORT = 50051
 DEFAULT_METRICS_BASE_PORT = 9401
 #: The gateway's OpenAI-compatible HTTP front (``vllm serve``'s default port).
 DEFAULT_HTTP_PORT = 8000
-# The tiny checkpoint's engine settings; a real model overrides them with
-# ``splitvl up --decoder-arg`` or ``SPLITVL_DECODER_ARGS`` (vLLM's argparse keeps the last
-# value of a repeated flag, so appended arguments win).
-DECODER_DEFAULT_ARGS = ("--dtype", "float32", "--max-model-len", "4096", "--seed", "0")
-#: Checkpoint dtypes (``config.json``) that the encoder and vLLM both run as given.
-SERVED_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def checkpoint_dtype(model: str) -> str | None:
-    """The dtype a checkpoint was saved in, from its ``config.json``; None if unknown.
-
-    transformers 5 writes ``dtype``, 4.x wrote ``torch_dtype`` (and Qwen3-VL's published
-    configs put it in ``text_config`` too). Only a local directory is read: a hub id
-    is not resolved here (that may download), so it keeps ``DECODER_DEFAULT_ARGS``.
-    """
-    import json
-
-    path = Path(model).expanduser() / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config") or {}
-    for value in (
-        config.get("dtype"),
-        config.get("torch_dtype"),
-        text.get("dtype"),
-        text.get("torch_dtype"),
-    ):
-        if isinstance(value, str) and value in SERVED_DTYPES:
-            return value
-    return None
-
-
-def decoder_default_args(model: str) -> tuple[str, ...]:
-    """``DECODER_DEFAULT_ARGS`` with ``--dtype`` set to the checkpoint's own dtype.
-
-    The defaults say float32 because the tiny checkpoint's equality tests need it (and it
-    is saved in float32); a bf16 checkpoint (``make-tiny-model --like``) is served in bf16,
-    as ``vllm serve`` would (its ``--dtype auto`` takes the config's dtype).
-    """
-    dtype = checkpoint_dtype(model)
-    args = list(DECODER_DEFAULT_ARGS)
-    if dtype is not None:
-        args[args.index("--dtype") + 1] = dtype
-    return tuple(args)
-
-
-def split_args(text: str, source: str) -> list[str]:
-    """Shell words of a decoder-argument string (``shlex.split``).
-
-    Raises:
-        LaunchConfigError: unbalanced quotes or a trailing escape, naming ``source``.
-    """
-    try:
-        return shlex.split(text)
-    except ValueError as err:
-        raise LaunchConfigError(f"{source}: {err} in {text!r}") from None
 
 
 class StopFlag:
@@ -188,17 +140,24 @@ class LogDirLock:
 
 @dataclass
 class Cluster:
-    """The four running services.
+    """The four running services, with their replicas where ``ports`` lays out several.
+
+    Each instance (``decoder``, or ``decoder-1``, ``decoder-2``, ... when replicated; see
+    :mod:`splitvl.ports`) is started, health-checked, supervised and stopped on its own.
 
     Args:
         model: Checkpoint directory or hub id.
-        ports: Ports to use.
-        log_dir: Where each service's log goes (``<name>.log``).
+        ports: Ports to use (:meth:`Ports.from_base` with ``replicas`` for several).
+        log_dir: Where each instance's log goes (``<name>.log``).
         env: Extra environment for the children (e.g. OTEL_* settings).
         decoder_args: Extra vLLM engine arguments for the decoder, after
             ``DECODER_DEFAULT_ARGS`` (``--dtype`` there is the checkpoint's own,
             :func:`decoder_default_args`) and ``SPLITVL_DECODER_ARGS`` (so they override
             both). The encoder runs the vision tower in the checkpoint's dtype too.
+        cache_store: ``CACHE_STORE`` for every cache instance (None: the environment's,
+            else the cache's default, memory).
+        store_server: A local redis-server started before the services and stopped after
+            them; its URL is the caches' ``CACHE_STORE``.
     """
 
     model: str
@@ -208,14 +167,17 @@ class Cluster:
     decoder_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     progress: Callable[[str], None] | None = None
+    cache_store: str | None = None
+    store_server: RedisServer | None = None
     _lock: LogDirLock | None = field(default=None, repr=False)
 
     def _command(self, name: str) -> list[str]:
         port, metrics = str(self.ports.grpc[name]), str(self.ports.metrics[name])
+        service = service_of(name)
         base = [
             sys.executable,
             "-m",
-            PACKAGES[name],
+            PACKAGES[service],
             "--host",
             "127.0.0.1",
             "--port",
@@ -223,25 +185,25 @@ class Cluster:
             "--metrics-port",
             metrics,
         ]
-        if name == "gateway":
+        if service == "gateway":
             return [
                 *base,
                 "--model",
                 self.model,
                 "--encoder-address",
-                self.ports.address("encoder"),
+                self.ports.target("encoder"),
                 "--cache-address",
-                self.ports.address("cache"),
+                self.ports.target("cache"),
                 "--decoder-address",
-                self.ports.address("decoder"),
+                self.ports.target("decoder"),
                 "--http-port",
                 str(self.ports.http),
             ]
-        if name == "encoder":
+        if service == "encoder":
             # An operator's ENCODER_DTYPE wins over the checkpoint's dtype.
             dtype = None if self._env().get("ENCODER_DTYPE") else checkpoint_dtype(self.model)
             return [*base, "--model", self.model, *(("--dtype", dtype) if dtype else ())]
-        if name == "decoder":
+        if service == "decoder":
             return [
                 *base,
                 "--model",
@@ -252,21 +214,29 @@ class Cluster:
             ]
         return base
 
+    def instances(self, *services: str) -> list[str]:
+        """Instance names of ``services`` in that order (all, in layout order, if none)."""
+        return [n for s in services or SERVICES for n in self.ports.instances(s)]
+
     def start(self) -> None:
-        """Start all four (decoder first: its engine takes longest to come up).
+        """Start the store server if any, then every instance (decoders first: their
+        engines take longest to come up).
 
         Raises:
             PortInUseError: a port it would bind is taken (nothing started, no log touched).
-            LaunchConfigError: the log folder is another running instance's, or the
-                decoder arguments do not parse.
+            LaunchConfigError: the log folder is another running instance's, the
+                decoder arguments do not parse, or redis-server is not installed.
+            ServiceStartError: the store server did not start (everything stopped).
         """
         check_ports(self.ports)
         lock = LogDirLock(self.log_dir)
         lock.acquire()
         self._lock = lock
         try:
+            if self.store_server is not None:
+                self.store_server.start()
             env = self._env()
-            for name in ("decoder", "encoder", "cache", "gateway"):
+            for name in self.instances("decoder", "encoder", "cache", "gateway"):
                 self._spawn(name, env)
         except BaseException:
             self.stop()
@@ -285,12 +255,14 @@ class Cluster:
         return env
 
     def _spawn(self, name: str, env: dict[str, str], append: bool = False) -> None:
-        placement = cpu_placement(env)
+        service = service_of(name)
+        store = self.store_server.url if self.store_server is not None else self.cache_store
         child_env = {
             **env,
-            "OTEL_SERVICE_NAME": f"splitvl-{name}",
-            **placement.get(name, {}),
-            **service_env(name, env),  # SPLITVL_TLS_* / SPLITVL_INTERNAL_TOKEN per service
+            "OTEL_SERVICE_NAME": f"splitvl-{service}",
+            # Its share of the cores, and the caches' CACHE_STORE.
+            **replica_env(name, self.ports, cpu_placement(env), store),
+            **service_env(service, env),  # SPLITVL_TLS_* / SPLITVL_INTERNAL_TOKEN per service
             # The child's watchdog ends its process group when this process is gone.
             LAUNCHER_PID_ENV: str(os.getpid()),
         }
@@ -327,7 +299,7 @@ class Cluster:
         progress: Callable[[str], None] | None = None,
         stop: StopFlag | threading.Event | None = None,
     ) -> None:
-        """Block until every service's health says SERVING.
+        """Block until every instance's health says SERVING.
 
         Args:
             timeout_s: Give up after this many seconds.
@@ -342,7 +314,7 @@ class Cluster:
         start = time.monotonic()
         deadline = start + timeout_s
         next_note = start + 15
-        pending = set(SERVICES)
+        pending = set(self.instances())
         while pending:
             if stop is not None and stop.is_set():
                 raise StartInterrupted(f"interrupted while {', '.join(sorted(pending))} started")
@@ -355,12 +327,14 @@ class Cluster:
                         # argparse's exit status: its last line is the usage error itself.
                         what += f" ({tail.strip().splitlines()[-1].strip()})"
                     raise ServiceStartError(name, self.log_path(name), what, tail)
-                if health_status(self.ports.address(name), security=self.security()) == "SERVING":
+                if self.serving(name):
                     pending.discard(name)
                     if progress is not None:
                         progress(f"  {name} SERVING after {time.monotonic() - start:.1f} s")
             if pending and time.monotonic() > deadline:
-                name = "decoder" if "decoder" in pending else sorted(pending)[0]
+                name = [*(n for n in self.instances("decoder") if n in pending), *sorted(pending)][
+                    0
+                ]
                 tails = "\n".join(f"--- {n}\n{self.log_tail(n)}" for n in sorted(pending))
                 raise ServiceStartError(
                     name,
@@ -463,9 +437,10 @@ class Cluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, grace_s: float = 20.0) -> dict[str, int | None]:
-        """SIGTERM each service (gateway first) and wait; SIGKILL its group past the grace."""
+        """SIGTERM each instance (gateway first) and wait; SIGKILL its group past the grace;
+        then the store server, after the caches that use it (its code as ``redis``)."""
         codes: dict[str, int | None] = {}
-        for name in ("gateway", "decoder", "encoder", "cache"):
+        for name in self.instances("gateway", "decoder", "encoder", "cache"):
             proc = self.procs.get(name)
             if proc is None:
                 continue
@@ -483,6 +458,8 @@ class Cluster:
             proc.wait()
             codes[name] = proc.returncode
         self.procs.clear()
+        if self.store_server is not None and (code := self.store_server.stop()) is not None:
+            codes["redis"] = code
         if self._lock is not None:
             self._lock.release()
             self._lock = None
