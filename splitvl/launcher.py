@@ -260,8 +260,8 @@ class Cluster:
         child_env = {
             **env,
             "OTEL_SERVICE_NAME": f"splitvl-{service}",
-            # Its share of the cores, and the caches' CACHE_STORE.
-            **replica_env(name, self.ports, cpu_placement(env), store),
+            # Its share of the cores, the caches' CACHE_STORE (splitvl/replicas.py).
+            **replica_env(name, self.ports, cpu_placement(env), store, env),
             **service_env(service, env),  # SPLITVL_TLS_* / SPLITVL_INTERNAL_TOKEN per service
             # The child's watchdog ends its process group when this process is gone.
             LAUNCHER_PID_ENV: str(os.getpid()),

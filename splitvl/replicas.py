@@ -127,11 +127,25 @@ def decoder_cores(
 
 
 def replica_env(
-    name: str, ports: Ports, placement: Mapping[str, Mapping[str, str]], store: str | None
+    name: str,
+    ports: Ports,
+    placement: Mapping[str, Mapping[str, str]],
+    store: str | None,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """Environment one instance gets from the launcher: its service's CPU placement
-    (:func:`splitvl.launcher.cpu_placement`) with each decoder replica's own cores
-    (:func:`decoder_cores`), and ``CACHE_STORE`` for the caches when ``store`` is set."""
+    """Environment one instance gets from the launcher, beside the cluster-wide one.
+
+    * its service's CPU placement (:func:`splitvl.launcher.cpu_placement`), with each
+      decoder replica's own cores (:func:`decoder_cores`);
+    * ``CACHE_STORE`` for the caches when ``store`` is set;
+    * for the gateway, when a service it calls is replicated:
+      ``GATEWAY_CLIENT_TLS_SERVER_NAME=127.0.0.1`` unless ``env`` names one. With TLS,
+      grpc checks the certificate against the target's authority, which for an address
+      list is the list itself (``127.0.0.1:P1,127.0.0.1:P2``) and matches no certificate
+      (tried: "Hostname Verification Check failed"); one address checks ``127.0.0.1``, so
+      the list is checked against the same name. Without TLS the variable is unused.
+    """
+    env = env or {}
     service = service_of(name)
     out = dict(placement.get(service, {}))
     decoders = ports.instances("decoder")
@@ -143,6 +157,10 @@ def replica_env(
         out["VLLM_CPU_OMP_THREADS_BIND"] = format_cpu_list(cores)
     if service == "cache" and store is not None:
         out["CACHE_STORE"] = store
+    replicated = any(len(ports.instances(s)) > 1 for s in REPLICATED)
+    named = env.get("SPLITVL_TLS_SERVER_NAME") or env.get("GATEWAY_CLIENT_TLS_SERVER_NAME")
+    if service == "gateway" and replicated and not named:
+        out["GATEWAY_CLIENT_TLS_SERVER_NAME"] = "127.0.0.1"
     return out
 
 

@@ -158,6 +158,12 @@ def test_each_decoder_replica_gets_its_own_cores_where_the_host_has_them() -> No
         "CACHE_STORE": "redis://:p@h:1/0"
     }
     assert replica_env("cache-1", ports, {}, None) == {}
+    # The gateway's TLS name for address lists (see the TLS test below); a user's wins.
+    assert replica_env("gateway", ports, {}, None) == {
+        "GATEWAY_CLIENT_TLS_SERVER_NAME": "127.0.0.1"
+    }
+    assert replica_env("gateway", ports, {}, None, {"SPLITVL_TLS_SERVER_NAME": "svc"}) == {}
+    assert replica_env("gateway", Ports.from_base(50051, 0), {}, None) == {}
 
 
 def _alive(pid: int) -> bool:
@@ -254,7 +260,8 @@ class _EchoCluster(Cluster):
     def _command(self, name: str) -> list[str]:
         code = (
             "import json, os, sys, time; "
-            "print(json.dumps({'argv': sys.argv[1:], 'store': os.environ.get('CACHE_STORE')}),"
+            "e = os.environ; print(json.dumps({'argv': sys.argv[1:], 'store': e.get('CACHE_STORE'),"
+            " 'client': {k: v for k, v in e.items() if k.startswith('GATEWAY_CLIENT_')}}),"
             " flush=True); "
             f"sys.exit(3) if {name == self.failing} else time.sleep(120)"
         )
@@ -268,7 +275,9 @@ def _echo(cluster: Cluster, name: str) -> dict[str, object]:
     return json.loads(cluster.log_path(name).read_text().splitlines()[0])
 
 
-def _echo_cluster(tmp_path: Path, failing: str = "") -> _EchoCluster:
+def _echo_cluster(
+    tmp_path: Path, failing: str = "", env: dict[str, str] | None = None
+) -> _EchoCluster:
     ports = Ports.free(REPLICAS)
     cache_store, server = plan_store(
         "redis",
@@ -278,7 +287,11 @@ def _echo_cluster(tmp_path: Path, failing: str = "") -> _EchoCluster:
         avoid=[p for p, _, _ in ports.bindings()],
     )
     cluster = _EchoCluster(
-        model=str(tmp_path), ports=ports, log_dir=tmp_path / "logs", store_server=server
+        model=str(tmp_path),
+        ports=ports,
+        log_dir=tmp_path / "logs",
+        env=env or {},
+        store_server=server,
     )
     cluster.failing = failing
     assert cache_store is None and server is not None
@@ -363,6 +376,71 @@ def test_supervision_restarts_a_dead_redis_server_on_its_port_with_its_password(
         assert redis_call(server.port, ["AUTH", server.password], ["PING"]) == ["+OK", "+PONG"]
     finally:
         cluster.stop()
+
+
+def test_the_gateway_reaches_tls_replicas_through_their_address_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With SPLITVL_TLS_*, grpc checks an address list's certificate against the list
+    itself, which no certificate names; the launcher gives the gateway the name one
+    address would be checked against. Two real TLS servers on the cache replicas' ports,
+    reached with the gateway's own settings as the launcher set them."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from gateway.settings import GatewaySettings
+    from tests.test_security import make_pki
+    from vlcommon.tls import ClientSecurity, sync_channel
+
+    pki = make_pki(tmp_path / "pki")
+    env = {
+        "SPLITVL_TLS_CA_FILE": str(pki.ca),
+        "SPLITVL_TLS_CERT_FILE": str(pki.client_cert),
+        "SPLITVL_TLS_KEY_FILE": str(pki.client_key),
+    }
+    cluster = _echo_cluster(tmp_path, env=env)
+    cluster.start()
+    try:
+        client = _echo(cluster, "gateway")["client"]
+    finally:
+        cluster.stop()
+    assert isinstance(client, dict)
+    assert client["GATEWAY_CLIENT_TLS_SERVER_NAME"] == "127.0.0.1"
+    creds = grpc.ssl_server_credentials(
+        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())]
+    )
+    servers = []
+    for name in ("cache-1", "cache-2"):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        server.add_secure_port(cluster.ports.address(name), creds)
+        server.start()
+        servers.append(server)
+    try:
+        for key in [k for k in os.environ if k.startswith("GATEWAY_")]:
+            monkeypatch.delenv(key)
+        results = {}
+        for with_name in (True, False):
+            for key, value in client.items():
+                if with_name or key != "GATEWAY_CLIENT_TLS_SERVER_NAME":
+                    monkeypatch.setenv(key, value)
+                else:
+                    monkeypatch.delenv(key, raising=False)
+            security = ClientSecurity.from_settings(GatewaySettings())
+            with sync_channel(cluster.ports.target("cache"), security) as channel:
+                try:
+                    stub = health_pb2_grpc.HealthStub(channel)
+                    for _ in range(4):  # round robin: both replicas
+                        stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    results[with_name] = "OK"
+                except grpc.RpcError as err:
+                    results[with_name] = err.code().name  # type: ignore[attr-defined]
+    finally:
+        for server in servers:
+            server.stop(0)
+    assert results == {True: "OK", False: "UNAVAILABLE"}  # the name is what makes it work
 
 
 def test_the_layout_names_every_replica_its_ports_its_log_and_the_store(tmp_path: Path) -> None:
