@@ -2,6 +2,7 @@
 
 splitvl make-tiny-model DIR [--like M]   a random-weight Qwen3-VL checkpoint (tiny, or M's config)
 splitvl up [--model PATH_OR_HUB_ID] [--decoder-arg=ARG ...]
+           [--replicas decoder=2,cache=2,encoder=2 --store redis|URL]
                                       run the four services on loopback until SIGINT/SIGTERM
 splitvl generate --image FILE|URL... --video FILE|URL... --prompt TEXT [--json]   stream an answer
 splitvl demo [--json]                 start the services, ask about real photos and a video, stop
@@ -45,6 +46,9 @@ from splitvl.launcher import (
     StopFlag,
     Supervisor,
 )
+from splitvl.ports import PORT_STRIDE
+from splitvl.redis_server import DEFAULT_MAXMEMORY, memory_size
+from splitvl.replicas import layout_lines, parse_replicas, store_spec
 from splitvl.tiny_model import LIKE
 
 
@@ -70,6 +74,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop = StopFlag()  # not a threading.Event: its set() takes a lock (see StopFlag)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
+    for line in layout_lines(
+        cluster.ports, cluster.log_dir, cluster.cache_store, cluster.store_server
+    ):
+        print(line, flush=True)
     cluster.start()
     failed = False
     try:
@@ -225,54 +233,66 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_make_tiny_model)
 
-    for name, func, text in (
-        ("up", cmd_up, "run the four services"),
-        ("demo", cmd_demo, "run the demo on real photos and a video"),
-    ):
-        p = sub.add_parser(name, help=text)
-        p.add_argument(
-            "--model", help="checkpoint directory or hub id (default: tiny, built on first use)"
-        )
-        p.add_argument(
-            "--base-port",
-            type=base_port,
-            default=DEFAULT_BASE_PORT,
-            help="gateway port; encoder, cache, decoder take the next three (default %(default)s)",
-        )
-        p.add_argument(
-            "--metrics-base-port",
-            type=base_port_or_off,
-            default=DEFAULT_METRICS_BASE_PORT,
-            help="Prometheus port of the gateway, +1..+3 for the others; 0 = off "
-            "(default %(default)s)",
-        )
-        p.add_argument(
-            "--http-port",
-            type=port_or_off,
-            default=DEFAULT_HTTP_PORT,
-            help="the gateway's OpenAI-compatible HTTP front (/v1/chat/completions); 0 = off "
-            "(default %(default)s)",
-        )
-        p.add_argument(
-            "--log-dir",
-            help="the services' logs (default: $SPLITVL_HOME/logs/BASE_PORT; a folder in use "
-            "by a running instance is refused)",
-        )
-        p.add_argument(
-            "--decoder-arg",
-            action="append",
-            default=[],
-            metavar="ARG",
-            help="a vLLM engine argument for the decoder, appended after the tiny model's "
-            f"defaults ({' '.join(DECODER_DEFAULT_ARGS)}) and $SPLITVL_DECODER_ARGS, so it "
-            "overrides them (repeatable; write flags as --decoder-arg=--max-model-len=32768)",
-        )
-        p.set_defaults(func=func)
+    p = sub.add_parser("up", help="run the four services")
+    add_cluster_flags(p)
+    add_replica_flags(p)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("demo", help="run the demo on real photos and a video")
+    add_cluster_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--max-tokens", type=positive_int, default=16)
+    p.set_defaults(func=cmd_demo)
 
     add_tool_parsers(sub)
+    add_generate_parser(sub)
+    return parser
 
+
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    """The flags ``up`` and ``demo`` share: the checkpoint, ports, logs, engine arguments."""
+    p.add_argument(
+        "--model", help="checkpoint directory or hub id (default: tiny, built on first use)"
+    )
+    p.add_argument(
+        "--base-port",
+        type=base_port,
+        default=DEFAULT_BASE_PORT,
+        help="gateway port; encoder, cache, decoder take the next three, their replica r "
+        f"{PORT_STRIDE}*(r-1) above that (default %(default)s)",
+    )
+    p.add_argument(
+        "--metrics-base-port",
+        type=base_port_or_off,
+        default=DEFAULT_METRICS_BASE_PORT,
+        help="Prometheus port of the gateway, +1..+3 for the others (replicas as for "
+        "--base-port); 0 = off (default %(default)s)",
+    )
+    p.add_argument(
+        "--http-port",
+        type=port_or_off,
+        default=DEFAULT_HTTP_PORT,
+        help="the gateway's OpenAI-compatible HTTP front (/v1/chat/completions); 0 = off "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--log-dir",
+        help="the services' logs (default: $SPLITVL_HOME/logs/BASE_PORT; a folder in use "
+        "by a running instance is refused)",
+    )
+    p.add_argument(
+        "--decoder-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="a vLLM engine argument for the decoder, appended after the tiny model's "
+        f"defaults ({' '.join(DECODER_DEFAULT_ARGS)}) and $SPLITVL_DECODER_ARGS, so it "
+        "overrides them (repeatable; write flags as --decoder-arg=--max-model-len=32768)",
+    )
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``splitvl generate``: one request to a running gateway."""
     p = sub.add_parser(
         "generate",
         help="stream an answer from the gateway",
@@ -338,7 +358,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_BASE_PORT}", help="the gateway")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="deadline, seconds")
     p.set_defaults(func=cmd_generate)
-    return parser
+
+
+def add_replica_flags(p: argparse.ArgumentParser) -> None:
+    """``up``'s ``--replicas``, ``--store`` and ``--redis-maxmemory`` (splitvl/replicas.py)."""
+    p.add_argument(
+        "--replicas",
+        type=parse_replicas,
+        metavar="SERVICE=N[,...]",
+        help="run N replicas of the encoder, cache or decoder, e.g. decoder=2,cache=2,encoder=2 "
+        "(ports and logs: the layout up prints, docs/usage.md); 2+ caches need --store",
+    )
+    p.add_argument(
+        "--store",
+        type=store_spec,
+        metavar="memory|redis|URL",
+        help="the caches' store (CACHE_STORE): memory (in the cache process; the default, "
+        "unless $CACHE_STORE says otherwise), redis (a redis-server started on a free "
+        "loopback port with a random password, data and log in the log folder, stopped with "
+        "up), or a URL such as redis://:PASSWORD@HOST:6379/0 (nothing started)",
+    )
+    p.add_argument(
+        "--redis-maxmemory",
+        type=memory_size_arg,
+        metavar="SIZE",
+        help=f"maxmemory of the redis-server --store redis starts, evicted LRU (allkeys-lru); "
+        f"redis units: 512mb, 2gb (default {DEFAULT_MAXMEMORY})",
+    )
+
+
+def memory_size_arg(text: str) -> str:
+    """argparse type for ``--redis-maxmemory``."""
+    try:
+        return memory_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 #: Entry-point group through which the tools (``splitvl_tools``: bench, cache-eval, ...)

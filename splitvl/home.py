@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from splitvl.launcher import Cluster, Ports, check_ports, split_args
+from splitvl.replicas import plan_store
 
 
 def splitvl_home() -> Path:
@@ -33,21 +34,34 @@ def default_model() -> str:
 
 
 def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    """The cluster ``splitvl up``/``demo`` flags describe (not started).
+    """The cluster ``splitvl up``/``demo`` flags describe (not started), with ``up``'s
+    ``--replicas`` and ``--store`` (splitvl/replicas.py).
 
     Raises:
         PortInUseError: a port it would bind is taken (checked before the default
             checkpoint is built).
+        LaunchConfigError: replicas past port 65535, several caches without a shared
+            store, or ``--store redis`` without redis-server.
     """
-
-    ports = Ports.from_base(args.base_port, args.metrics_base_port, args.http_port)
+    replicas = getattr(args, "replicas", None) or {}
+    ports = Ports.from_base(args.base_port, args.metrics_base_port, args.http_port, replicas)
+    # One log folder per base port by default, so instances on other ports keep theirs.
+    log_dir = Path(args.log_dir or splitvl_home() / "logs" / str(args.base_port))
+    cache_store, server = plan_store(
+        getattr(args, "store", None),
+        os.environ,
+        replicas,
+        log_dir / "redis",
+        maxmemory=getattr(args, "redis_maxmemory", None),
+        avoid=[port for port, _, _ in ports.bindings()],
+    )
     check_ports(ports)  # before building a checkpoint: a second `up` refuses at once
     model = args.model or default_model()
-    # One log folder per base port by default, so instances on other ports keep theirs.
-    log_dir = args.log_dir or splitvl_home() / "logs" / str(args.base_port)
     return Cluster(
         model=model,
         ports=ports,
-        log_dir=Path(log_dir),
+        log_dir=log_dir,
         decoder_args=[a for arg in args.decoder_arg for a in split_args(arg, "--decoder-arg")],
+        cache_store=cache_store,
+        store_server=server,
     )

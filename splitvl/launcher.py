@@ -1,9 +1,11 @@
 """Start, watch, restart and stop the four services as child processes on loopback.
 
-Each service runs as ``python -m <package>`` in its own process group (so a terminal's
-Ctrl-C reaches only the launcher, which then stops the services in order: gateway first,
-so no new work arrives, then decoder, encoder and cache). Each is waited on through its
-grpc.health.v1 ``Check``; logs go to one file per service.
+Each service instance (one per service, or several replicas of the encoder, cache and
+decoder: :mod:`splitvl.replicas`) runs as ``python -m <package>`` in its own process group
+(so a terminal's Ctrl-C reaches only the launcher, which then stops them in order: gateway
+first, so no new work arrives, then decoders, encoders and caches, then a local store
+server if it started one). Each is waited on through its grpc.health.v1 ``Check``; logs
+go to one file per instance.
 
 Before anything starts, every port the cluster will bind is checked (:func:`check_ports`)
 and the log folder is locked (:class:`LogDirLock`), so a second launcher never reports
@@ -11,19 +13,18 @@ another instance's services or overwrites its logs. Each child gets
 ``SPLITVL_LAUNCHER_PID``: its parent-death watchdog (:mod:`vlcommon.lifeline`) ends the
 service and its vLLM processes when the launcher dies, however it dies.
 :class:`Supervisor` restarts a service that exits unexpectedly, with backoff.
+
+The port layout and its checks are in :mod:`splitvl.ports`, supervision in
+:mod:`splitvl.supervisor`, the launch errors in :mod:`splitvl.errors`, the services'
+checkpoint-derived arguments in :mod:`splitvl.engine_args` (all re-exported here).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import fcntl
 import os
-import random
-import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,210 +36,39 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+# Re-exported (``X as X``): the tests and the tools import these from here; they live in
+# engine_args, errors, ports and supervisor so that this module holds the cluster itself.
+from splitvl.engine_args import DECODER_DEFAULT_ARGS as DECODER_DEFAULT_ARGS
+from splitvl.engine_args import SERVED_DTYPES as SERVED_DTYPES
+from splitvl.engine_args import checkpoint_dtype as checkpoint_dtype
+from splitvl.engine_args import decoder_default_args as decoder_default_args
+from splitvl.engine_args import split_args as split_args
+from splitvl.errors import LaunchConfigError as LaunchConfigError
+from splitvl.errors import PortInUseError as PortInUseError
+from splitvl.errors import ServiceStartError as ServiceStartError
+from splitvl.errors import StartInterrupted as StartInterrupted
+from splitvl.ports import PACKAGES as PACKAGES
+from splitvl.ports import SERVICES as SERVICES
+from splitvl.ports import Ports as Ports
+from splitvl.ports import check_ports as check_ports
+from splitvl.ports import ephemeral_range as ephemeral_range
+from splitvl.ports import free_base as free_base
+from splitvl.ports import free_port as free_port
+from splitvl.ports import free_ports as free_ports
+from splitvl.ports import port_owner as port_owner
+from splitvl.ports import service_of
+from splitvl.redis_server import RedisServer
+from splitvl.replicas import replica_env
+from splitvl.supervisor import Supervisor as Supervisor
 from vlcommon.cpus import available_cpus, format_cpu_list, split_cpus
 from vlcommon.lifeline import LAUNCHER_PID_ENV
 from vlcommon.settings import channel_options
 from vlcommon.tls import ClientSecurity, aio_channel, sync_channel
 
-SERVICES = ("gateway", "encoder", "cache", "decoder")
-PACKAGES = {
-    "gateway": "gateway",
-    "encoder": "encoder_service",
-    "cache": "cache_service",
-    "decoder": "decoder_service",
-}
 DEFAULT_BASE_PORT = 50051
 DEFAULT_METRICS_BASE_PORT = 9401
 #: The gateway's OpenAI-compatible HTTP front (``vllm serve``'s default port).
 DEFAULT_HTTP_PORT = 8000
-# The tiny checkpoint's engine settings; a real model overrides them with
-# ``splitvl up --decoder-arg`` or ``SPLITVL_DECODER_ARGS`` (vLLM's argparse keeps the last
-# value of a repeated flag, so appended arguments win).
-DECODER_DEFAULT_ARGS = ("--dtype", "float32", "--max-model-len", "4096", "--seed", "0")
-#: Checkpoint dtypes (``config.json``) that the encoder and vLLM both run as given.
-SERVED_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def checkpoint_dtype(model: str) -> str | None:
-    """The dtype a checkpoint was saved in, from its ``config.json``; None if unknown.
-
-    transformers 5 writes ``dtype``, 4.x wrote ``torch_dtype`` (and Qwen3-VL's published
-    configs put it in ``text_config`` too). Only a local directory is read: a hub id
-    is not resolved here (that may download), so it keeps ``DECODER_DEFAULT_ARGS``.
-    """
-    import json
-
-    path = Path(model).expanduser() / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config") or {}
-    for value in (
-        config.get("dtype"),
-        config.get("torch_dtype"),
-        text.get("dtype"),
-        text.get("torch_dtype"),
-    ):
-        if isinstance(value, str) and value in SERVED_DTYPES:
-            return value
-    return None
-
-
-def decoder_default_args(model: str) -> tuple[str, ...]:
-    """``DECODER_DEFAULT_ARGS`` with ``--dtype`` set to the checkpoint's own dtype.
-
-    The defaults say float32 because the tiny checkpoint's equality tests need it (and it
-    is saved in float32); a bf16 checkpoint (``make-tiny-model --like``) is served in bf16,
-    as ``vllm serve`` would (its ``--dtype auto`` takes the config's dtype).
-    """
-    dtype = checkpoint_dtype(model)
-    args = list(DECODER_DEFAULT_ARGS)
-    if dtype is not None:
-        args[args.index("--dtype") + 1] = dtype
-    return tuple(args)
-
-
-class ServiceStartError(RuntimeError):
-    """A service exited or did not become SERVING; ``summary`` is one line for a user.
-
-    Attributes:
-        service: The service's name (``gateway``, ``encoder``, ``cache``, ``decoder``).
-        log_path: Its log file.
-        summary: One line naming the service, what happened and the log file.
-    """
-
-    def __init__(self, service: str, log_path: Path, what: str, tail: str) -> None:
-        self.service = service
-        self.log_path = log_path
-        self.summary = f"{service} {what}; see its log: {log_path}"
-        super().__init__(f"{service} {what}:\n{tail}")
-
-
-class StartInterrupted(RuntimeError):
-    """A signal (Ctrl-C) arrived while the services were starting."""
-
-
-class LaunchConfigError(ValueError):
-    """The launch configuration itself is wrong (nothing was started); one line for a user."""
-
-
-def split_args(text: str, source: str) -> list[str]:
-    """Shell words of a decoder-argument string (``shlex.split``).
-
-    Raises:
-        LaunchConfigError: unbalanced quotes or a trailing escape, naming ``source``.
-    """
-    try:
-        return shlex.split(text)
-    except ValueError as err:
-        raise LaunchConfigError(f"{source}: {err} in {text!r}") from None
-
-
-# Linux's default ip_local_port_range; macOS and Windows use 49152-65535 (IANA's range).
-_DEFAULT_EPHEMERAL = (32768, 60999)
-# Chosen ports come from here: above the registered well-known services, below every
-# common ephemeral range.
-_CHOSEN_LOW = 20000
-
-
-def ephemeral_range() -> tuple[int, int]:
-    """The host's ephemeral port range ``(low, high)``, inclusive: the ports the kernel
-    gives to outgoing connections (``/proc/sys/net/ipv4/ip_local_port_range``; Linux's
-    default where it cannot be read)."""
-    try:
-        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return _DEFAULT_EPHEMERAL
-
-
-def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
-    """``n`` distinct free loopback ports, all held open while chosen (one ``free_port``
-    after another could hand out the same port twice); ``consecutive``: ``n`` ports in a
-    row, as ``--base-port`` binds them.
-
-    The ports lie below the host's ephemeral range. A port the OS picks (``bind(0)``) is
-    in that range, so any outgoing connection on the host may take it as its local port
-    between the choice and the service's bind, or hold it after a service stopped; that
-    is what made a CI run's ``check_ports`` fail with no listener in sight.
-
-    Raises:
-        RuntimeError: no such ports were found in 1,000 tries.
-    """
-    low = _CHOSEN_LOW
-    high = min(ephemeral_range()[0], 49152) - n  # last first port whose run fits below
-    if high <= low:  # an unusual range that starts low: take what the OS gives
-        low, high = 1024, 65535 - n
-    rng = random.SystemRandom()
-    for _ in range(1000):
-        wanted = (
-            list(range(start := rng.randint(low, high), start + n))
-            if consecutive
-            else sorted(set(rng.randint(low, high) for _ in range(n)))
-        )
-        if len(wanted) != n:
-            continue
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in wanted:
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return wanted
-    raise RuntimeError(f"no {n} free loopback ports found between {low} and {high + n}")
-
-
-def free_port() -> int:
-    """One free loopback port below the ephemeral range (see :func:`free_ports`)."""
-    return free_ports(1)[0]
-
-
-def free_base(span: int = 30) -> int:
-    """A ``--base-port`` for a whole instance: ``span`` consecutive free ports from it,
-    enough for ``Ports.from_base(base, base + 10, base + 20)`` and its HTTP port."""
-    return free_ports(span, consecutive=True)[0]
-
-
-@dataclass
-class Ports:
-    """gRPC and Prometheus ports of the four services, and the gateway's HTTP port
-    (OpenAI-compatible front; 0 = off)."""
-
-    grpc: dict[str, int]
-    metrics: dict[str, int]
-    http: int = 0
-
-    @classmethod
-    def from_base(cls, base: int, metrics_base: int, http: int = 0) -> Ports:
-        return cls(
-            grpc={name: base + i for i, name in enumerate(SERVICES)},
-            metrics={
-                name: (metrics_base + i if metrics_base else 0) for i, name in enumerate(SERVICES)
-            },
-            http=http,
-        )
-
-    @classmethod
-    def free(cls) -> Ports:
-        ports = free_ports(2 * len(SERVICES) + 1)
-        return cls(
-            grpc=dict(zip(SERVICES, ports[: len(SERVICES)], strict=True)),
-            metrics=dict(zip(SERVICES, ports[len(SERVICES) : 2 * len(SERVICES)], strict=True)),
-            http=ports[-1],
-        )
-
-    def address(self, name: str) -> str:
-        return f"127.0.0.1:{self.grpc[name]}"
-
-    def bindings(self) -> list[tuple[int, str, str]]:
-        """Every port the cluster binds: ``(port, what, the flag that moves it)``."""
-        out = [(p, f"{n} gRPC", "--base-port") for n, p in self.grpc.items()]
-        out += [(p, f"{n} metrics", "--metrics-base-port") for n, p in self.metrics.items() if p]
-        if self.http:
-            out.append((self.http, "gateway OpenAI-compatible HTTP", "--http-port"))
-        return out
 
 
 class StopFlag:
@@ -266,94 +96,6 @@ class StopFlag:
         while not self._set and (left := deadline - time.monotonic()) > 0:
             time.sleep(min(step, left))
         return self._set
-
-
-class PortInUseError(LaunchConfigError):
-    """A port the cluster needs is taken; nothing was started.
-
-    Attributes:
-        port: The first busy port.
-    """
-
-    def __init__(self, port: int, message: str) -> None:
-        self.port = port
-        super().__init__(message)
-
-
-def _port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        # grpc and prometheus bind with SO_REUSEADDR: a port left in TIME_WAIT by a stopped
-        # instance is free for them, so it must count as free here too.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as err:
-            if err.errno in (errno.EADDRINUSE, errno.EACCES):
-                return False
-            raise
-    return True
-
-
-def port_owner(port: int) -> str:
-    """Who holds ``port``, as far as this user may see: ``"another splitvl (pid N:
-    python -m gateway)"``, ``"pid N (cmd)"``, ``"a connection, not a listener (...)"``
-    when only a connection uses it as its local port, or ``""`` when it cannot be told."""
-    import psutil
-
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.AccessDenied, OSError):
-        return ""
-    mine = [c for c in conns if c.laddr and c.laddr.port == port]
-    for conn in mine:
-        if conn.status == psutil.CONN_LISTEN:
-            if conn.pid is None:
-                return ""
-            try:
-                cmdline = psutil.Process(conn.pid).cmdline()
-            except psutil.Error:
-                return f"pid {conn.pid}"
-            words = [os.path.basename(w) if i == 0 else w for i, w in enumerate(cmdline)]
-            shown = shlex.join(words[:3])
-            ours = any(w in PACKAGES.values() or w.startswith("splitvl") for w in cmdline[1:4])
-            return f"{'another splitvl ' if ours else ''}(pid {conn.pid}: {shown})"
-    if mine:
-        # No listener: the local end of a connection. The kernel hands the ephemeral range
-        # to outgoing connections, so a port in it can be taken by any client on the host.
-        low, high = ephemeral_range()
-        hint = (
-            f"; this host gives ports {low}-{high} to outgoing connections, "
-            f"a port below {low} avoids that"
-            if low <= port <= high
-            else ""
-        )
-        return f"a connection, not a listener ({mine[0].status}{hint})"
-    return ""
-
-
-def check_ports(ports: Ports) -> None:
-    """Refuse to start when any port the cluster would bind is taken.
-
-    Raises:
-        PortInUseError: one line naming the port, its role, who holds it where that can
-            be told, and the flag that moves it.
-    """
-    seen: dict[int, str] = {}
-    for port, what, flag in ports.bindings():
-        if port in seen:
-            raise PortInUseError(
-                port, f"port {port} is given to both {seen[port]} and {what}; move one with {flag}"
-            )
-        seen[port] = what
-        if not _port_free(port):
-            owner = port_owner(port)
-            held = f" by {owner}" if owner else ""
-            off = " (0 turns it off)" if flag in ("--metrics-base-port", "--http-port") else ""
-            raise PortInUseError(
-                port,
-                f"port {port} ({what}) is already in use{held}; stop that or move this "
-                f"instance with {flag}{off}",
-            )
 
 
 class LogDirLock:
@@ -398,17 +140,24 @@ class LogDirLock:
 
 @dataclass
 class Cluster:
-    """The four running services.
+    """The four running services, with their replicas where ``ports`` lays out several.
+
+    Each instance (``decoder``, or ``decoder-1``, ``decoder-2``, ... when replicated; see
+    :mod:`splitvl.ports`) is started, health-checked, supervised and stopped on its own.
 
     Args:
         model: Checkpoint directory or hub id.
-        ports: Ports to use.
-        log_dir: Where each service's log goes (``<name>.log``).
+        ports: Ports to use (:meth:`Ports.from_base` with ``replicas`` for several).
+        log_dir: Where each instance's log goes (``<name>.log``).
         env: Extra environment for the children (e.g. OTEL_* settings).
         decoder_args: Extra vLLM engine arguments for the decoder, after
             ``DECODER_DEFAULT_ARGS`` (``--dtype`` there is the checkpoint's own,
             :func:`decoder_default_args`) and ``SPLITVL_DECODER_ARGS`` (so they override
             both). The encoder runs the vision tower in the checkpoint's dtype too.
+        cache_store: ``CACHE_STORE`` for every cache instance (None: the environment's,
+            else the cache's default, memory).
+        store_server: A local redis-server started before the services and stopped after
+            them; its URL is the caches' ``CACHE_STORE``.
     """
 
     model: str
@@ -418,14 +167,17 @@ class Cluster:
     decoder_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     progress: Callable[[str], None] | None = None
+    cache_store: str | None = None
+    store_server: RedisServer | None = None
     _lock: LogDirLock | None = field(default=None, repr=False)
 
     def _command(self, name: str) -> list[str]:
         port, metrics = str(self.ports.grpc[name]), str(self.ports.metrics[name])
+        service = service_of(name)
         base = [
             sys.executable,
             "-m",
-            PACKAGES[name],
+            PACKAGES[service],
             "--host",
             "127.0.0.1",
             "--port",
@@ -433,25 +185,25 @@ class Cluster:
             "--metrics-port",
             metrics,
         ]
-        if name == "gateway":
+        if service == "gateway":
             return [
                 *base,
                 "--model",
                 self.model,
                 "--encoder-address",
-                self.ports.address("encoder"),
+                self.ports.target("encoder"),
                 "--cache-address",
-                self.ports.address("cache"),
+                self.ports.target("cache"),
                 "--decoder-address",
-                self.ports.address("decoder"),
+                self.ports.target("decoder"),
                 "--http-port",
                 str(self.ports.http),
             ]
-        if name == "encoder":
+        if service == "encoder":
             # An operator's ENCODER_DTYPE wins over the checkpoint's dtype.
             dtype = None if self._env().get("ENCODER_DTYPE") else checkpoint_dtype(self.model)
             return [*base, "--model", self.model, *(("--dtype", dtype) if dtype else ())]
-        if name == "decoder":
+        if service == "decoder":
             return [
                 *base,
                 "--model",
@@ -462,21 +214,29 @@ class Cluster:
             ]
         return base
 
+    def instances(self, *services: str) -> list[str]:
+        """Instance names of ``services`` in that order (all, in layout order, if none)."""
+        return [n for s in services or SERVICES for n in self.ports.instances(s)]
+
     def start(self) -> None:
-        """Start all four (decoder first: its engine takes longest to come up).
+        """Start the store server if any, then every instance (decoders first: their
+        engines take longest to come up).
 
         Raises:
             PortInUseError: a port it would bind is taken (nothing started, no log touched).
-            LaunchConfigError: the log folder is another running instance's, or the
-                decoder arguments do not parse.
+            LaunchConfigError: the log folder is another running instance's, the
+                decoder arguments do not parse, or redis-server is not installed.
+            ServiceStartError: the store server did not start (everything stopped).
         """
         check_ports(self.ports)
         lock = LogDirLock(self.log_dir)
         lock.acquire()
         self._lock = lock
         try:
+            if self.store_server is not None:
+                self.store_server.start()
             env = self._env()
-            for name in ("decoder", "encoder", "cache", "gateway"):
+            for name in self.instances("decoder", "encoder", "cache", "gateway"):
                 self._spawn(name, env)
         except BaseException:
             self.stop()
@@ -495,12 +255,14 @@ class Cluster:
         return env
 
     def _spawn(self, name: str, env: dict[str, str], append: bool = False) -> None:
-        placement = cpu_placement(env)
+        service = service_of(name)
+        store = self.store_server.url if self.store_server is not None else self.cache_store
         child_env = {
             **env,
-            "OTEL_SERVICE_NAME": f"splitvl-{name}",
-            **placement.get(name, {}),
-            **service_env(name, env),  # SPLITVL_TLS_* / SPLITVL_INTERNAL_TOKEN per service
+            "OTEL_SERVICE_NAME": f"splitvl-{service}",
+            # Its share of the cores, the caches' CACHE_STORE (splitvl/replicas.py).
+            **replica_env(name, self.ports, cpu_placement(env), store, env),
+            **service_env(service, env),  # SPLITVL_TLS_* / SPLITVL_INTERNAL_TOKEN per service
             # The child's watchdog ends its process group when this process is gone.
             LAUNCHER_PID_ENV: str(os.getpid()),
         }
@@ -537,7 +299,7 @@ class Cluster:
         progress: Callable[[str], None] | None = None,
         stop: StopFlag | threading.Event | None = None,
     ) -> None:
-        """Block until every service's health says SERVING.
+        """Block until every instance's health says SERVING.
 
         Args:
             timeout_s: Give up after this many seconds.
@@ -552,7 +314,7 @@ class Cluster:
         start = time.monotonic()
         deadline = start + timeout_s
         next_note = start + 15
-        pending = set(SERVICES)
+        pending = set(self.instances())
         while pending:
             if stop is not None and stop.is_set():
                 raise StartInterrupted(f"interrupted while {', '.join(sorted(pending))} started")
@@ -565,12 +327,14 @@ class Cluster:
                         # argparse's exit status: its last line is the usage error itself.
                         what += f" ({tail.strip().splitlines()[-1].strip()})"
                     raise ServiceStartError(name, self.log_path(name), what, tail)
-                if health_status(self.ports.address(name), security=self.security()) == "SERVING":
+                if self.serving(name):
                     pending.discard(name)
                     if progress is not None:
                         progress(f"  {name} SERVING after {time.monotonic() - start:.1f} s")
             if pending and time.monotonic() > deadline:
-                name = "decoder" if "decoder" in pending else sorted(pending)[0]
+                name = [*(n for n in self.instances("decoder") if n in pending), *sorted(pending)][
+                    0
+                ]
                 tails = "\n".join(f"--- {n}\n{self.log_tail(n)}" for n in sorted(pending))
                 raise ServiceStartError(
                     name,
@@ -645,6 +409,11 @@ class Cluster:
                 )
             time.sleep(0.2)
 
+    def serving(self, name: str, timeout_s: float = 1.0) -> bool:
+        """Whether one service's health says SERVING now."""
+        address = self.ports.address(name)
+        return health_status(address, timeout_s=timeout_s, security=self.security()) == "SERVING"
+
     def security(self) -> ClientSecurity:
         """How the launcher itself reaches the services (TLS roots, client certificate)."""
         return ClientSecurity.from_env(self._env())
@@ -668,9 +437,10 @@ class Cluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, grace_s: float = 20.0) -> dict[str, int | None]:
-        """SIGTERM each service (gateway first) and wait; SIGKILL its group past the grace."""
+        """SIGTERM each instance (gateway first) and wait; SIGKILL its group past the grace;
+        then the store server, after the caches that use it (its code as ``redis``)."""
         codes: dict[str, int | None] = {}
-        for name in ("gateway", "decoder", "encoder", "cache"):
+        for name in self.instances("gateway", "decoder", "encoder", "cache"):
             proc = self.procs.get(name)
             if proc is None:
                 continue
@@ -688,6 +458,8 @@ class Cluster:
             proc.wait()
             codes[name] = proc.returncode
         self.procs.clear()
+        if self.store_server is not None and (code := self.store_server.stop()) is not None:
+            codes["redis"] = code
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -758,84 +530,6 @@ def health_status(
         except grpc.RpcError:
             return "UNREACHABLE"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
-
-
-@dataclass
-class Supervisor:
-    """Restarts a service of a running :class:`Cluster` that exits unexpectedly.
-
-    A service that exits is restarted on its ports after a backoff that doubles from
-    ``backoff_s`` up to ``max_backoff_s`` (its leftover process group, such as vLLM's
-    engine core, is killed first); the others are left running. When one service has
-    exited ``max_failures`` times within ``window_s`` seconds, :meth:`poll` reports it
-    and the caller stops the cluster. Call :meth:`poll` about once a second.
-
-    Args:
-        cluster: The started cluster.
-        say: Where the one-line notices go (``splitvl up``: stderr).
-        max_failures: Exits within ``window_s`` that end supervision.
-        window_s: The window, seconds.
-        backoff_s: First restart delay, seconds.
-        max_backoff_s: Longest restart delay, seconds.
-    """
-
-    cluster: Cluster
-    say: Callable[[str], None]
-    max_failures: int = 5
-    window_s: float = 300.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    failures: dict[str, list[float]] = field(default_factory=dict)
-    restarts: dict[str, int] = field(default_factory=dict)
-    _due: dict[str, float] = field(default_factory=dict)
-    _restarted_at: dict[str, float] = field(default_factory=dict)
-
-    def poll(self) -> str | None:
-        """Check every service once; returns a one-line reason to stop everything, or None."""
-        now = time.monotonic()
-        for name in SERVICES:
-            if name in self._due:
-                if now >= self._due[name]:
-                    del self._due[name]
-                    self._respawn(name)
-                continue
-            proc = self.cluster.procs.get(name)
-            if proc is None:
-                continue
-            code = proc.poll()
-            if code is None:
-                if name in self._restarted_at and self._serving(name):
-                    took = now - self._restarted_at.pop(name)
-                    self.say(f"splitvl: {name} is SERVING again ({took:.1f} s after its restart)")
-                continue
-            self._restarted_at.pop(name, None)
-            times = [t for t in self.failures.get(name, []) if now - t <= self.window_s]
-            times.append(now)
-            self.failures[name] = times
-            log = self.cluster.log_path(name)
-            if len(times) >= self.max_failures:
-                return (
-                    f"{name} exited with code {code}, {len(times)} times in "
-                    f"{self.window_s:.0f} s; stopping all services; see its log: {log}"
-                )
-            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (len(times) - 1))
-            self.say(
-                f"splitvl: {name} exited with code {code}; restarting it in {delay:.0f} s "
-                f"(exit {len(times)} of at most {self.max_failures - 1} in "
-                f"{self.window_s:.0f} s); see its log: {log}"
-            )
-            self.cluster.reap(name)
-            self._due[name] = now + delay
-        return None
-
-    def _respawn(self, name: str) -> None:
-        self.restarts[name] = self.restarts.get(name, 0) + 1
-        self.cluster.respawn(name)
-        self._restarted_at[name] = time.monotonic()
-
-    def _serving(self, name: str) -> bool:
-        address = self.cluster.ports.address(name)
-        return health_status(address, timeout_s=0.5, security=self.cluster.security()) == "SERVING"
 
 
 SERVICE_ENV_PREFIXES = {

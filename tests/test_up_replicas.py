@@ -1,0 +1,565 @@
+"""``splitvl up --replicas ... --store redis``: the port layout, what the gateway and the
+caches are given, the refusal of unshared caches, and the local redis-server's life, on
+real processes and a real redis-server (Debian's ``redis-server``, installed by
+``make install``); the last test runs ``up`` itself with two decoders and two caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from splitvl.cli import main
+from splitvl.errors import LaunchConfigError, ServiceStartError
+from splitvl.launcher import Cluster, Ports, Supervisor, free_base, health_status
+from splitvl.redis_server import RedisServer, redis_call
+from splitvl.replicas import (
+    decoder_cores,
+    layout_lines,
+    parse_replicas,
+    plan_store,
+    replica_env,
+)
+
+REPLICAS = {"decoder": 2, "cache": 2, "encoder": 2}
+
+
+def test_replicas_take_ports_ten_apart_from_their_first_and_services_run_once_keep_theirs() -> None:
+    ports = Ports.from_base(50051, 9401, 8000, REPLICAS)
+    assert ports.grpc == {
+        "gateway": 50051,
+        "encoder-1": 50052,
+        "encoder-2": 50062,
+        "cache-1": 50053,
+        "cache-2": 50063,
+        "decoder-1": 50054,
+        "decoder-2": 50064,
+    }
+    assert ports.metrics == {
+        "gateway": 9401,
+        "encoder-1": 9402,
+        "encoder-2": 9412,
+        "cache-1": 9403,
+        "cache-2": 9413,
+        "decoder-1": 9404,
+        "decoder-2": 9414,
+    }
+    assert ports.http == 8000
+    # Without --replicas: the four names and ports of before.
+    assert (
+        Ports.from_base(50051, 0, 0, {}).grpc
+        == Ports.from_base(50051, 0).grpc
+        == {
+            "gateway": 50051,
+            "encoder": 50052,
+            "cache": 50053,
+            "decoder": 50054,
+        }
+    )
+    assert Ports.from_base(50051, 0, 0, {"decoder": 3}).grpc["decoder-3"] == 50074
+    assert set(Ports.from_base(50051, 0, 0, {"decoder": 3}).metrics.values()) == {0}
+    with pytest.raises(LaunchConfigError, match="decoder-3 would listen on port 65543, past"):
+        Ports.from_base(65520, 0, 0, {"decoder": 3})
+
+
+def test_the_gateway_gets_each_replicated_service_as_an_ipv4_address_list() -> None:
+    cluster = Cluster(
+        model="/nonexistent",
+        ports=Ports.from_base(50051, 0, 0, {"decoder": 2, "cache": 2}),
+        log_dir=Path("/nonexistent"),
+    )
+    command = cluster._command("gateway")
+    flags = dict(zip(command[3::2], command[4::2], strict=False))
+    assert flags["--encoder-address"] == "127.0.0.1:50052"
+    assert flags["--cache-address"] == "ipv4:127.0.0.1:50053,127.0.0.1:50063"
+    assert flags["--decoder-address"] == "ipv4:127.0.0.1:50054,127.0.0.1:50064"
+    decoder2 = cluster._command("decoder-2")
+    assert decoder2[1:3] == ["-m", "decoder_service"]
+    assert decoder2[decoder2.index("--port") + 1] == "50064"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (
+            "gateway=2",
+            "the gateway runs once, on --base-port (encoder, cache and decoder take replicas)",
+        ),
+        ("vit=2", "'vit' is not a service that takes replicas (encoder, cache, decoder)"),
+        ("decoder=2,decoder=3", "decoder is given twice"),
+        ("decoder=0", "decoder=0: at least 1"),
+        ("decoder=two", "decoder=two: not an integer"),
+        ("decoder", "'decoder' is not SERVICE=COUNT"),
+    ],
+)
+def test_replicas_flag_errors_name_what_is_wrong(text: str, error: str) -> None:
+    assert parse_replicas(" decoder=2 , cache=2,encoder=1 ") == {
+        "decoder": 2,
+        "cache": 2,
+        "encoder": 1,
+    }
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        parse_replicas(text)
+    assert str(err.value) == error
+
+
+def test_two_caches_without_a_shared_store_are_refused_saying_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    why = (
+        "--replicas cache=2 needs a shared store: with --store memory (the default) each "
+        "cache replica keeps its own entries, so a repeat that reaches another replica "
+        "misses and is encoded again; add --store redis (a local redis-server) or "
+        "--store redis://HOST:PORT/DB"
+    )
+    for store in (None, "memory"):
+        with pytest.raises(LaunchConfigError) as err:
+            plan_store(store, {}, {"cache": 2}, tmp_path)
+        assert str(err.value) == why
+    # Through the command: exit status 2, one line, nothing started (no log folder).
+    argv = ["up", "--replicas", "cache=2", "--base-port", str(free_base())]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--log-dir", str(tmp_path / "logs")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"splitvl up: error: {why}\n"
+    assert not (tmp_path / "logs").exists()
+    # A URL, here or in $CACHE_STORE, is shared: accepted, nothing to start.
+    url = "redis://:pw@10.0.0.5:6379/0"
+    assert plan_store(url, {}, {"cache": 2}, tmp_path) == (url, None)
+    assert plan_store(None, {"CACHE_STORE": url}, {"cache": 2}, tmp_path) == (None, None)
+    assert plan_store(None, {}, {"decoder": 2}, tmp_path) == (None, None)
+
+
+def test_each_decoder_replica_gets_its_own_cores_where_the_host_has_them() -> None:
+    assert decoder_cores([0], [0, 1], 2) == [[0], [1]]  # 2 cores: one each
+    assert decoder_cores([0, 1, 2], [0, 1, 2, 3], 3) == [[0], [1], [2]]
+    assert decoder_cores([0, 1, 2, 3, 4], range(8), 2) == [[0, 1, 2], [3, 4]]
+    assert decoder_cores([0], [0, 1], 3) == [[0], [1], [0]]
+    ports = Ports.from_base(50051, 0, 0, {"decoder": 2, "cache": 2})
+    placement = {
+        "decoder": {"VLLM_CPU_OMP_THREADS_BIND": "0"},
+        "encoder": {"ENCODER_CPUS": "1", "ENCODER_NICE": "5"},
+    }
+    assert replica_env("decoder-2", ports, placement, None) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert replica_env("encoder", ports, placement, "x") == placement["encoder"]
+    assert replica_env("cache-2", ports, placement, "redis://:p@h:1/0") == {
+        "CACHE_STORE": "redis://:p@h:1/0"
+    }
+    assert replica_env("cache-1", ports, {}, None) == {}
+    # The gateway's TLS name for address lists (see the TLS test below); a user's wins.
+    assert replica_env("gateway", ports, {}, None) == {
+        "GATEWAY_CLIENT_TLS_SERVER_NAME": "127.0.0.1"
+    }
+    assert replica_env("gateway", ports, {}, None, {"SPLITVL_TLS_SERVER_NAME": "svc"}) == {}
+    assert replica_env("gateway", Ports.from_base(50051, 0), {}, None) == {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_the_local_redis_server_needs_its_password_and_leaves_nothing_when_stopped(
+    tmp_path: Path,
+) -> None:
+    server = RedisServer.create(tmp_path / "redis", maxmemory="64mb", avoid=[50051])
+    server.start()
+    assert server.proc is not None
+    pid = server.proc.pid
+    try:
+        assert redis_call(server.port, ["AUTH", server.password], ["PING"]) == ["+OK", "+PONG"]
+        assert redis_call(server.port, ["PING"]) == ["-NOAUTH Authentication required."]
+        assert redis_call(server.port, ["AUTH", "wrong"])[0].startswith("-WRONGPASS")
+        replies = redis_call(
+            server.port,
+            ["AUTH", server.password],
+            ["CONFIG", "GET", "maxmemory"],
+            ["CONFIG", "GET", "maxmemory-policy"],
+            ["CONFIG", "GET", "bind"],
+            ["CONFIG", "GET", "save"],
+            ["CONFIG", "GET", "appendonly"],
+        )
+        assert replies[1:] == [
+            ["maxmemory", str(64 * 2**20)],
+            ["maxmemory-policy", "allkeys-lru"],
+            ["bind", "127.0.0.1"],
+            ["save", ""],
+            ["appendonly", "no"],
+        ]
+        # The password is in 0600 files, never on the command line (ps shows those).
+        assert server.password not in " ".join(psutil.Process(pid).cmdline())
+        for name in ("redis.conf", "url"):
+            assert (tmp_path / "redis" / name).stat().st_mode & 0o777 == 0o600
+        assert (tmp_path / "redis" / "url").read_text() == (
+            f"redis://:{server.password}@127.0.0.1:{server.port}/0\n"
+        )
+        assert len(server.password) >= 40 and server.port != 50051
+    finally:
+        code = server.stop()
+    assert code == 0  # SIGTERM: redis's own clean shutdown
+    assert not _alive(pid) and _refused(server.port)
+    assert "ready to accept connections" in (tmp_path / "redis" / "redis.log").read_text().lower()
+    assert server.stop() is None  # idempotent
+
+
+def test_the_redis_server_ends_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    """``up`` killed -9 runs no ``finally``: the server's parent-death signal ends it."""
+    code = textwrap.dedent(
+        f"""
+        import time
+        from pathlib import Path
+        from splitvl.redis_server import RedisServer
+        server = RedisServer.create(Path({str(tmp_path / "redis")!r}))
+        server.start()
+        print(server.proc.pid, server.port, flush=True)
+        time.sleep(60)
+        """
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert launcher.stdout is not None
+    pid, port = (int(x) for x in launcher.stdout.readline().split())
+    assert _alive(pid)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid) and _refused(port)
+
+
+class _EchoCluster(Cluster):
+    """Each instance runs a stand-in that writes its real command line and the store it
+    was given to its log, then sleeps (the decoder's instances exit 3 when asked to)."""
+
+    failing: str = ""
+
+    def _command(self, name: str) -> list[str]:
+        code = (
+            "import json, os, sys, time; "
+            "e = os.environ; print(json.dumps({'argv': sys.argv[1:], 'store': e.get('CACHE_STORE'),"
+            " 'client': {k: v for k, v in e.items() if k.startswith('GATEWAY_CLIENT_')}}),"
+            " flush=True); "
+            f"sys.exit(3) if {name == self.failing} else time.sleep(120)"
+        )
+        return [sys.executable, "-c", code, *super()._command(name)]
+
+
+def _echo(cluster: Cluster, name: str) -> dict[str, object]:
+    deadline = time.monotonic() + 20
+    while not cluster.log_path(name).read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return json.loads(cluster.log_path(name).read_text().splitlines()[0])
+
+
+def _echo_cluster(
+    tmp_path: Path, failing: str = "", env: dict[str, str] | None = None
+) -> _EchoCluster:
+    ports = Ports.free(REPLICAS)
+    cache_store, server = plan_store(
+        "redis",
+        {},
+        REPLICAS,
+        tmp_path / "logs" / "redis",
+        avoid=[p for p, _, _ in ports.bindings()],
+    )
+    cluster = _EchoCluster(
+        model=str(tmp_path),
+        ports=ports,
+        log_dir=tmp_path / "logs",
+        env=env or {},
+        store_server=server,
+    )
+    cluster.failing = failing
+    assert cache_store is None and server is not None
+    return cluster
+
+
+def test_every_replica_starts_with_its_ports_its_log_and_the_store_then_all_stop(
+    tmp_path: Path,
+) -> None:
+    cluster = _echo_cluster(tmp_path)
+    cluster.start()
+    server = cluster.store_server
+    assert server is not None and server.proc is not None
+    redis_pid = server.proc.pid
+    try:
+        assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == [
+            "cache-1.log",
+            "cache-2.log",
+            "decoder-1.log",
+            "decoder-2.log",
+            "encoder-1.log",
+            "encoder-2.log",
+            "gateway.log",
+        ]
+        for name in cluster.instances():
+            echo = _echo(cluster, name)
+            argv = echo["argv"]
+            assert isinstance(argv, list)
+            assert argv[argv.index("--port") + 1] == str(cluster.ports.grpc[name])
+            assert argv[argv.index("--metrics-port") + 1] == str(cluster.ports.metrics[name])
+            assert echo["store"] == (server.url if name.startswith("cache") else None), name
+        gateway = _echo(cluster, "gateway")["argv"]
+        assert isinstance(gateway, list)
+        caches = ",".join(cluster.ports.address(n) for n in ("cache-1", "cache-2"))
+        assert gateway[gateway.index("--cache-address") + 1] == f"ipv4:{caches}"
+        assert server.ping()
+    finally:
+        codes = cluster.stop()
+    assert list(codes) == [
+        "gateway",
+        "decoder-1",
+        "decoder-2",
+        "encoder-1",
+        "encoder-2",
+        "cache-1",
+        "cache-2",
+        "redis",
+    ]
+    assert codes["redis"] == 0 and not _alive(redis_pid)
+
+
+def test_a_replica_that_fails_to_start_stops_the_redis_server_too(tmp_path: Path) -> None:
+    cluster = _echo_cluster(tmp_path, failing="decoder-2")
+    with pytest.raises(ServiceStartError) as err:
+        with cluster:
+            pass
+    assert err.value.summary.startswith("decoder-2 exited with code 3 while starting; see")
+    assert cluster.store_server is not None and cluster.store_server.proc is None
+    assert cluster.procs == {}
+    log = (tmp_path / "logs" / "redis" / "redis.log").read_text()
+    assert "ready to exit" in log.lower()  # stopped, not left behind
+
+
+def test_supervision_restarts_a_dead_redis_server_on_its_port_with_its_password(
+    tmp_path: Path,
+) -> None:
+    cluster = _echo_cluster(tmp_path)
+    lines: list[str] = []
+    cluster.start()
+    try:
+        server = cluster.store_server
+        assert server is not None and server.proc is not None
+        server.proc.kill()
+        supervisor = Supervisor(cluster, say=lines.append, backoff_s=0.05)
+        deadline = time.monotonic() + 20
+        while not any("redis is SERVING again" in ln for ln in lines):
+            assert time.monotonic() < deadline, lines
+            assert supervisor.poll() is None
+            time.sleep(0.05)
+        assert supervisor.restarts == {"redis": 1}
+        assert lines[0].startswith("splitvl: redis exited with code -9; restarting it in 0 s")
+        assert redis_call(server.port, ["AUTH", server.password], ["PING"]) == ["+OK", "+PONG"]
+    finally:
+        cluster.stop()
+
+
+def test_the_gateway_reaches_tls_replicas_through_their_address_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With SPLITVL_TLS_*, grpc checks an address list's certificate against the list
+    itself, which no certificate names; the launcher gives the gateway the name one
+    address would be checked against. Two real TLS servers on the cache replicas' ports,
+    reached with the gateway's own settings as the launcher set them."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from gateway.settings import GatewaySettings
+    from tests.test_security import make_pki
+    from vlcommon.tls import ClientSecurity, sync_channel
+
+    pki = make_pki(tmp_path / "pki")
+    env = {
+        "SPLITVL_TLS_CA_FILE": str(pki.ca),
+        "SPLITVL_TLS_CERT_FILE": str(pki.client_cert),
+        "SPLITVL_TLS_KEY_FILE": str(pki.client_key),
+    }
+    cluster = _echo_cluster(tmp_path, env=env)
+    cluster.start()
+    try:
+        client = _echo(cluster, "gateway")["client"]
+    finally:
+        cluster.stop()
+    assert isinstance(client, dict)
+    assert client["GATEWAY_CLIENT_TLS_SERVER_NAME"] == "127.0.0.1"
+    creds = grpc.ssl_server_credentials(
+        [(pki.server_key.read_bytes(), pki.server_cert.read_bytes())]
+    )
+    servers = []
+    for name in ("cache-1", "cache-2"):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        server.add_secure_port(cluster.ports.address(name), creds)
+        server.start()
+        servers.append(server)
+    try:
+        for key in [k for k in os.environ if k.startswith("GATEWAY_")]:
+            monkeypatch.delenv(key)
+        results = {}
+        for with_name in (True, False):
+            for key, value in client.items():
+                if with_name or key != "GATEWAY_CLIENT_TLS_SERVER_NAME":
+                    monkeypatch.setenv(key, value)
+                else:
+                    monkeypatch.delenv(key, raising=False)
+            security = ClientSecurity.from_settings(GatewaySettings())
+            with sync_channel(cluster.ports.target("cache"), security) as channel:
+                try:
+                    stub = health_pb2_grpc.HealthStub(channel)
+                    for _ in range(4):  # round robin: both replicas
+                        stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    results[with_name] = "OK"
+                except grpc.RpcError as err:
+                    results[with_name] = err.code().name  # type: ignore[attr-defined]
+    finally:
+        for server in servers:
+            server.stop(0)
+    assert results == {True: "OK", False: "UNAVAILABLE"}  # the name is what makes it work
+
+
+def test_the_layout_names_every_replica_its_ports_its_log_and_the_store(tmp_path: Path) -> None:
+    ports = Ports.from_base(50051, 9401, 8000, {"decoder": 2, "cache": 2})
+    server = RedisServer(tmp_path / "redis", 23456, "secret")
+    lines = layout_lines(ports, tmp_path, None, server)
+    assert lines == [
+        f"layout (all on 127.0.0.1; logs in {tmp_path}):",
+        "  service  replica  gRPC   metrics  log",
+        "  gateway  1        50051  9401     gateway.log",
+        "  encoder  1        50052  9402     encoder.log",
+        "  cache    1        50053  9403     cache-1.log",
+        "  cache    2        50063  9413     cache-2.log",
+        "  decoder  1        50054  9404     decoder-1.log",
+        "  decoder  2        50064  9414     decoder-2.log",
+        "  redis    1        23456  -        redis/redis.log",
+        "  gateway OpenAI-compatible HTTP: http://127.0.0.1:8000/v1",
+        "  cache store: redis://:***@127.0.0.1:23456/0 (redis-server started here; its URL "
+        f"with the password: {tmp_path / 'redis' / 'url'})",
+    ]
+    assert "secret" not in "\n".join(lines)
+    url = layout_lines(ports, tmp_path, "redis://user:pw@10.0.0.5:6379/0")[-1]
+    assert url == "  cache store: redis://user:***@10.0.0.5:6379/0"
+
+
+# ---------------------------------------------------------------------------------------
+# End to end: one `splitvl up --replicas decoder=2,cache=2 --store redis` (about 2 min on
+# 2 cores: two vLLM engines start side by side).
+
+LAYOUT_ROW = re.compile(
+    r"^\s+(gateway|encoder|cache|decoder|redis)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)$"
+)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _up_until_serving(argv: list[str], limit_s: float = 400) -> tuple[subprocess.Popen[str], str]:
+    """Start ``splitvl up ARGV``; return it and its output once it says SERVING."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitvl.cli", "up", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and not any("is SERVING" in ln for ln in lines):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    return proc, "".join(lines)
+
+
+@pytest.mark.e2e
+def test_up_with_two_decoders_and_two_caches_on_redis_serves_and_stops_everything(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    from splitvl.client import build_request, generate
+    from tests.conftest import photo
+
+    base, log_dir = free_base(50), tmp_path / "logs"
+    proc, out = _up_until_serving(
+        ["--model", str(tiny_model), "--replicas", "decoder=2,cache=2", "--store", "redis"]
+        + ["--base-port", str(base), "--metrics-base-port", str(base + 20), "--http-port", "0"]
+        + ["--log-dir", str(log_dir)]
+    )
+    try:
+        assert "is SERVING" in out, out
+        rows = {
+            (m[1], int(m[2])): (int(m[3]), m[5])
+            for ln in out.splitlines()
+            if (m := LAYOUT_ROW.match(ln))
+        }
+        redis_port = rows.pop(("redis", 1))[0]
+        assert rows == {
+            ("gateway", 1): (base, "gateway.log"),
+            ("encoder", 1): (base + 1, "encoder.log"),
+            ("cache", 1): (base + 2, "cache-1.log"),
+            ("cache", 2): (base + 12, "cache-2.log"),
+            ("decoder", 1): (base + 3, "decoder-1.log"),
+            ("decoder", 2): (base + 13, "decoder-2.log"),
+        }, out
+        for (service, replica), (port, log) in rows.items():
+            assert health_status(f"127.0.0.1:{port}") == "SERVING", (service, replica)
+            assert (log_dir / log).exists()
+        # The store: the URL every cache got, which answers PING only with its password.
+        url = (log_dir / "redis" / "url").read_text().strip()
+        assert url.startswith("redis://:") and url.endswith(f"@127.0.0.1:{redis_port}/0")
+        password = url.removeprefix("redis://:").rpartition("@")[0]
+        assert redis_call(redis_port, ["AUTH", password], ["PING"]) == ["+OK", "+PONG"]
+        assert redis_call(redis_port, ["PING"]) == ["-NOAUTH Authentication required."]
+        tree = _descendants(proc.pid)
+        commands = {p.pid: " ".join(p.cmdline()) for p in tree}
+        assert any(f"redis-server 127.0.0.1:{redis_port}" in c for c in commands.values())
+        caches = [p for p in tree if "cache_service" in p.cmdline()]
+        assert [p.environ().get("CACHE_STORE") for p in caches] == [url, url]
+        for image in ("astronaut.png", "coffee.png"):  # round robin: one per cache replica
+            request = build_request([photo(image)], "Describe.", max_tokens=4, ignore_eos=True)
+            assert len(generate(f"127.0.0.1:{base}", request, timeout_s=120).token_ids) == 4
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest
+    assert (
+        "stopped: {'gateway': 0, 'decoder-1': 0, 'decoder-2': 0, 'encoder': 0, 'cache-1': 0, "
+        "'cache-2': 0, 'redis': 0}" in rest
+    ), rest
+    left = {pid: cmd for pid, cmd in commands.items() if _alive(pid)}
+    assert left == {}  # the services, vLLM's processes, the redis-server
+    assert _refused(redis_port)
+    for port, _ in rows.values():
+        assert health_status(f"127.0.0.1:{port}") == "UNREACHABLE"
