@@ -43,6 +43,7 @@ from gateway.openai_protocol import (
 )
 from gateway.pipeline import GenerateEvent, Pipeline
 from vlcommon.admission import AdmissionInterceptor
+from vlcommon.auth import bearer_token
 from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError
 
@@ -218,7 +219,7 @@ class OpenAIServingChat:
             call.span.end()
             return error_response(self.admission.refusal())
         try:
-            first = await self._first_event(call, body, request)
+            return await self._respond(call, body, request)
         except ServiceError as err:
             call.finish(err)
             return error_response(err, call.converted)
@@ -228,10 +229,23 @@ class OpenAIServingChat:
         except BaseException:
             call.finish()
             raise
+
+    async def _respond(
+        self, call: _ChatCall, body: ChatCompletionRequest, request: Request
+    ) -> Response:
+        """The answer once the first event is in: the whole ``chat.completion`` (a client
+        seen to leave meanwhile cancels it, :func:`_watching`), or the event stream.
+
+        Raises:
+            ServiceError, _Disconnected: as :meth:`_first_event`, or while collecting.
+        """
+        first = await self._first_event(call, body, request)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         render = ChatCompletionRenderer.new(self.served_model_name, include_usage)
         if not body.stream:
-            return await self._complete(call, first, render, request)
+            events = await _watching(request, call.collect(first), poll_s=0.5)
+            call.finish()
+            return JSONResponse(render.completion(events))
         # on_close runs also when Starlette never starts the stream (the client left
         # before the first byte went out): the slot and the pipeline are released there,
         # not by the garbage collector.
@@ -259,35 +273,16 @@ class OpenAIServingChat:
                 pipeline is cancelled.
         """
         call.converted = to_generate_request(body, (self.served_model_name,), self.max_tokens_limit)
-        parsed = self.pipeline.parse(call.converted.request, Deadline.after(self.timeout_s))
+        parsed = self.pipeline.parse(
+            call.converted.request,
+            Deadline.after(self.timeout_s),
+            caller=bearer_token([("authorization", request.headers.get("authorization"))]),
+        )
         call.events = self.pipeline.generate(parsed)
         with call.in_span():
             # The span is current in the task _watching makes (it copies the context), so
             # the pipeline's spans are children of the server span.
             return await _watching(request, anext(call.events, None))
-
-    async def _complete(
-        self,
-        call: _ChatCall,
-        first: GenerateEvent | None,
-        render: ChatCompletionRenderer,
-        request: Request,
-    ) -> Response:
-        """The non-streaming answer: every event, then one ``chat.completion``; a client
-        seen to disconnect meanwhile (:func:`_watching`) cancels it (499)."""
-        try:
-            events = await _watching(request, call.collect(first), poll_s=0.5)
-        except ServiceError as err:
-            call.finish(err)
-            return error_response(err, call.converted)
-        except _Disconnected:
-            call.finish()
-            return Response(status_code=CLIENT_CLOSED)
-        except BaseException:
-            call.finish()
-            raise
-        call.finish()
-        return JSONResponse(render.completion(events))
 
     async def _stream(
         self, call: _ChatCall, first: GenerateEvent | None, render: ChatCompletionRenderer
