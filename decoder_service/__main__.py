@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         limit_mm_per_prompt={"image": 8, "video": 2},
         enforce_eager=_on_cpu() or None,
         block_size=default_block_size(_on_cpu()),
+        # The gateway's aged priorities (gateway.priority) order vLLM's waiting requests;
+        # with fcfs vLLM would ignore them. --scheduling-policy fcfs restores arrival order.
+        scheduling_policy="priority",
     )
     service_main(
         "decoder",

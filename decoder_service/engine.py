@@ -228,8 +228,11 @@ class DecoderEngine:
         images: Sequence[ImageInput],
         params: Any,
         videos: Sequence[VideoInput] = (),
+        priority: int = 0,
     ) -> AsyncGenerator[Delta, None]:
         """Stream deltas. Cancelling the consumer aborts the vLLM request.
+
+        ``priority`` is vLLM's (lower = sooner under ``--scheduling-policy priority``).
 
         Videos go in as ``{"video_embeds", "video_grid_thw", "timestamps"}``: vLLM 0.32's
         Qwen3-VL parser requires ``timestamps`` beside embeddings (its
@@ -261,7 +264,9 @@ class DecoderEngine:
         finished = False
         completion = 0
         try:
-            async for out in self.llm.generate(inputs, params, request_id=request_id):
+            async for out in self.llm.generate(
+                inputs, params, request_id=request_id, priority=priority
+            ):
                 choice = out.outputs[0]
                 completion += len(choice.token_ids)
                 finished = out.finished

@@ -126,6 +126,7 @@ class Prepared:
         max_tokens: ``params.max_tokens``, tokens.
         prompt_tokens: The prompt's length with its images and videos expanded, tokens.
         received_bytes: Embedding bytes received, inline and by reference.
+        priority: vLLM's scheduling priority, the request's as sent (lower = sooner).
     """
 
     prompt: str
@@ -135,6 +136,7 @@ class Prepared:
     max_tokens: int
     prompt_tokens: int
     received_bytes: int
+    priority: int = 0
 
 
 class Preparer:
@@ -224,7 +226,9 @@ class Preparer:
         n_prompt = engine.prompt_length(ids, images) + engine.video_prompt_length(videos)
         max_tokens = int(params.max_tokens)
         check_prompt_length(n_prompt, max_tokens, engine.max_model_len)
-        return Prepared(prompt, images, videos, params, max_tokens, n_prompt, received)
+        return Prepared(
+            prompt, images, videos, params, max_tokens, n_prompt, received, request.priority
+        )
 
     def _render(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The prompt and its token ids, rendered and tokenised once; the same messages with

@@ -232,7 +232,12 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             span.set_attribute("splitvl.request.videos", len(prepared.videos))
             record = _StreamRecord(span)
             stream = self.engine.generate(
-                request_id, prepared.prompt, prepared.images, prepared.params, prepared.videos
+                request_id,
+                prepared.prompt,
+                prepared.images,
+                prepared.params,
+                prepared.videos,
+                priority=prepared.priority,
             )
             try:
                 # aclosing: a GeneratorExit at our yield closes the engine stream (and so

@@ -82,3 +82,10 @@ DECODER_INFLIGHT = Gauge(
     "This gateway's decoder calls in flight, by decoder endpoint (host:port).",
     ["endpoint"],
 )
+PRIORITY_REQUESTS = Counter(
+    "splitvl_gateway_priority_requests_total",
+    "Decoder requests by where their priority class came from: asked (the client's), "
+    "raised (the client's, below its floor: raised to it), fcfs or short-first (the "
+    "gateway's policy, the client named none).",
+    ["source"],
+)

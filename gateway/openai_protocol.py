@@ -118,6 +118,7 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     user: StrictStr | None = None
+    priority: StrictInt | None = None  # vLLM's extension: lower = sooner (gateway.priority)
 
 
 #: Fields of OpenAI's or vLLM's API that splitvl does not implement, accepted only with
@@ -228,6 +229,14 @@ def to_generate_request(
     for i, message in enumerate(body.messages):
         _add_message(request, message, i, names)
     _set_sampling(request.sampling, body, names.fields, max_tokens_limit)
+    if body.priority is not None:
+        if not -INT32_MAX - 1 <= body.priority <= INT32_MAX:
+            raise invalid_argument(
+                "PRIORITY_OUT_OF_RANGE",
+                f"priority is {body.priority}; allowed {-INT32_MAX - 1}..{INT32_MAX} (32-bit)",
+                field="priority",
+            )
+        request.priority = body.priority
     return Converted(request, names.fields, frozenset(names.whole))
 
 

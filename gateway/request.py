@@ -24,6 +24,7 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 
 from gateway.fetch import UrlFetcher
 from gateway.media import ImageUrl, image_bytes, video_file_bytes
+from gateway.priority import PriorityRules
 from gateway.settings import GatewaySettings
 from gateway.video import VideoConfig, VideoLimits, VideoRequest, check_request
 from vlcommon.deadline import Deadline
@@ -68,8 +69,11 @@ class GenerateInput:
             default).
         cache_policy: A ``CachePolicy`` value, the gateway's default applied.
         deadline: When the request must be answered.
-        priority: Scheduling priority, lower = sooner (as vLLM's); 0 for now.
+        priority: The class the client asked (lower = sooner, as vLLM's), raised to its
+            floor (:mod:`gateway.priority`); None: the gateway's policy decides.
+        priority_raised: The client asked a class below its floor.
         arrived: ``time.perf_counter()`` when the front received it (stage timings).
+        arrived_wall: ``time.time()`` then: the aged priority's arrival term.
     """
 
     messages: list[decoder_service_pb2.Message]
@@ -80,8 +84,10 @@ class GenerateInput:
     sampling: generation_pb2.SamplingParams
     cache_policy: int
     deadline: Deadline = field(default_factory=Deadline)
-    priority: int = 0
+    priority: int | None = None
+    priority_raised: bool = False
     arrived: float = field(default_factory=time.perf_counter)
+    arrived_wall: float = field(default_factory=time.time)
 
 
 class RequestParser:
@@ -120,11 +126,19 @@ class RequestParser:
             max_decoded_pixels=settings.video_max_decoded_pixels,
         )
         self.default_policy = CACHE_POLICIES[settings.default_cache_policy]
+        self.priority = PriorityRules.from_settings(settings)
 
     def parse(
-        self, request: pb.GenerateRequest, deadline: Deadline, arrived: float | None = None
+        self,
+        request: pb.GenerateRequest,
+        deadline: Deadline,
+        arrived: float | None = None,
+        caller: str | None = None,
     ) -> GenerateInput:
         """The validated request.
+
+        Args:
+            caller: The bearer token the call presented (its priority floor), if any.
 
         Raises:
             ServiceError: INVALID_ARGUMENT naming the field (and the limit) for each rule;
@@ -145,6 +159,11 @@ class RequestParser:
         videos: list[VideoSource] = []
         messages, images = self._messages(request, videos)
         lo, hi = self._budget(request)
+        priority, raised = (
+            self.priority.asked(request.priority, caller)
+            if request.HasField("priority")
+            else (None, False)
+        )
         return GenerateInput(
             messages=messages,
             images=images,
@@ -154,6 +173,8 @@ class RequestParser:
             sampling=sampling,
             cache_policy=request.cache_policy or self.default_policy,
             deadline=deadline,
+            priority=priority,
+            priority_raised=raised,
             arrived=time.perf_counter() if arrived is None else arrived,
         )
 

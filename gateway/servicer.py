@@ -26,6 +26,7 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
 from gateway.pipeline import GenerateEvent, Pipeline
+from vlcommon.auth import bearer_token
 from vlcommon.deadline import Deadline
 
 
@@ -65,7 +66,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 dependency that is down, DEADLINE_EXCEEDED, CANCELLED (gateway.pipeline).
         """
         arrived = time.perf_counter()
-        parsed = self.pipeline.parse(request, Deadline.of(context), arrived)
+        caller = bearer_token(context.invocation_metadata())  # its priority floor
+        parsed = self.pipeline.parse(request, Deadline.of(context), arrived, caller)
         async with contextlib.aclosing(self.pipeline.generate(parsed)) as events:
             async for event in events:
                 yield render(event)

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from vlcommon.settings import MiB, ServerSettings
@@ -38,6 +38,32 @@ class GatewaySettings(ServerSettings):
     )
     cache_timeout_s: float = Field(
         1.0, gt=0, description="Lookup deadline; past it the request encodes instead."
+    )
+    # Scheduling priority (gateway.priority, docs/api.md "Priority"): lower = sooner, as
+    # vLLM's; the decoder runs vLLM with --scheduling-policy priority.
+    priority_policy: Literal["fcfs", "short-first"] = Field(
+        "fcfs",
+        description="Class of a request that names none: fcfs 0; short-first from its "
+        "expected cost (max_tokens + prompt and media tokens / 8), log2 buckets.",
+    )
+    priority_floor: int = Field(
+        0,
+        ge=-(2**31),
+        le=2**31 - 1,
+        description="The lowest (most urgent) class a caller may ask; lower asks are raised "
+        "to it. Tokens in priority_grants may go lower.",
+    )
+    priority_grants: SecretStr = Field(
+        SecretStr(""),
+        description="Comma-separated TOKEN=FLOOR: bearer tokens (GATEWAY_AUTH_TOKENS) "
+        "allowed classes down to FLOOR.",
+    )
+    priority_aging_s: float = Field(
+        2.0,
+        gt=0,
+        le=3600,
+        description="Seconds of waiting one class is worth: a request is overtaken only by "
+        "better classes arriving less than (class difference x this) after it.",
     )
     # The put runs beside or after the decode, off the request's critical path; at real
     # widths the cache reads 16 MiB per 1,024-token image (Qwen3-VL-2B, bf16) from the

@@ -249,7 +249,9 @@ class ScriptedPipeline:
         self.closed = asyncio.Event()
         self.yielded = 0
 
-    def parse(self, request: pb.GenerateRequest, deadline: Any, arrived: Any = None) -> Any:
+    def parse(
+        self, request: pb.GenerateRequest, deadline: Any, arrived: Any = None, caller: Any = None
+    ) -> Any:
         self.requests.append(request)
         return request
 

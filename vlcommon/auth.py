@@ -124,6 +124,12 @@ def _bearer(value: str | None) -> str | None:
     return token.strip()
 
 
+def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    """The token of a call's ``authorization: Bearer <token>`` metadata, if any (who
+    the caller is, e.g. for its priority floor; checked by :class:`AuthInterceptor`)."""
+    return _bearer(_metadata_value(metadata, "authorization"))
+
+
 class AuthInterceptor(AroundInterceptor):
     """Requires a bearer token and/or the internal token on every RPC but health/reflection.
 

@@ -145,10 +145,14 @@ class Pipeline:
         self._background: set[asyncio.Task[None]] = set()
 
     def parse(
-        self, request: pb.GenerateRequest, deadline: Deadline, arrived: float | None = None
+        self,
+        request: pb.GenerateRequest,
+        deadline: Deadline,
+        arrived: float | None = None,
+        caller: str | None = None,
     ) -> GenerateInput:
         """The validated request (:meth:`gateway.request.RequestParser.parse`)."""
-        return self.parser.parse(request, deadline, arrived)
+        return self.parser.parse(request, deadline, arrived, caller)
 
     async def warm_up(self) -> None:
         """The preprocess path once on every thread (:meth:`Preprocessor.warm_up`)."""
@@ -317,6 +321,7 @@ class Pipeline:
             request_id=uuid.uuid4().hex[:16],
             messages=f.request.messages,
             sampling=f.request.sampling,
+            priority=self._priority(f),
         )
         with tracer.start_as_current_span("embedding.transfer") as span:
             for im in f.images:
@@ -334,6 +339,21 @@ class Pipeline:
             span.set_attribute("splitvl.request.images", len(f.images))
             metrics.EMBEDDING_SENT_BYTES.labels(destination="decoder").inc(sent)
         return decode_request
+
+    def _priority(self, f: _Flight) -> int:
+        """The aged priority the decoder gets (:mod:`gateway.priority`): the client's class,
+        else the policy's (short-first: from max_tokens and the prompt's media tokens and
+        text, about 4 characters a token)."""
+        req, rules = f.request, self.parser.priority
+        if req.priority is not None:
+            klass, how = req.priority, "raised" if req.priority_raised else "asked"
+        else:
+            media = sum(self.spec.tokens(*im.served_grid) for im in f.images)
+            media += sum(v.plan.tokens for v in f.videos)
+            text = sum(len(p.text) for m in req.messages for p in m.parts) // 4
+            klass, how = rules.default_class(req.sampling.max_tokens, media + text), rules.policy
+        metrics.PRIORITY_REQUESTS.labels(source=how).inc()
+        return rules.aged(klass, req.arrived_wall)
 
     async def _decode(
         self, f: _Flight, request_span: trace.Span
