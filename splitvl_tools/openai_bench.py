@@ -297,14 +297,17 @@ def run_client(argv: list[str], log: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def vllm_serve(model: str, port: int, log_path: Path, block_size: int) -> Iterator[str]:
+def vllm_serve(
+    model: str, port: int, log_path: Path, block_size: int, images_per_prompt: int = 1
+) -> Iterator[str]:
     """vLLM's own OpenAI server (``vllm.entrypoints.openai.api_server``) on loopback."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
     argv = [
         *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
         *("--model", model, "--host", "127.0.0.1", "--port", str(port)),
         *("--dtype", "float32", "--max-model-len", "4096", "--seed", "0"),
-        *("--limit-mm-per-prompt", '{"image": 1, "video": 0}', "--enforce-eager"),
+        *("--limit-mm-per-prompt", json.dumps({"image": images_per_prompt, "video": 0})),
+        "--enforce-eager",
         *("--block-size", str(block_size), "--gpu-memory-utilization", "0.3"),
     ]
     with log_path.open("wb") as log:
@@ -322,7 +325,9 @@ def vllm_serve(model: str, port: int, log_path: Path, block_size: int) -> Iterat
 
 
 @contextlib.contextmanager
-def splitvl_front(model: str, log_dir: Path, progress: Any) -> Iterator[str]:
+def splitvl_front(
+    model: str, log_dir: Path, progress: Any, images_per_prompt: int = 1
+) -> Iterator[str]:
     """The four services with the gateway's HTTP front, on free loopback ports."""
     from splitvl.launcher import Cluster, Ports
 
@@ -330,7 +335,10 @@ def splitvl_front(model: str, log_dir: Path, progress: Any) -> Iterator[str]:
         model=model,
         ports=Ports.free(),
         log_dir=log_dir,
-        decoder_args=["--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0})],
+        decoder_args=[
+            "--limit-mm-per-prompt",
+            json.dumps({"image": images_per_prompt, "video": 0}),
+        ],
         env={"VLLM_CPU_KVCACHE_SPACE": "2"},
         progress=progress,
     )
