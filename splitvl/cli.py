@@ -7,10 +7,11 @@ splitvl up [--model PATH_OR_HUB_ID] [--decoder-arg=ARG ...]
 splitvl generate --image FILE|URL... --video FILE|URL... --prompt TEXT [--json]   stream an answer
 splitvl demo [--json]                 start the services, ask about real photos and a video, stop
 splitvl bench [--quick] [--json]      splitvl against vLLM alone: TTFT, ITL, throughput
-                                      (--photos, --video, --wide-only, --openai: other scenarios)
+                                      (--photos, --video, --wide-only, --openai, --scale: other scenarios)
 splitvl cache-bench [--sizes N,...] [--json]   similarity index latency/memory/recall by size
 splitvl cache-eval [--quick] [--json]   similarity threshold: false hits and recall by threshold
 splitvl load [--concurrency N --duration S --json]   concurrent streams; statuses, latency
+splitvl faults [--window S --json]    replicas and the store killed and restarted under load
 splitvl soak [--requests N --json]    distinct images in a row; RSS growth of each service
 
 A service that fails to start ends the command with one line naming it and its log file

@@ -21,6 +21,7 @@ checkpoint-derived arguments in :mod:`splitvl.engine_args` (all re-exported here
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -366,6 +367,24 @@ class Cluster:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        return proc.wait()
+
+    def terminate(self, name: str, grace_s: float = 60.0) -> int | None:
+        """Stop one instance as an orchestrator does (SIGTERM: it drains, then exits);
+        SIGKILL its group past ``grace_s``. The others are left alone.
+
+        Returns:
+            The exit code of the instance's root process (0 after a clean drain).
+        """
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine core and worker with it
         return proc.wait()
 
     def reap(self, name: str) -> None:

@@ -259,6 +259,15 @@ class RedisServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
+    def kill(self) -> int | None:
+        """SIGKILL the server (a crash, for fault drills); :meth:`start` brings it back on
+        its port with its password, empty (it saves nothing)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        proc.kill()
+        return proc.wait()
+
     def stop(self, grace_s: float = 5.0) -> int | None:
         """SIGTERM (redis shuts down without saving: no save points), SIGKILL past the
         grace; returns its exit code (None when it was not started)."""

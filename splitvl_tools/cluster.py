@@ -4,15 +4,17 @@ the run failed (or was the user's ``--log-dir``)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from splitvl.home import default_model
 from splitvl.launcher import Cluster, Ports
+from splitvl.replicas import plan_store
 
 
 @dataclass
@@ -36,6 +38,8 @@ def own_cluster(
     prefix: str,
     log: Callable[[str], None],
     env: dict[str, str] | None = None,
+    replicas: Mapping[str, int] | None = None,
+    store: str | None = None,
 ) -> Iterator[OwnCluster]:
     """Start the four services on free loopback ports; stop them on exit.
 
@@ -46,21 +50,38 @@ def own_cluster(
         prefix: The temporary folder's name prefix, e.g. ``splitvl-load-``.
         log: Progress lines (the services starting, where the logs were kept).
         env: Extra environment for the services.
+        replicas: Instances per service, as ``splitvl up --replicas`` takes them
+            (``{"decoder": 2, "cache": 2}``); None: one of each.
+        store: The caches' store as ``splitvl up --store`` takes it: ``memory``, ``redis``
+            (a local redis-server in the log folder, started first and stopped last) or a
+            URL; None: the environment's ``CACHE_STORE``, else memory.
 
     Raises:
         ServiceStartError: a service did not start (its log is kept).
+        LaunchConfigError: 2+ caches without a shared store (:func:`splitvl.replicas.check_store`).
     """
     folder = Path(log_dir or tempfile.mkdtemp(prefix=prefix))
+    ports = Ports.free(replicas)
+    cache_store, server = plan_store(
+        store,
+        {**os.environ, **(env or {})},
+        replicas or {},
+        folder / "redis",
+        avoid=[p for p, _, _ in ports.bindings()],
+    )
     run = OwnCluster(
         Cluster(
             model=model or default_model(),
-            ports=Ports.free(),
+            ports=ports,
             log_dir=folder,
             env=env or {},
             progress=log,
+            cache_store=cache_store,
+            store_server=server,
         )
     )
-    log(f"starting the four services (logs in {folder}) ...")
+    shown = f", {len(ports.grpc)} instances" if replicas else ""
+    log(f"starting the four services{shown} (logs in {folder}) ...")
     try:
         with run.cluster:
             yield run

@@ -126,6 +126,7 @@ def test_docstring_lists_every_subcommand() -> None:
         "cache-bench",
         "cache-eval",
         "load",
+        "faults",
         "soak",
         "generate",
     }

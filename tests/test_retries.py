@@ -150,3 +150,50 @@ def test_an_encode_on_a_killed_replica_is_retried_on_the_other(
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+
+
+class _CountingEncoder(pb_grpc.EncoderServiceServicer):
+    """Answers every Encode (empty) and counts them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Encode(self, request: pb.EncodeRequest, context: Any) -> pb.EncodeResponse:  # noqa: N802
+        self.calls += 1
+        return pb.EncodeResponse()
+
+
+async def _replica(status: int) -> tuple[grpc.aio.Server, int, _CountingEncoder, Any]:
+    from grpc_health.v1 import health
+
+    server = grpc.aio.server()
+    servicer, checker = _CountingEncoder(), health.aio.HealthServicer()
+    pb_grpc.add_EncoderServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    await checker.set("", status)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port, servicer, checker
+
+
+async def test_round_robin_sends_nothing_to_a_replica_that_is_not_serving() -> None:
+    """A replica that is up but NOT_SERVING (loading its model, draining) gets no call
+    while another one serves, and gets its share again once it reports SERVING: the
+    internal channels watch each replica's health (healthCheckConfig)."""
+    loading = await _replica(health_pb2.HealthCheckResponse.NOT_SERVING)
+    ready = await _replica(health_pb2.HealthCheckResponse.SERVING)
+    target = f"ipv4:127.0.0.1:{loading[1]},127.0.0.1:{ready[1]}"
+    try:
+        async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
+            stub = pb_grpc.EncoderServiceStub(channel)
+            for _ in range(20):
+                await stub.Encode(pb.EncodeRequest(), timeout=10, wait_for_ready=True)
+            assert (loading[2].calls, ready[2].calls) == (0, 20)
+            await loading[3].set("", health_pb2.HealthCheckResponse.SERVING)
+            deadline = time.monotonic() + 10
+            while loading[2].calls == 0 and time.monotonic() < deadline:
+                await stub.Encode(pb.EncodeRequest(), timeout=10)
+            assert loading[2].calls > 0  # back in the rotation once SERVING
+    finally:
+        for server in (loading[0], ready[0]):
+            await server.stop(None)

@@ -144,10 +144,19 @@ def retry_service_config(max_attempts: int = 3) -> str:
     replica killed or restarting, a connection reset) up to ``max_attempts`` attempts in
     all, 50..500 ms apart, each attempt within the call's own deadline; with round_robin a
     retry goes to another replica when one is left. Nothing else is retried.
+
+    Client-side health checking (gRFC A17, ``healthCheckConfig``): round_robin picks only
+    replicas whose ``grpc.health.v1`` status is SERVING, watched on each connection. A
+    replica that is up but still loading its model, or draining after SIGTERM, reports
+    NOT_SERVING (vlcommon.server) and gets no new calls; without this, round robin kept
+    sending it a share of them and a retry could land on it again (``splitvl faults``:
+    94 of 5,825 calls failed "encoder is starting" while a killed encoder replica came
+    back, 186 in a rolling restart).
     """
     return json.dumps(
         {
             "loadBalancingConfig": [{"round_robin": {}}],
+            "healthCheckConfig": {"serviceName": ""},
             "methodConfig": [
                 {
                     "name": [
