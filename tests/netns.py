@@ -230,6 +230,19 @@ class Network:
         self.procs.append(proc)
         return proc
 
+    # -- faults -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def partitioned(self, host: str) -> Iterator[None]:
+        """Cut ``host`` off while the block runs (its link down at the bridge end: its
+        packets are dropped, no reset is sent, as when a switch port or a zone fails), then
+        bring the link back."""
+        veth = self.hosts[host].veth
+        _ip("link", "set", veth, "down")
+        try:
+            yield
+        finally:
+            _ip("link", "set", veth, "up")  # still the bridge's port: nothing else to redo
+
     # -- counters -----------------------------------------------------------------------
     def link_bytes(self) -> LinkBytes:
         """Each host's link counters now (the root-namespace end of its veth)."""

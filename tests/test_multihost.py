@@ -21,7 +21,9 @@ cross each link once per flow (a miss: encoder host -> decoder host, and encoder
 cache host for the put, off the critical path; a hit: cache host -> decoder host; never
 through the gateway as a payload), by the veths' counters and per TCP socket; two images
 whose affinity keys have different homes reach different decoder hosts, and a repeat
-reaches the same one.
+reaches the same one; host D cut off under load (its link down) ends its calls with a
+clear status by their deadline while host C answers its own, and D answers again once the
+link is back.
 
 Runs as root only (CI does), with ``ip`` and ``unshare``; skips elsewhere with the reason.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -420,3 +424,74 @@ def test_images_with_different_homes_reach_different_decoder_hosts(
         home: 1,
         ("d" if home == "c" else "c"): 0,
     }
+
+
+PARTITION_DEADLINE_S = 30.0
+PARTITION_S = 25.0
+
+
+def test_a_partitioned_decoder_host_ends_its_calls_in_time_and_serves_again_once_healed(
+    multihost: MultiHost,
+) -> None:
+    """Host D cut off (its link down: packets dropped, no reset) for 25 s under load of 8
+    workers, half of whose images have D as their affinity home, each call with a 30 s
+    deadline: every call ends OK or with a clear status (DEADLINE_EXCEEDED: D never
+    answered; UNAVAILABLE: the connection was declared dead after tokens had come), none
+    past its deadline; calls homed on C are answered all along; once the link is back, D
+    answers its keys again, with nothing restarted."""
+    cluster = multihost
+    source = rgb("astronaut.png")
+    crops = [png_bytes(source.crop((7 * i, 5 * i, 7 * i + 224, 5 * i + 224))) for i in range(16)]
+    homes: dict[str, list[bytes]] = {"c": [], "d": []}
+    for crop in crops:
+        homes[cluster.home(cluster.ask(crop, max_tokens=2).images[0]["key"])].append(crop)
+    assert homes["c"] and homes["d"], {h: len(v) for h, v in homes.items()}
+
+    calls: list[tuple[str, str, str, float]] = []  # (home, phase at the end, code, seconds)
+    phase = "before"
+    stop = False
+
+    def worker(home: str) -> None:
+        n = 0
+        while not stop:
+            image = homes[home][n % len(homes[home])]
+            n += 1
+            request = build_request([image], PROMPT, max_tokens=4, ignore_eos=True)
+            t0 = time.monotonic()
+            try:
+                generate(cluster.address("gateway", "a"), request, timeout_s=PARTITION_DEADLINE_S)
+                code = "OK"
+            except grpc.RpcError as err:
+                code = err.code().name
+            calls.append((home, phase, code, time.monotonic() - t0))
+
+    threads = [threading.Thread(target=worker, args=("cd"[i % 2],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(5)
+        served_d = cluster.decoder_requests()["d"]
+        with cluster.net.partitioned("d"):
+            phase = "partitioned"
+            time.sleep(PARTITION_S)
+        phase = "healed"
+        deadline = time.monotonic() + 90
+        while cluster.decoder_requests()["d"] <= served_d and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(5)
+    finally:
+        stop = True
+        for t in threads:
+            t.join(timeout=PARTITION_DEADLINE_S + 30)
+    summary: dict[tuple[str, str], dict[str, int]] = {}
+    for home, at, code, _ in calls:
+        summary.setdefault((home, at), {}).setdefault(code, 0)
+        summary[(home, at)][code] += 1
+    print("calls by (home, phase they ended in):", summary)
+    assert {code for _, _, code, _ in calls} <= {"OK", "DEADLINE_EXCEEDED", "UNAVAILABLE"}
+    assert max(s for *_, s in calls) <= PARTITION_DEADLINE_S + 2
+    # C's keys were answered all along; D's only before and after the cut.
+    assert set(summary[("c", "partitioned")]) == {"OK"}
+    assert summary[("d", "before")] == {"OK": summary[("d", "before")]["OK"]}
+    assert cluster.decoder_requests()["d"] > served_d  # D answered again once healed
+    assert summary.get(("d", "healed"), {}).get("OK", 0) > 0
