@@ -884,6 +884,10 @@ def main(args: argparse.Namespace) -> int:
         from splitvl_tools.openai_bench import run
 
         return run(args)
+    if args.scale:
+        from splitvl_tools.scale_bench import run as run_scale
+
+        return run_scale(args)
     if args.video:
         from splitvl_tools.video_bench import run as run_video
 
@@ -1213,6 +1217,18 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--video-concurrency", type=positive_int, default=8, help="with --video: streams at once"
+    )
+    instead.add_argument(
+        "--scale",
+        action="store_true",
+        help="instead: 2 decoders routed by image affinity vs round robin, and 2 caches on "
+        "Redis vs 1 in memory (splitvl_tools/scale_bench.py; the tiny checkpoint by default)",
+    )
+    p.add_argument(
+        "--scale-reps",
+        type=positive_int,
+        default=3,
+        help="with --scale: runs of each routing (alternating) and of each cache set-up",
     )
     p.add_argument(
         "--rounds", type=positive_int, default=2, help="with --openai: vllm/splitvl alternations"
