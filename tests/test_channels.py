@@ -12,15 +12,22 @@ from vlcommon.settings import ServerSettings, channel_options, server_options
 
 
 class _Count(grpc.aio.ServerInterceptor):
+    """Counts the Check calls a server gets, and the health Watch streams opened on it (the
+    channel's client-side health checking opens one per connection)."""
+
     def __init__(self) -> None:
         self.calls = 0
+        self.watches = 0
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Any:
-        self.calls += 1
+        if handler_call_details.method.endswith("/Check"):
+            self.calls += 1
+        elif handler_call_details.method.endswith("/Watch"):
+            self.watches += 1
         return await continuation(handler_call_details)
 
 
@@ -47,6 +54,9 @@ async def test_round_robin_spreads_calls_over_every_resolved_address() -> None:
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
         assert c1.calls + c2.calls == 20
         assert c1.calls >= 5 and c2.calls >= 5, (c1.calls, c2.calls)
+        # healthCheckConfig: each replica's health is watched, so one loading or draining
+        # (NOT_SERVING) gets no new calls.
+        assert c1.watches >= 1 and c2.watches >= 1, (c1.watches, c2.watches)
     finally:
         await s1.stop(0)
         await s2.stop(0)

@@ -72,6 +72,36 @@ async def test_drain_ends_when_streams_end_not_at_the_grace_period() -> None:
     assert elapsed < grace / 4, elapsed
 
 
+async def test_drain_waits_for_an_rpc_whose_handler_started_after_the_count_was_idle() -> None:
+    """An RPC the server accepted just before ``stop()`` is counted only once its handler
+    starts. Drain used to cancel it after the Watch notice (its caller got a bare
+    CANCELLED: ``splitvl faults``, a rolling restart); it now waits for it too."""
+    from grpc_health.v1 import health
+
+    from vlcommon.admission import AdmissionInterceptor
+    from vlcommon.server import WATCH_NOTICE_S, drain
+
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    admission = AdmissionInterceptor(max_in_flight=8, retry_after_ms=100)
+    late_s = 0.8  # the handler ends this long after it starts
+
+    async def late_handler() -> None:
+        await asyncio.sleep(WATCH_NOTICE_S / 2)  # the count was idle: drain is settling
+        admission.try_acquire()
+        await asyncio.sleep(late_s)
+        admission.release()
+
+    t0 = time.monotonic()
+    late = asyncio.ensure_future(late_handler())
+    await asyncio.wait_for(drain(server, servicer, admission, grace_s=30.0), 30)
+    elapsed = time.monotonic() - t0
+    assert late.done()  # the server stopped only once the late handler had finished
+    assert WATCH_NOTICE_S / 2 + late_s <= elapsed < 5, elapsed
+
+
 async def test_serving_begins_with_the_startup_heap_frozen() -> None:
     """Once its engine is up, a service freezes the heap it started with (``gc_freeze``,
     on by default), so a full garbage collection, which stalls every stream, walks only

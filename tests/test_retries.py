@@ -43,7 +43,9 @@ def test_the_policy_names_only_idempotent_methods() -> None:
     assert names == {(s, m) for s, ms in IDEMPOTENT_METHODS.items() for m in ms}
     assert ("qwenvl.decoder.v1.DecoderService", "Generate") not in names
     assert ("qwenvl.cache.v1.CacheService", "Put") not in names
-    assert method_config["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+    # CANCELLED received: the replica cancelled the call as it stopped (our own cancel
+    # is never retried by grpc).
+    assert method_config["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE", "CANCELLED"]
     opts = dict(channel_options())
     # An Encode carries an image's pixels: over gRPC's 256 KiB default it would never retry.
     assert int(opts["grpc.per_rpc_retry_buffer_size"]) >= int(opts["grpc.max_send_message_length"])

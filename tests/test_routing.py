@@ -167,17 +167,24 @@ async def test_dns_targets_resolve_to_one_endpoint_per_address() -> None:
 
 class _Decoder(decoder_service_pb2_grpc.DecoderServiceServicer):
     """A scripted decoder: records the affinity header it received, streams ``tokens``
-    chunks, then (``die_after``) aborts with UNAVAILABLE as a dying replica's call ends."""
+    chunks, then (``die_after``) aborts with ``die_code`` as a dying replica's call ends
+    (UNAVAILABLE; CANCELLED as a stopping server cancels what is left)."""
 
-    def __init__(self, name: int, tokens: int = 3, die_after: int | None = None) -> None:
-        self.name, self.tokens, self.die_after = name, tokens, die_after
+    def __init__(
+        self,
+        name: int,
+        tokens: int = 3,
+        die_after: int | None = None,
+        die_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+    ) -> None:
+        self.name, self.tokens, self.die_after, self.die_code = name, tokens, die_after, die_code
         self.headers: list[str | None] = []
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         self.headers.append(dict(context.invocation_metadata()).get(AFFINITY_HEADER))
         for i in range(self.tokens):
             if self.die_after is not None and i == self.die_after:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+                await context.abort(self.die_code, "Socket closed")
             yield dpb.GenerateResponse(token_ids=[self.name * 100 + i])
 
 
@@ -251,6 +258,34 @@ async def test_a_replica_lost_after_the_first_token_is_unavailable_and_not_repla
     assert err.value.reason == "DECODER_LOST_MID_STREAM"
     assert endpoints[0].address in err.value.message
     assert other.headers == []  # never replayed: tokens had reached the client
+
+
+@pytest.mark.parametrize("die_after", [0, 2])
+async def test_a_replica_that_cancels_the_call_is_replayed_or_lost_mid_stream(
+    die_after: int,
+) -> None:
+    """A stopping replica cancels what it still runs: before the first token the call is
+    replayed on the next replica, after it the answer is UNAVAILABLE
+    (DECODER_LOST_MID_STREAM), never a bare CANCELLED the caller reads as its own."""
+    dying = _Decoder(1, tokens=5, die_after=die_after, die_code=grpc.StatusCode.CANCELLED)
+    other = _Decoder(2)
+    async with decoders(dying, other) as endpoints:
+        router = DecoderRouter()
+        router.set_endpoints(endpoints)
+        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        got: list[int] = []
+        stream = DecodeStage(router).stream(dpb.GenerateRequest(), Deadline.after(10), key)
+        if die_after == 0:
+            got = [c.token_ids[0] async for c in stream]
+            assert got == [200, 201, 202]
+            return
+        with pytest.raises(ServiceError) as err:
+            async for chunk in stream:
+                got.append(chunk.token_ids[0])
+    assert got == [100, 101]
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert err.value.reason == "DECODER_LOST_MID_STREAM"
+    assert other.headers == []
 
 
 async def test_every_replica_down_is_unavailable_not_a_hang() -> None:

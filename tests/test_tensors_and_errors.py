@@ -192,3 +192,20 @@ def test_from_rpc_error_ignores_details_whose_code_disagrees_with_the_call() -> 
     assert mapped.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert mapped.message == "encoder did not answer in time: Deadline Exceeded"
     assert mapped.retry_after_ms is None
+
+
+def test_from_rpc_error_reads_a_dependency_cancel_as_its_unavailability() -> None:
+    """Our own cancel never comes back as a status: a CANCELLED received means the
+    dependency cancelled the call (a replica stopping). Passed on as CANCELLED, the caller
+    read it as its own cancel (``splitvl faults``, a rolling restart); it is UNAVAILABLE
+    of that dependency, which callers retry."""
+    from grpc.aio import AioRpcError, Metadata
+
+    from vlcommon.errors import from_rpc_error
+
+    err = AioRpcError(grpc.StatusCode.CANCELLED, Metadata(), Metadata(), details="CANCELLED")
+    mapped = from_rpc_error(err, dependency="cache")
+    assert mapped.code == grpc.StatusCode.UNAVAILABLE
+    assert mapped.message == "cache cancelled the call (shutting down?): CANCELLED"
+    assert mapped.metadata["dependency"] == "cache"
+    assert mapped.reason == "CACHE_UNAVAILABLE"

@@ -202,7 +202,9 @@ def from_rpc_error(error: grpc.aio.AioRpcError, *, dependency: str) -> ServiceEr
 
     Bad input found downstream stays INVALID_ARGUMENT; a dependency that cannot be
     reached is UNAVAILABLE naming it; an INTERNAL error downstream is reported as
-    UNAVAILABLE of that dependency rather than as our own INTERNAL.
+    UNAVAILABLE of that dependency rather than as our own INTERNAL; a call the dependency
+    cancelled (a replica shutting down) is UNAVAILABLE of it, never CANCELLED, which the
+    caller would read as its own cancel.
     """
     info = error_info(error)
     code = error.code()
@@ -212,6 +214,11 @@ def from_rpc_error(error: grpc.aio.AioRpcError, *, dependency: str) -> ServiceEr
         message = f"{dependency} failed: {message}"
     elif code == grpc.StatusCode.UNAVAILABLE:
         message = f"{dependency} unavailable: {message}"
+    elif code == grpc.StatusCode.CANCELLED:
+        # Our own cancel never comes back as a status: the dependency cancelled the call
+        # (a replica stopping). That is its unavailability, not the caller's cancel.
+        code = grpc.StatusCode.UNAVAILABLE
+        message = f"{dependency} cancelled the call (shutting down?): {message}"
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
         message = f"{dependency} did not answer in time: {message}"
     reason = info.reason if info is not None else f"{dependency.upper()}_{code.name}"

@@ -245,9 +245,18 @@ async def drain(
     await health_servicer.enter_graceful_shutdown()
     stopping = asyncio.ensure_future(server.stop(grace_s))  # new RPCs are refused from here
     drained = await admission.wait_idle(grace_s)
+    # Let health Watch streams deliver NOT_SERVING before they are cancelled.
+    settle = max(0.0, min(WATCH_NOTICE_S, grace_s) - (time.monotonic() - t0))
+    while drained:
+        await asyncio.sleep(settle)
+        # An RPC the server accepted just before stop() is counted only once its handler
+        # starts, a moment later; cancelling it then reached its caller as a bare
+        # CANCELLED (splitvl faults, a rolling restart). Wait for those too.
+        if admission.in_flight == 0:
+            break
+        drained = await admission.wait_idle(max(0.0, grace_s - (time.monotonic() - t0)))
+        settle = 0.05
     if drained:
-        # Let health Watch streams deliver NOT_SERVING before they are cancelled.
-        await asyncio.sleep(max(0.0, min(WATCH_NOTICE_S, grace_s) - (time.monotonic() - t0)))
         await server.stop(0)
     await stopping
     log.info(

@@ -169,7 +169,9 @@ def retry_service_config(max_attempts: int = 3) -> str:
                         "initialBackoff": "0.05s",
                         "maxBackoff": "0.5s",
                         "backoffMultiplier": 2,
-                        "retryableStatusCodes": ["UNAVAILABLE"],
+                        # CANCELLED received (not our own cancel, which is never
+                        # retried): the replica cancelled the call as it shut down.
+                        "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
                     },
                 }
             ],

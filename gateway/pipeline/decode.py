@@ -164,12 +164,16 @@ class DecodeStage:
         """Raise what a failed call means: a replay, lost refs, or the decoder's status."""
         info = error_info(err)
         lost = info is not None and info.reason in REF_LOST_REASONS
-        # The replica itself gone (killed, unreachable): no status of the decoder's own,
-        # UNAVAILABLE or UNKNOWN ("Stream removed" through a proxy). Before a token, a
-        # decoder's own UNAVAILABLE (its engine dead) is replayed too; lost refs are not
-        # (the pipeline encodes again).
+        # The replica itself gone (killed, unreachable, stopping): no status of the
+        # decoder's own, UNAVAILABLE, UNKNOWN ("Stream removed" through a proxy) or
+        # CANCELLED. Before a token, a decoder's own UNAVAILABLE (its engine dead) is
+        # replayed too; lost refs are not (the pipeline encodes again).
         code = err.code()
-        gone = info is None and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
+        gone = info is None and code in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.UNKNOWN,
+            grpc.StatusCode.CANCELLED,  # cancelled by the replica as it stopped
+        )
         if first and not last and not lost and (gone or code == grpc.StatusCode.UNAVAILABLE):
             raise _Replay(err) from err
         error = from_rpc_error(err, dependency="decoder")
