@@ -7,7 +7,7 @@ splitvl up [--model PATH_OR_HUB_ID] [--decoder-arg=ARG ...]
 splitvl generate --image FILE|URL... --video FILE|URL... --prompt TEXT [--json]   stream an answer
 splitvl demo [--json]                 start the services, ask about real photos and a video, stop
 splitvl bench [--quick] [--json]      splitvl against vLLM alone: TTFT, ITL, throughput
-                                      (--photos, --video, --wide-only, --openai, --scale: other scenarios)
+                          (--photos, --video, --wide-only, --openai, --scale: other scenarios)
 splitvl cache-bench [--sizes N,...] [--json]   similarity index latency/memory/recall by size
 splitvl cache-eval [--quick] [--json]   similarity threshold: false hits and recall by threshold
 splitvl load [--concurrency N --duration S --json]   concurrent streams; statuses, latency
@@ -280,6 +280,14 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         "--log-dir",
         help="the services' logs (default: $SPLITVL_HOME/logs/BASE_PORT; a folder in use "
         "by a running instance is refused)",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=positive_float,
+        default=900.0,
+        metavar="S",
+        help="seconds to wait for every service to be SERVING before giving up (a first "
+        "start on a busy 2-core host spends minutes importing vLLM) (default %(default)s)",
     )
     p.add_argument(
         "--decoder-arg",

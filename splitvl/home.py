@@ -64,4 +64,5 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
         decoder_args=[a for arg in args.decoder_arg for a in split_args(arg, "--decoder-arg")],
         cache_store=cache_store,
         store_server=server,
+        start_timeout_s=args.start_timeout,
     )

@@ -159,6 +159,8 @@ class Cluster:
             else the cache's default, memory).
         store_server: A local redis-server started before the services and stopped after
             them; its URL is the caches' ``CACHE_STORE``.
+        start_timeout_s: How long :meth:`wait_ready` waits for every instance by default,
+            seconds (a cold first start on a loaded 2-core host imports vLLM for minutes).
     """
 
     model: str
@@ -170,6 +172,7 @@ class Cluster:
     progress: Callable[[str], None] | None = None
     cache_store: str | None = None
     store_server: RedisServer | None = None
+    start_timeout_s: float = 900.0
     _lock: LogDirLock | None = field(default=None, repr=False)
 
     def _command(self, name: str) -> list[str]:
@@ -296,14 +299,14 @@ class Cluster:
 
     def wait_ready(
         self,
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
         progress: Callable[[str], None] | None = None,
         stop: StopFlag | threading.Event | None = None,
     ) -> None:
         """Block until every instance's health says SERVING.
 
         Args:
-            timeout_s: Give up after this many seconds.
+            timeout_s: Give up after this many seconds (None: ``start_timeout_s``).
             progress: Called with a line when a service becomes SERVING and every 15 s while
                 waiting (the decoder's vLLM engine takes tens of seconds on a CPU).
             stop: Set (Ctrl-C) to give up waiting at once: raises :class:`StartInterrupted`.
@@ -312,6 +315,8 @@ class Cluster:
             ServiceStartError: a service exited or did not become SERVING in time (the
                 message carries its log tail, ``summary`` one line).
         """
+        if timeout_s is None:
+            timeout_s = self.start_timeout_s
         start = time.monotonic()
         deadline = start + timeout_s
         next_note = start + 15

@@ -495,3 +495,20 @@ def test_up_names_the_decoders_usage_error_when_it_refuses_its_arguments(
     assert lines[0].startswith("splitvl up: decoder exited with code 2 while starting (")
     assert "--block-size must be a positive multiple of 32 on CPU" in lines[0]
     assert lines[0].endswith(f"see its log: {log_dir / 'decoder.log'}")
+
+
+def test_start_timeout_reaches_the_cluster(tmp_path, monkeypatch, capsys) -> None:
+    """``--start-timeout`` is how long ``up``/``demo`` wait for SERVING (a cold first start
+    on a busy 2-core host took over the old fixed 600 s); zero or less is a usage error."""
+    monkeypatch.setenv("SPLITVL_HOME", str(tmp_path))
+    monkeypatch.setattr("splitvl.home.check_ports", lambda ports: None)
+    parse = cli.build_parser().parse_args
+    base = ["--model", "m", "--http-port", "0"]
+    assert cluster_from_args(parse(["up", *base])).start_timeout_s == 900.0
+    assert cluster_from_args(parse(["demo", *base, "--start-timeout", "1500"])).start_timeout_s == (
+        1500.0
+    )
+    with pytest.raises(SystemExit) as exit_:
+        parse(["up", *base, "--start-timeout", "0"])
+    assert exit_.value.code == 2
+    assert "--start-timeout" in capsys.readouterr().err
