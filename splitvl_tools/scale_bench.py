@@ -106,8 +106,14 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))], 1)
 
 
-def _digest(request: Any) -> str:
-    return hashlib.blake2b(request.images[0].data, digest_size=8).hexdigest()
+def digest(request: Any) -> str:
+    """The identity of a gateway GenerateRequest's first image (BLAKE2b of its bytes, 16 hex
+    digits): repeats of one image share it. "" without an image part."""
+    for message in request.messages:
+        for part in message.parts:
+            if part.HasField("image"):
+                return hashlib.blake2b(part.image.data, digest_size=8).hexdigest()
+    return ""
 
 
 async def one(stub: Any, request: Any, deadline_s: float) -> Call:
@@ -116,7 +122,7 @@ async def one(stub: Any, request: Any, deadline_s: float) -> Call:
 
     from splitvl.client import TIER_NAMES
 
-    call = Call(ok=True, digest=_digest(request))
+    call = Call(ok=True, digest=digest(request))
     t0 = time.perf_counter()
     try:
         async for chunk in stub.Generate(request, timeout=deadline_s):
@@ -165,9 +171,9 @@ async def closed_loop(
                 return
             request = requests[turn % len(requests)]
             turn += 1
-            digest = _digest(request)
-            repeat = digest in seen
-            seen.add(digest)
+            key = digest(request)
+            repeat = key in seen
+            seen.add(key)
             call = await one(stubs[w % len(stubs)], request, deadline_s)
             call.repeat = repeat
             calls.append(call)
