@@ -156,11 +156,24 @@ class DecodedVideo:
 
     @property
     def patch_timestamps(self) -> list[float]:
-        """One time per temporal patch (the mean of its first and last frame), as Qwen3-VL's
-        processor builds its ``<t seconds>`` prompt text (``_calculate_timestamps``)."""
-        ts = self.sampling.timestamps
-        n = len(ts) // max(1, self.plan.grid_t)
-        return [(ts[i] + ts[i + n - 1]) / 2 for i in range(0, len(ts), n)]
+        """One time per temporal patch, seconds, exactly as Qwen3-VL's processor computes the
+        ``<t seconds>`` prompt text (transformers' and vLLM's ``_calculate_timestamps``):
+        each kept frame's index over the source's average rate, then the mean of a patch's
+        first and last frame.
+
+        Not the presentation times (``sampling.timestamps``): their float sums differ in the
+        last bit, and the prompt rounds to one decimal, so a 10 fps clip's patch of frames
+        14-15 read ``<1.5 seconds>`` (1.4 + 1.5000000000000002) where the processor writes
+        ``<1.4 seconds>`` (15 / 10 ... 1.45 rounds down), and the answer changed. Frames
+        given without a rate (``video_fps`` 0) keep their presentation times.
+        """
+        sampling = self.sampling
+        if sampling.video_fps > 0:
+            times = [index / sampling.video_fps for index in sampling.indices]
+        else:
+            times = list(sampling.timestamps)
+        n = len(times) // max(1, self.plan.grid_t)
+        return [(times[i] + times[i + n - 1]) / 2 for i in range(0, len(times), n)]
 
 
 def _field(index: int) -> str:

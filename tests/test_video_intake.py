@@ -383,3 +383,36 @@ def test_a_video_over_the_token_budget_stops_at_its_first_frame(spec, config) ->
         max_tokens=full.plan.tokens,
     )
     assert exact.key == full.key
+
+
+@pytest.mark.parametrize(
+    ("fps", "seconds", "size"), [(10, 3.0, (96, 128)), (12, 2.5, (112, 144)), (30, 4.0, (64, 64))]
+)
+def test_patch_timestamps_are_the_processors_to_the_last_bit(  # type: ignore[no-untyped-def]
+    tiny_model: Path, spec, config, fps: int, seconds: float, size: tuple[int, int]
+) -> None:
+    """The ``<t seconds>`` text must be the processor's: a 10 fps clip's presentation
+    times made ``<1.5 seconds>`` where transformers and vLLM write ``<1.4 seconds>``
+    (found by the MoE equality test: the answer changed)."""
+    from transformers import AutoProcessor
+
+    from gateway.video import VideoLimits, VideoRequest, decode_video
+    from splitvl.video_clips import pan_clip
+
+    clip = pan_clip("astronaut.png", seconds=seconds, fps=fps, size=size)
+    video = decode_video(
+        clip,
+        index=0,
+        spec=spec,
+        config=config,
+        limits=VideoLimits(1 << 30, 600.0, 768, 8.0, 8_294_400),
+        request=VideoRequest(),
+        revision="",
+    )
+    processor = AutoProcessor.from_pretrained(tiny_model)
+    merge = len(video.sampling.indices) // video.plan.grid_t
+    expected = processor._calculate_timestamps(
+        list(video.sampling.indices), video.sampling.video_fps, merge
+    )
+    assert video.patch_timestamps == expected
+    assert [f"{t:.1f}" for t in video.patch_timestamps] == [f"{t:.1f}" for t in expected]
