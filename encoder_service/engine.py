@@ -7,8 +7,9 @@ Usage::
     [embeddings] = engine.encode([image])                # [tokens, out_hidden*(1+n_deepstack)]
 
 Only the ``model.visual.*`` tensors are read from the checkpoint's safetensors files
-(``safe_open`` with a key filter) into a ``Qwen3VLVisionModel`` built from the vision
-config, so a 2B checkpoint's language weights never reach memory (FACTS.md).
+(``safe_open`` with a key filter) into a ``Qwen3VLVisionModel`` (``Qwen3VLMoeVisionModel``
+for the MoE checkpoints) built from the vision config, so a 2B checkpoint's language
+weights, or an MoE checkpoint's experts, never reach memory (FACTS.md).
 """
 
 from __future__ import annotations
@@ -58,6 +59,29 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
+def vision_model_class(model_type: str) -> Any:
+    """transformers' vision tower class of a checkpoint's ``model_type``.
+
+    ``qwen3_vl`` (the dense checkpoints, 2B-32B) and ``qwen3_vl_moe`` (30B-A3B,
+    235B-A22B): the MoE models' vision tower is the dense one's (the experts are in the
+    language model only), under its own class and config type.
+
+    Raises:
+        ValueError: another model type.
+    """
+    if model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return Qwen3VLVisionModel
+    if model_type == "qwen3_vl_moe":
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+            Qwen3VLMoeVisionModel,
+        )
+
+        return Qwen3VLMoeVisionModel
+    raise ValueError(f"model_type {model_type!r}: the encoder serves qwen3_vl and qwen3_vl_moe")
+
+
 class VisionEngine:
     """Qwen3-VL vision tower (ViT, patch merger, deepstack mergers) on one device."""
 
@@ -97,7 +121,6 @@ class VisionEngine:
         """
         from safetensors import safe_open
         from transformers import AutoConfig, AutoImageProcessor
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
         model_dir = resolve_model_dir(model)
         dev = torch.device(
@@ -109,7 +132,9 @@ class VisionEngine:
         config = AutoConfig.from_pretrained(model_dir)
         vision_config = config.vision_config
         vision_config._attn_implementation = "sdpa"
-        visual = Qwen3VLVisionModel._from_config(vision_config, dtype=torch_dtype)
+        visual = vision_model_class(config.model_type)._from_config(
+            vision_config, dtype=torch_dtype
+        )
         state: dict[str, torch.Tensor] = {}
         for path in _weight_files(model_dir):
             with safe_open(str(path), framework="pt") as f:

@@ -191,9 +191,10 @@ def build_tokenizer() -> Any:
     return qwen
 
 
-def tiny_config(tokenizer: Any, **overrides: Any) -> Any:
-    """The tiny Qwen3VLConfig of FACTS.md, with token ids from ``tokenizer``."""
-    from transformers import Qwen3VLConfig
+def tiny_config(tokenizer: Any, *, moe: bool = False, **overrides: Any) -> Any:
+    """The tiny Qwen3VLConfig of FACTS.md, with token ids from ``tokenizer``; with ``moe``
+    a Qwen3VLMoeConfig (``MOE_TEXT`` over the same dimensions)."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     assert len(tokenizer) <= VOCAB_PADDED, len(tokenizer)
@@ -231,10 +232,12 @@ def tiny_config(tokenizer: Any, **overrides: Any) -> Any:
         "deepstack_visual_indexes": [1, 2],
         "hidden_act": "gelu_pytorch_tanh",
     }
+    if moe:
+        text.update(MOE_TEXT)
     text.update(overrides.pop("text", {}))
     vision.update(overrides.pop("vision", {}))
     overrides.setdefault("tie_word_embeddings", False)
-    return Qwen3VLConfig(
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
@@ -402,11 +405,52 @@ WIDE_OVERRIDES: dict[str, Any] = {
     },
 }
 
+# Qwen3-VL-30B-A3B-Instruct's text model scaled down: its routing kept (every layer sparse,
+# 128 experts, 8 per token, moe_intermediate_size 768 against hidden 2048, no shared
+# expert, top-k weights renormalised), fewer and smaller experts here: 8 experts, 2 per
+# token (the same 1:16 would leave one), width 96 against hidden 128.
+MOE_TEXT: dict[str, Any] = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 96,  # 2 x 96 != hidden 128: the file's layout is unambiguous
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+}
+
+# No scaling of the router's weights (an earlier plan, to keep tokens away from routing
+# ties): a tie is decided by the top-k margin against the noise of the logits, and both
+# scale with the weights, so it changes nothing there. What holds ties off is measured
+# instead: tests/test_moe.py checks the smallest margin on its photos against float32
+# noise (docs/usage.md, "MoE checkpoints").
+
 #: ``make-tiny-model --like NAME``: (config overrides, processor budget, torch dtype).
 LIKE: dict[str, tuple[dict[str, Any], dict[str, int], str]] = {
     "Qwen/Qwen3-VL-2B-Instruct": (QWEN3_VL_2B_INSTRUCT, QWEN3_VL_PROCESSOR_BUDGET, "bfloat16"),
     "wide": (WIDE_OVERRIDES, QWEN3_VL_PROCESSOR_BUDGET, "bfloat16"),
+    # The tiny checkpoint's dimensions and processor with the MoE text model (MOE_TEXT).
+    "moe": ({}, {}, "float32"),
 }
+
+
+def _write_experts_as_published(out: Path) -> None:
+    """Rewrite the fused expert tensors in the layout of the published Qwen3-VL MoE
+    checkpoints: ``gate_up_proj`` [experts, hidden, 2 x moe_intermediate] and ``down_proj``
+    [experts, moe_intermediate, hidden].
+
+    transformers keeps them transposed in memory ([experts, 2 x intermediate, hidden]) and
+    transposes the published layout on load (its ``conversion_mapping``), but
+    ``save_pretrained`` writes the memory layout back; vLLM reads the published layout
+    (``is_fused_checkpoint_transposed``) and refused the file (a shape mismatch).
+    """
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                tensors[name] = tensor.transpose(1, 2).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
 
 
 def make_tiny_model(
@@ -427,7 +471,7 @@ def make_tiny_model(
         ValueError: ``like`` is not a known name, or given with ``bench``.
     """
     import torch
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
     if like is not None and like not in LIKE:
         raise ValueError(f"--like {like!r}: known are {', '.join(LIKE)}")
@@ -444,19 +488,23 @@ def make_tiny_model(
         dtype = getattr(torch, dtype_name)
     else:
         overrides = json.loads(json.dumps(BENCH_OVERRIDES)) if bench else {}
-    config = tiny_config(tokenizer, **overrides)
+    moe = like == "moe"
+    config = tiny_config(tokenizer, moe=moe, **overrides)
     torch.manual_seed(seed)
     # Initialised in its own dtype: a 2 B-parameter model built in float32 first would need
     # 8.5 GB here before the cast. The same seed and dtype give the same weights.
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = Qwen3VLForConditionalGeneration(config).eval()  # type: ignore[arg-type]
+        cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+        model = cls(config).eval()  # type: ignore[arg-type]
     finally:
         torch.set_default_dtype(previous)
     model = model.to(dtype)
     model.save_pretrained(out)
-    if like is not None:
+    if moe:
+        _write_experts_as_published(out)
+    if like is not None and budget:
         processor = build_processor(tokenizer, **budget)
     elif bench:
         processor = build_processor(tokenizer, max_pixels=BENCH_MAX_PIXELS)
