@@ -4,7 +4,8 @@ splitvl's OpenAI front against ``vllm serve`` on the same conversations.
 Each conversation is three turns, as clients send them (the whole history every turn,
 earlier images included, the assistant's answers as text): turn 1 a new image and a
 question, turn 2 a second new image, turn 3 text only. Streaming, greedy, ``ignore_eos``;
-TTFT is the first content chunk at the client. The systems run one at a time (vLLM's
+TTFT is the first token's chunk at the client (the first chunk after the role chunk,
+its text possibly empty). The systems run one at a time (vLLM's
 CPU worker spins while idle, so two up at once slow each other), alternating by round
 (round r starts with splitvl when r is even); every conversation has fresh images (its
 turn 1 is a miss for both), and each system first answers one warm-up conversation.
@@ -60,10 +61,15 @@ def turn(
         extra_body={"ignore_eos": True},
     )
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        # The first token's chunk, even when its text is empty (a random-weight model's
+        # tokens often decode to nothing): a chunk after the role chunk with content set.
+        if delta.content is not None and not delta.role:
             if ttft is None:
                 ttft = (time.perf_counter() - t0) * 1000
-            text.append(chunk.choices[0].delta.content)
+            text.append(delta.content)
     return ttft if ttft is not None else float("nan"), "".join(text)
 
 
@@ -85,12 +91,17 @@ def conversation(
     return ttfts
 
 
+def _log(line: str) -> None:
+    """Progress to stderr: stdout is the JSON."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def system(name: str, model: str, log_dir: Path) -> AbstractContextManager[str]:
     from splitvl.ports import free_port
     from splitvl_tools.openai_bench import splitvl_front, vllm_serve
 
     if name == "splitvl":
-        return splitvl_front(model, log_dir / "splitvl", print, images_per_prompt=2)
+        return splitvl_front(model, log_dir / "splitvl", _log, images_per_prompt=2)
     return vllm_serve(model, free_port(), log_dir / "vllm-serve.log", 32, images_per_prompt=2)
 
 

@@ -13,7 +13,7 @@ and latency p95, long requests' TTFT p95 and latency p50 (their cost), req/s.
 
 Usage::
 
-    python scripts/measure_short_first.py [--model DIR] [--reps 2] [--requests 96]
+    python scripts/measure_short_first.py [--model DIR] [--reps 2] [--requests 96] [--aging-s S]
 """
 
 from __future__ import annotations
@@ -111,14 +111,21 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--image-side", type=int, default=224)
     p.add_argument("--log-dir", default="/tmp/short-first-logs")
+    p.add_argument(
+        "--aging-s",
+        type=float,
+        help="GATEWAY_PRIORITY_AGING_S for both policies (default: the gateway's, 2 s)",
+    )
     args = p.parse_args()
     model = args.model or str(bench_model())
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in POLICIES}
+    env = {} if args.aging_s is None else {"GATEWAY_PRIORITY_AGING_S": str(args.aging_s)}
     with Cluster(
         model=model,
         ports=Ports.free(),
         log_dir=Path(args.log_dir),
+        env=env,
         decoder_args=["--max-num-seqs", str(args.max_num_seqs)],
     ) as cluster:
         order = [POLICIES[(i + i // 2) % 2] for i in range(2 * args.reps)]  # A B B A ...
@@ -134,7 +141,7 @@ def main() -> int:
     for policy, rows in runs.items():
         report["policies"][policy] = {
             k: {
-                "median": round(statistics.median(r[k] for r in rows), 1),
+                "median": round(statistics.median(r[k] for r in rows), 3),
                 "range": [min(r[k] for r in rows), max(r[k] for r in rows)],
             }
             for k in rows[0]
