@@ -47,6 +47,7 @@ ROUTINGS = ("affinity", "proxy")
 CACHE_POOL, CACHE_CONCURRENCY, CACHE_DURATION_S = 60, 8, 20.0
 PREFIX_HITS = "splitvl_decoder_engine_prefix_cache_hit_tokens_total"
 PREFIX_QUERIED = "splitvl_decoder_engine_prefix_cache_queried_tokens_total"
+ROUTES = "splitvl_gateway_decoder_routes_total"  # {how=home|spilled|least_loaded|failover}
 
 
 @dataclass
@@ -200,6 +201,22 @@ def metric(port: int, sample: str) -> float:
     )
 
 
+def routes(port: int) -> dict[str, float]:
+    """The gateway's decoder routes so far by ``how`` (home, spilled, least_loaded,
+    failover): empty with ``GATEWAY_DECODER_ROUTING=proxy``, which routes nothing itself."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == ROUTES:
+                how = sample.labels.get("how", "")
+                out[how] = out.get(how, 0.0) + sample.value
+    return out
+
+
 def prefix_counts(cluster: Cluster) -> dict[str, tuple[float, float]]:
     """Each decoder's (prefix-cache hit tokens, queried tokens) so far."""
     return {
@@ -244,8 +261,13 @@ def routing_runs(
         warm = build_requests(1, side=side, repeat_fraction=0.0, max_tokens=2, seed=seed + 9999 + i)
         asyncio.run(closed_loop(address, warm, concurrency=1))
         before = prefix_counts(cluster)
+        routed = routes(cluster.ports.metrics["gateway"])
         calls, elapsed = asyncio.run(closed_loop(address, work, concurrency=concurrency))
         after = prefix_counts(cluster)
+        routed = {
+            how: n - routed.get(how, 0.0)
+            for how, n in routes(cluster.ports.metrics["gateway"]).items()
+        }
         prefix = {}
         for name in after:
             hits = after[name][0] - before[name][0]
@@ -255,12 +277,13 @@ def routing_runs(
                 "queried_tokens": queried,
                 "hit_rate": round(hits / queried, 3) if queried else None,
             }
-        run = Run(routing, calls, elapsed, {"prefix_cache": prefix})
+        run = Run(routing, calls, elapsed, {"prefix_cache": prefix, "routes": routed})
         s = run.summary()
         log(
             f"  {routing}: {s['req_per_s']} req/s, TTFT p50 {s['ttft_p50_ms']} p95 "
             f"{s['ttft_p95_ms']} ms, prefix hit rate "
             + ", ".join(f"{n} {p['hit_rate']}" for n, p in prefix.items())
+            + (f"; routes {routed}" if routed else "")
         )
         runs.append(run)
     return runs
