@@ -19,9 +19,9 @@ tree. This script uses only that (plus two small pure-Python wheels that
    greedy decoding a coin toss at near ties); as a control, the embedding with its tokens
    reversed must change the answer.
 4. ``similarity_index``: FAISS on the GPU when a faiss-gpu wheel for this Python fits the
-   carry limit; it does not (``FAISS_GPU_WHEELS``: faiss-gpu-cu12 needs CUDA 12's cuBLAS
-   beside the machine's CUDA 13 torch), so the JSON says so and times an exact cosine
-   search in torch on the GPU instead (flat inner product over unit descriptors of
+   carry limit; it does not (``FAISS_GPU_CU12``, ``CUBLAS_CU12``: faiss-gpu-cu12 needs
+   CUDA 12's cuBLAS beside the machine's CUDA 13 torch), so the JSON says so and times an
+   exact cosine search in torch on the GPU instead (flat inner product over unit descriptors of
    ``vlcommon.imaging.DESCRIPTOR_DIM``), to compare with the CPU HNSW figures.
 
 ``--dry-run`` runs the same steps on the CPU with the tiny checkpoint and small counts:
@@ -41,18 +41,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 #: Why FAISS on the GPU cannot travel (checked 2026-12-06 with ``pip download``, cp312,
-#: manylinux x86_64): wheel sizes in bytes against the 64 MiB carry limit.
-FAISS_GPU_WHEELS = {
-    "faiss-gpu-cu12 1.14.1.post1": 48_391_873,
-    "nvidia-cublas-cu12 12.6.4.1 (its dependency; the machine's torch is CUDA 13)": 393_138_322,
-    "faiss-gpu 1.15.1": 135_286_937,
-}
+#: manylinux x86_64): wheel sizes in bytes against the 64 MiB carry limit. faiss-gpu-cu12
+#: needs CUDA 12's cuBLAS, which the machine's CUDA 13 torch does not bring.
+FAISS_GPU_CU12 = ("faiss-gpu-cu12 1.14.1.post1", 48_391_873)
+CUBLAS_CU12 = ("nvidia-cublas-cu12 12.6.4.1", 393_138_322)
+FAISS_GPU = ("faiss-gpu 1.15.1", 135_286_937)
 CARRY_LIMIT_BYTES = 64 * 2**20
 PHOTOS = (
     "astronaut.png",
@@ -78,14 +78,14 @@ def _photos(count: int, sizes: list[tuple[int, int]]) -> list[Any]:
     """``count`` different uint8 [H, W, 3] photos: scikit-image's bundled ones, each
     resized to the next of ``sizes`` (a mix of shapes, as real traffic has)."""
     import numpy as np
-    import skimage
     from PIL import Image
 
-    data = Path(skimage.__file__).parent / "data"
+    from splitvl.video_clips import photo
+
     out = []
     for i in range(count):
-        image = Image.open(data / PHOTOS[i % len(PHOTOS)]).convert("RGB")
         width, height = sizes[i % len(sizes)]
+        image = photo(PHOTOS[i % len(PHOTOS)])
         out.append(np.asarray(image.resize((width, height), Image.Resampling.BICUBIC)))
     return out
 
@@ -148,10 +148,10 @@ def check_equality(model: Path, device: str, names: list[str], max_tokens: int) 
     those of the same model fed the encoder's embeddings."""
     import numpy as np
     import torch
-    from PIL import Image
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
     from encoder_service.engine import VisionEngine
+    from splitvl.video_clips import photo
     from vlcommon.imaging import plan_resize
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -175,23 +175,16 @@ def check_equality(model: Path, device: str, names: list[str], max_tokens: int) 
             self.spatial_merge_size = tower.spatial_merge_size
 
         def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **_: Any) -> Any:
-            return type(
-                "Out",
-                (),
-                {
-                    "pooler_output": self.pooler_output,
-                    "deepstack_features": self.deepstack,
-                    "last_hidden_state": None,
-                },
-            )()
+            return SimpleNamespace(
+                pooler_output=self.pooler_output,
+                deepstack_features=self.deepstack,
+                last_hidden_state=None,
+            )
 
     levels = len(lm.config.vision_config.deepstack_visual_indexes)
-    import skimage
-
-    data = Path(str(skimage.__file__)).parent / "data"
     results = []
     for name in names:
-        image = Image.open(data / name).convert("RGB")
+        image = photo(name)
         content = [{"type": "image"}, {"type": "text", "text": "Describe the image."}]
         prompt = proc.apply_chat_template(
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
@@ -242,13 +235,10 @@ def check_similarity_index(device: str, entries: int, queries: int) -> dict[str,
 
     from vlcommon.imaging import DESCRIPTOR_DIM
 
-    wheels_mib = {k: round(v / 2**20, 1) for k, v in FAISS_GPU_WHEELS.items()}
-    smallest = (
-        FAISS_GPU_WHEELS["faiss-gpu-cu12 1.14.1.post1"]
-        + FAISS_GPU_WHEELS[
-            "nvidia-cublas-cu12 12.6.4.1 (its dependency; the machine's torch is CUDA 13)"
-        ]
-    )
+    wheels_mib = {
+        name: round(size / 2**20, 1) for name, size in (FAISS_GPU_CU12, CUBLAS_CU12, FAISS_GPU)
+    }
+    smallest = FAISS_GPU_CU12[1] + CUBLAS_CU12[1]
     try:
         import faiss  # noqa: F401
 
@@ -257,15 +247,11 @@ def check_similarity_index(device: str, entries: int, queries: int) -> dict[str,
         faiss_gpu = False
     dev = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    index = torch.nn.functional.normalize(
-        torch.randn(entries, DESCRIPTOR_DIM, generator=gen), dim=1
-    )
-    index = index.to(dev)
+    unit = torch.nn.functional.normalize
+    index = unit(torch.randn(entries, DESCRIPTOR_DIM, generator=gen), dim=1).to(dev)
     picks = torch.randint(0, entries, (queries,), generator=gen)
-    noisy = index[picks.to(dev)] + 0.01 * torch.randn(queries, DESCRIPTOR_DIM, generator=gen).to(
-        dev
-    )
-    noisy = torch.nn.functional.normalize(noisy, dim=1)
+    noise = torch.randn(queries, DESCRIPTOR_DIM, generator=gen).to(dev)
+    noisy = unit(index[picks.to(dev)] + 0.01 * noise, dim=1)
 
     def search(q: torch.Tensor) -> torch.Tensor:
         return (q @ index.T).topk(1, dim=1).indices[:, 0]
@@ -275,7 +261,7 @@ def check_similarity_index(device: str, entries: int, queries: int) -> dict[str,
     one_ms = []
     for i in range(queries):
         t0 = time.perf_counter()
-        found = search(noisy[i : i + 1])
+        search(noisy[i : i + 1])
         _sync(dev)
         one_ms.append((time.perf_counter() - t0) * 1000)
     recall = float((search(noisy).cpu() == picks).float().mean())
@@ -283,7 +269,6 @@ def check_similarity_index(device: str, entries: int, queries: int) -> dict[str,
     search(noisy)
     _sync(dev)
     batch_ms = (time.perf_counter() - t0) * 1000 / queries
-    del found
     return {
         "faiss_gpu": faiss_gpu,
         "faiss_gpu_note": (

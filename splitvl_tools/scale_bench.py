@@ -187,33 +187,32 @@ async def closed_loop(
     return calls, time.perf_counter() - t0
 
 
-def metric(port: int, sample: str) -> float:
-    """One Prometheus sample of a service, summed over its labels."""
+def samples(port: int, name: str) -> list[Any]:
+    """The Prometheus samples called ``name`` that a service exports now."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(
-        s.value
+    return [
+        s
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == sample
-    )
+        if s.name == name
+    ]
+
+
+def metric(port: int, sample: str) -> float:
+    """One Prometheus sample of a service, summed over its labels."""
+    return sum(s.value for s in samples(port, sample))
 
 
 def routes(port: int) -> dict[str, float]:
     """The gateway's decoder routes so far by ``how`` (home, spilled, least_loaded,
-    failover): empty with ``GATEWAY_DECODER_ROUTING=proxy``, which routes nothing itself."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    failover); with ``GATEWAY_DECODER_ROUTING=proxy`` every call is ``home`` (one endpoint)."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == ROUTES:
-                how = sample.labels.get("how", "")
-                out[how] = out.get(how, 0.0) + sample.value
+    for sample in samples(port, ROUTES):
+        how = sample.labels.get("how", "")
+        out[how] = out.get(how, 0.0) + sample.value
     return out
 
 

@@ -16,6 +16,8 @@ from splitvl.launcher import Cluster
 from splitvl.ports import Ports
 from splitvl.tiny_model import MOE_TEXT, make_tiny_model
 from tests.conftest import photo, rgb
+from tests.test_video_e2e import PROMPT as VIDEO_PROMPT
+from tests.test_video_e2e import chat
 
 PROMPT = "Describe the image."
 MAX_TOKENS = 16
@@ -24,16 +26,6 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("moe") / "model", like="moe")
-
-
-def _chat(model: Path, kinds: list[str], text: str = PROMPT) -> str:
-    from transformers import AutoProcessor
-
-    proc = AutoProcessor.from_pretrained(model)
-    content = [{"type": k} for k in kinds] + [{"type": "text", "text": text}]
-    return proc.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
 
 
 def test_the_moe_checkpoint_is_qwen3_vl_moe_and_deterministic(
@@ -117,7 +109,7 @@ def test_no_token_sits_near_a_routing_tie(moe_model: Path) -> None:
     try:
         for names in (["astronaut.png"], ["chelsea.png"], ["astronaut.png", "chelsea.png"]):
             inputs = proc(
-                text=[_chat(moe_model, ["image"] * len(names))],
+                text=[chat(moe_model, ["image"] * len(names), PROMPT)],
                 images=[rgb(n) for n in names],
                 return_tensors="pt",
             )
@@ -159,7 +151,7 @@ def test_moe_services_equal_transformers_on_photos_and_a_video(
     hf = []
     for job in jobs:
         inputs = proc(
-            text=[_chat(moe_model, ["image"] * len(job))],
+            text=[chat(moe_model, ["image"] * len(job), PROMPT)],
             images=[rgb(n) for n in job],
             return_tensors="pt",
         )
@@ -169,7 +161,7 @@ def test_moe_services_equal_transformers_on_photos_and_a_video(
     clip = pan_clip("astronaut.png", seconds=3.0, fps=10, size=(96, 128))
     video = sampled(moe_model, clip)
     inputs = proc(
-        text=[_chat(moe_model, ["video"], "What happens in this video?")],
+        text=[chat(moe_model, ["video"])],
         videos=[torch.from_numpy(video.frames).permute(0, 3, 1, 2)],
         video_metadata=[
             VideoMetadata(
@@ -197,7 +189,7 @@ def test_moe_services_equal_transformers_on_photos_and_a_video(
         for job in jobs
     ]
     request = build_request(
-        [video_part(clip)], "What happens in this video?", max_tokens=MAX_TOKENS, ignore_eos=True
+        [video_part(clip)], VIDEO_PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True
     )
     ours_video = generate(address, request, timeout_s=300).token_ids
     assert all(len(t) == MAX_TOKENS for t in hf)

@@ -57,11 +57,13 @@ def sampled(tiny_model: Path, data: bytes):  # type: ignore[no-untyped-def]
     )
 
 
-def chat(tiny_model: Path, kinds: list[str]) -> str:
+def chat(tiny_model: Path, kinds: list[str], text: str = PROMPT) -> str:
+    """The checkpoint's chat template over one user turn: ``kinds`` placeholders
+    ("image", "video") in order, then ``text``."""
     from transformers import AutoProcessor
 
     proc = AutoProcessor.from_pretrained(tiny_model)
-    content = [{"type": k} for k in kinds] + [{"type": "text", "text": PROMPT}]
+    content = [{"type": k} for k in kinds] + [{"type": "text", "text": text}]
     return proc.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
