@@ -25,6 +25,7 @@ from vlcommon.request_rules import (
     check_message_counts,
     check_no_control_tokens,
     check_parts_present,
+    check_reasoning_content,
     check_role,
     check_text_length,
     part_empty,
@@ -56,11 +57,20 @@ class Limits:
 def to_chat_messages(
     request: pb.GenerateRequest, forbidden: tuple[str, ...], limits: Limits
 ) -> tuple[list[dict[str, Any]], list[int]]:
-    """Turn the request's messages into chat-template dicts.
+    """Turn the request's messages into chat-template dicts: ``role``, ``content`` (a list
+    of ``{"type": "text", "text"}``, ``{"type": "image"}``, ``{"type": "video"}`` parts) and,
+    for an assistant message that carries one, its ``reasoning_content`` under that key and
+    under ``reasoning``, as vLLM's ``chat_utils._parse_chat_message_content`` passes it
+    (Qwen3-VL Thinking templates read ``reasoning_content``).
 
     Returns:
         (messages, image_order): ``image_order[k]`` is the index into ``request.images``
         of the k-th image placeholder in the prompt.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the field: counts, roles, empty parts, a
+            control token in text or reasoning, ``reasoning_content`` on a message that is
+            not the assistant's, an image index out of range, reused or unused.
     """
     # Counted before anything is rendered: the chat template and the tokenizer run on the
     # event loop, and 600,000 empty messages (4.8 MB) held it for 28 s.
@@ -72,7 +82,7 @@ def to_chat_messages(
     chars = 0
     for i, message in enumerate(request.messages):
         check_role(message.role, f"messages[{i}].role")
-        check_parts_present(message.parts, i)
+        check_parts_present(message.parts, i, has_reasoning=message.HasField("reasoning_content"))
         content: list[dict[str, Any]] = []
         for j, part in enumerate(message.parts):
             field = f"messages[{i}].parts[{j}]"
@@ -102,7 +112,13 @@ def to_chat_messages(
                 content.append({"type": "image"})
             else:
                 raise part_empty(field, "text, image_index, video_index")
-        messages.append({"role": message.role, "content": content})
+        entry: dict[str, Any] = {"role": message.role, "content": content}
+        if message.HasField("reasoning_content"):
+            reasoning = message.reasoning_content
+            check_reasoning_content(message.role, reasoning, forbidden, i)
+            chars += len(reasoning)
+            entry["reasoning"] = entry["reasoning_content"] = reasoning
+        messages.append(entry)
     check_text_length(chars, limits.max_text_chars)
     if len(order) != len(request.images):
         unused = sorted(set(range(len(request.images))) - set(order))

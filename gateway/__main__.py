@@ -16,6 +16,7 @@ from gateway.openai_front import HttpFront, create_app
 from gateway.pipeline import Downstream, Pipeline
 from gateway.pipeline.endpoints import DecoderEndpoints
 from gateway.pipeline.route import DecoderRouter
+from gateway.reasoning import ReasoningParser
 from gateway.servicer import GatewayServicer
 from gateway.settings import GatewaySettings
 from vlcommon import handoff, telemetry
@@ -85,6 +86,14 @@ async def main_async(settings: GatewaySettings) -> None:
     pipeline = Pipeline(settings, spec, revision, forbidden_tokens(model_dir), downstream)
     servicer = GatewayServicer(pipeline)
     log.info("model %s revision %s", model_dir, revision)
+    reasoning = None
+    if settings.reasoning_parser:
+        reasoning = ReasoningParser.load(settings.reasoning_parser, model_dir)
+        log.info(
+            "reasoning parser %s (marker token ids %s)",
+            reasoning.name,
+            dict(reasoning.marker_ids) or "none: matched as text",
+        )
 
     admission = AdmissionInterceptor(settings.max_concurrent_rpcs, settings.retry_after_ms)
     http = None
@@ -99,6 +108,7 @@ async def main_async(settings: GatewaySettings) -> None:
             max_tokens_limit=settings.max_tokens_limit,
             max_body_bytes=settings.max_message_bytes,
             body_read_timeout_s=settings.http_body_timeout_s,
+            reasoning=reasoning,
         )
         http = HttpFront(
             app,
@@ -152,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             "decoder_address",
             "http_port",
             "served_model_name",
+            "reasoning_parser",
         ),
         serve=lambda settings, _: main_async(settings),
         argv=argv,

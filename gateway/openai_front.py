@@ -76,6 +76,7 @@ from gateway.openai_serving import (
     http_error_response,
 )
 from gateway.pipeline import Pipeline
+from gateway.reasoning import ReasoningParser
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import AuthInterceptor
 from vlcommon.errors import ServiceError, invalid_argument
@@ -93,6 +94,7 @@ def create_app(
     max_tokens_limit: int = INT32_MAX,
     max_body_bytes: int = 256 * 1024 * 1024,
     body_read_timeout_s: float = 30.0,
+    reasoning: ReasoningParser | None = None,
 ) -> FastAPI:
     """The FastAPI application of the front.
 
@@ -108,6 +110,7 @@ def create_app(
             a larger one is refused with 413 while it streams in, before it is parsed.
         body_read_timeout_s: Longest wait for the next byte of a body still due,
             seconds; past it, 408 (:class:`BodyGuard`).
+        reasoning: The reasoning parser (``GATEWAY_REASONING_PARSER``); None = off.
     """
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -117,6 +120,7 @@ def create_app(
         admission=admission,
         timeout_s=timeout_s,
         max_tokens_limit=max_tokens_limit,
+        reasoning=reasoning,
     )
     models = OpenAIServingModels(served_model_name)
     app = FastAPI(title="splitvl", docs_url=None, redoc_url=None, openapi_url=None)

@@ -16,6 +16,11 @@ No HTTP here (the router is :mod:`gateway.openai_front`, the route's work
     render.chunk({"content": "Hel"})        # 'data: {"id": "chatcmpl-...", ...}\\n\\n'
     render.completion(events)               # the non-streaming answer, a dict
 
+With a reasoning parser (``GATEWAY_REASONING_PARSER=qwen3``, :mod:`gateway.reasoning`) the
+renderer splits the model's reasoning from its answer as ``vllm serve --reasoning-parser
+qwen3`` does: ``render.delta(split)`` is a chunk's delta, ``render.completion`` the message
+with ``reasoning`` / ``reasoning_content``.
+
 Only what is OpenAI-specific is checked here (unknown parameters, ``n``, content part
 shapes, what a 32-bit float or UTF-8 cannot carry); every other rule (counts, sizes,
 ranges, images, videos) is the pipeline's (:meth:`gateway.pipeline.Pipeline.parse`), with
@@ -40,6 +45,7 @@ from qwenvl.common.v1 import generation_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 
 from gateway.pipeline import GenerateEvent
+from gateway.reasoning import ReasoningDelta, ReasoningParser
 from vlcommon.errors import ServiceError, invalid_argument
 from vlcommon.request_rules import TIER_NAMES
 from vlcommon.sampling import check_max_tokens
@@ -77,7 +83,9 @@ INT64_MAX = 2**63 - 1
 
 # -- the request, as OpenAI's chat completions API defines it -----------------------------
 class ChatMessage(BaseModel):
-    """One message: ``role``, and ``content`` as a string or a list of parts."""
+    """One message: ``role``, ``content`` as a string or a list of parts, and an earlier
+    assistant turn's reasoning as ``reasoning`` or ``reasoning_content`` (vLLM's names: it
+    takes ``reasoning_content`` as ``reasoning`` when that is unset)."""
 
     # Content parts are checked by hand (to_generate_request), so that each refusal names
     # its own field (a pydantic union reports only its first branch's error). Other keys
@@ -87,6 +95,8 @@ class ChatMessage(BaseModel):
     role: StrictStr
     content: StrictStr | list[Any] | None = None
     name: StrictStr | None = None
+    reasoning: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
 
 
 class StreamOptions(BaseModel):
@@ -138,6 +148,7 @@ NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
     "metadata": (None, {}),
     "store": (None, False),
+    "include_reasoning": (None, True),  # vLLM's: reasoning is always returned when parsed
 }
 
 
@@ -150,7 +161,6 @@ MESSAGE_NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "function_call": (None,),
     "refusal": (None,),
     "audio": (None,),
-    "reasoning_content": (None,),
 }
 STREAM_OPTIONS_NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "continuous_usage_stats": (None, False),  # vLLM's
@@ -265,9 +275,21 @@ def _check_parameters(body: ChatCompletionRequest, served: Sequence[str]) -> Non
 
 def _add_message(request: pb.GenerateRequest, message: ChatMessage, i: int, names: _Names) -> None:
     """Append message ``i`` with its parts, mapping ``messages[i].parts[k]`` to
-    ``messages[i].content[k]`` (or to ``messages[i].content`` for a string)."""
+    ``messages[i].content[k]`` (or to ``messages[i].content`` for a string), and an
+    assistant message's reasoning.
+
+    The reasoning is ``reasoning``, else ``reasoning_content`` (vLLM's request model renames
+    the latter to the former when unset); vLLM's chat_utils passes it to the chat template
+    for assistant messages only and drops it elsewhere, and so does this front (the gRPC
+    API refuses it there instead, with INVALID_ARGUMENT).
+    """
     _check_extra(message.model_extra, MESSAGE_NO_OP_DEFAULTS, f"messages[{i}]")
     msg = request.messages.add(role=_utf8(message.role, f"messages[{i}].role"))
+    which = "reasoning" if message.reasoning is not None else "reasoning_content"
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if reasoning is not None and message.role == "assistant":
+        names.fields[f"messages[{i}].reasoning_content"] = f"messages[{i}].{which}"
+        msg.reasoning_content = _utf8(reasoning, f"messages[{i}].{which}")
     parts, content = f"messages[{i}].parts", message.content
     names.fields[parts] = f"messages[{i}].content"
     names.whole.update((parts, f"{parts}[0]"))
@@ -554,17 +576,23 @@ class ChatCompletionRenderer:
         model: The served model id.
         include_usage: ``stream_options.include_usage``: each chunk carries ``usage: null``
             and a last chunk without choices carries the usage.
+        reasoning: The reasoning parser, None = off (the text is all ``content``).
     """
 
     id: str
     created: int
     model: str
     include_usage: bool = False
+    reasoning: ReasoningParser | None = None
 
     @classmethod
-    def new(cls, model: str, include_usage: bool) -> ChatCompletionRenderer:
+    def new(
+        cls, model: str, include_usage: bool, reasoning: ReasoningParser | None = None
+    ) -> ChatCompletionRenderer:
         """A renderer with a fresh id, created now."""
-        return cls(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, include_usage)
+        return cls(
+            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, include_usage, reasoning
+        )
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -579,6 +607,19 @@ class ChatCompletionRenderer:
             data["usage"] = None
         return sse(data)
 
+    @staticmethod
+    def delta(split: ReasoningDelta | None) -> dict[str, Any]:
+        """A streamed step's ``delta`` as vLLM serializes its ``DeltaMessage`` (the fields
+        set, none for a None split): ``content``, and the reasoning as ``reasoning`` (vLLM
+        0.32's field) and ``reasoning_content`` (its name in earlier vLLM and DeepSeek's
+        API, which many clients read)."""
+        delta: dict[str, Any] = {}
+        if split is not None and split.content is not None:
+            delta["content"] = split.content
+        if split is not None and split.reasoning is not None:
+            delta["reasoning"] = delta["reasoning_content"] = split.reasoning
+        return delta
+
     def usage_chunk(self, first: GenerateEvent, last: GenerateEvent) -> str:
         """The event after the last choice chunk: no choices, the usage and ``splitvl``."""
         data = self._head("chat.completion.chunk")
@@ -589,14 +630,21 @@ class ChatCompletionRenderer:
 
     def completion(self, events: Sequence[GenerateEvent]) -> dict[str, Any]:
         """The non-streaming ``chat.completion`` of all of a request's events (the first
-        carries the images, the last the finish reason, usage and timings)."""
+        carries the images, the last the finish reason, usage and timings). With a
+        reasoning parser the message is ``{"role", "content", "reasoning",
+        "reasoning_content"}``, each text None (``null``) when empty, as vLLM's."""
         first = events[0] if events else None
         last = events[-1] if events else None
+        text = "".join(e.text for e in events)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split(text)
+            message.update(content=content, reasoning=reasoning, reasoning_content=reasoning)
         data = self._head("chat.completion")
         data["choices"] = [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(e.text for e in events)},
+                "message": message,
                 "finish_reason": FINISH.get(last.finish_reason, "stop") if last else "stop",
                 "logprobs": None,
             }

@@ -42,6 +42,7 @@ from gateway.openai_protocol import (
     to_generate_request,
 )
 from gateway.pipeline import GenerateEvent, Pipeline
+from gateway.reasoning import ReasoningParser
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import bearer_token
 from vlcommon.deadline import Deadline
@@ -173,6 +174,9 @@ class OpenAIServingChat:
             fronts; None = unbounded (tests).
         timeout_s: Deadline of one completion, seconds (None: none).
         max_tokens_limit: The gateway's ``max_tokens_limit``, tokens (named in the refusal).
+        reasoning: The reasoning parser (``GATEWAY_REASONING_PARSER``): answers carry the
+            model's reasoning apart, as ``vllm serve --reasoning-parser`` returns it; None
+            = off, the text is all ``content``.
     """
 
     def __init__(
@@ -183,12 +187,14 @@ class OpenAIServingChat:
         admission: AdmissionInterceptor | None = None,
         timeout_s: float | None = 600.0,
         max_tokens_limit: int = INT32_MAX,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.served_model_name = served_model_name
         self.admission = admission
         self.timeout_s = timeout_s
         self.max_tokens_limit = max_tokens_limit
+        self.reasoning = reasoning
 
     async def create_chat_completion(
         self, body: ChatCompletionRequest, request: Request
@@ -241,7 +247,7 @@ class OpenAIServingChat:
         """
         first = await self._first_event(call, body, request)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        render = ChatCompletionRenderer.new(self.served_model_name, include_usage)
+        render = ChatCompletionRenderer.new(self.served_model_name, include_usage, self.reasoning)
         if not body.stream:
             events = await _watching(request, call.collect(first), poll_s=0.5)
             call.finish()
@@ -288,8 +294,12 @@ class OpenAIServingChat:
         self, call: _ChatCall, first: GenerateEvent | None, render: ChatCompletionRenderer
     ) -> AsyncIterator[str]:
         """The server-sent events: a role chunk, one chunk per event, the usage chunk if
-        asked for, ``[DONE]``; a pipeline error mid-stream is an ``{"error": ...}`` event."""
+        asked for, ``[DONE]``; a pipeline error mid-stream is an ``{"error": ...}`` event.
+        With a reasoning parser each chunk's delta is its split (``reasoning`` /
+        ``reasoning_content`` and ``content``), and a step the parser holds back sends no
+        chunk, as ``vllm serve --reasoning-parser`` streams."""
         error: ServiceError | None = None
+        splitter = render.reasoning.splitter() if render.reasoning is not None else None
         try:
             yield render.chunk({"role": "assistant", "content": ""})
             event, last = first, first
@@ -301,7 +311,13 @@ class OpenAIServingChat:
                 # `vllm serve` streams: clients (and vLLM's benchmark, whose ITL counts
                 # chunks) would otherwise see stalls of several tokens.
                 if event.token_ids or event.text or reason:
-                    yield render.chunk({"content": event.text}, reason)
+                    if splitter is None:
+                        yield render.chunk({"content": event.text}, reason)
+                    else:
+                        # The parser may hold a step's text back: no chunk, as vLLM's.
+                        split = splitter.feed(event.text, event.token_ids, finished=event.finished)
+                        if split is not None or reason:
+                            yield render.chunk(render.delta(split), reason)
                 event = await call.next_event()
             if render.include_usage and first is not None and last is not None:
                 yield render.usage_chunk(first, last)

@@ -36,6 +36,7 @@ from vlcommon.request_rules import (
     check_message_counts,
     check_no_control_tokens,
     check_parts_present,
+    check_reasoning_content,
     check_role,
     check_text_length,
     part_empty,
@@ -91,7 +92,9 @@ class GenerateInput:
 
 
 class RequestParser:
-    """The gateway's request rules, applied to a ``gateway.v1.GenerateRequest``.
+    """The gateway's request rules, applied to a ``gateway.v1.GenerateRequest``: roles,
+    parts and their text, an assistant message's ``reasoning_content`` (passed on to the
+    decoder), media, sampling, pixel budget.
 
     Args:
         settings: The limits (``GATEWAY_MAX_*``), the default cache policy.
@@ -192,7 +195,9 @@ class RequestParser:
             limit=s.max_videos,
             where=" (GATEWAY_MAX_VIDEOS)",
         )
-        check_text_length(sum(len(q.text) for q in parts), s.max_text_chars)
+        # An assistant turn's reasoning is prompt text like its parts.
+        reasoning = sum(len(m.reasoning_content) for m in request.messages)
+        check_text_length(sum(len(q.text) for q in parts) + reasoning, s.max_text_chars)
 
     def _messages(
         self, request: pb.GenerateRequest, videos: list[VideoSource]
@@ -204,7 +209,9 @@ class RequestParser:
         images: list[bytes | ImageUrl] = []
         for i, message in enumerate(request.messages):
             check_role(message.role, f"messages[{i}].role")
-            check_parts_present(message.parts, i)
+            check_parts_present(
+                message.parts, i, has_reasoning=message.HasField("reasoning_content")
+            )
             out = decoder_service_pb2.Message(role=message.role)
             run: list[str] = []  # adjacent text parts: the chat template joins them
             for j, part in enumerate(message.parts):
@@ -226,6 +233,11 @@ class RequestParser:
                 else:
                     raise part_empty(field, "text, image, video")
             self._check_joined(run, i)
+            if message.HasField("reasoning_content"):
+                check_reasoning_content(
+                    message.role, message.reasoning_content, self.forbidden_tokens, i
+                )
+                out.reasoning_content = message.reasoning_content
             messages.append(out)
         return messages, images
 

@@ -2,9 +2,10 @@
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from gateway.reasoning import PARSERS as REASONING_PARSERS
 from vlcommon.settings import MiB, ServerSettings
 
 
@@ -185,6 +186,25 @@ class GatewaySettings(ServerSettings):
         description="Longest wait for the next byte of an HTTP request body still due, "
         "seconds; past it, 408 BODY_READ_TIMEOUT.",
     )
+    # Thinking checkpoints (gateway/reasoning.py, docs/api.md "Thinking checkpoints").
+    reasoning_parser: str = Field(
+        "",
+        description="qwen3: the OpenAI front returns the model's reasoning (before </think>) "
+        "as reasoning / reasoning_content apart from content, as vLLM's --reasoning-parser "
+        "qwen3; empty = off. The gRPC front returns the raw text either way.",
+    )
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str) -> str:
+        """Refuse a parser splitvl does not implement at start, naming the ones it does."""
+        if value and value not in REASONING_PARSERS:
+            raise ValueError(
+                f"{value!r} is not a reasoning parser splitvl implements; use "
+                f"{' or '.join(REASONING_PARSERS)} (vLLM's --reasoning-parser of that name, "
+                "for the Qwen3-VL Thinking checkpoints) or leave it empty (off)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _public_message_limit(self) -> "GatewaySettings":

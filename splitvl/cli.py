@@ -13,6 +13,7 @@ splitvl cache-eval [--quick] [--json]   similarity threshold: false hits and rec
 splitvl load [--concurrency N --duration S --json]   concurrent streams; statuses, latency
 splitvl faults [--window S --json]    replicas and the store killed and restarted under load
 splitvl soak [--requests N --json]    distinct images in a row; RSS growth of each service
+splitvl plan --profile F --rate R --p95-ttft-ms T   replicas for a load (--calibrate F, --validate)
 
 A service that fails to start ends the command with one line naming it and its log file
 (exit status 1).
@@ -229,14 +230,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--like",
         choices=sorted(LIKE),
-        help="that model's exact configuration with random weights, in bf16 (wide: "
-        "Qwen3-VL-2B's embedding width with a shallow ViT and language model)",
+        help="another configuration, random weights: Qwen/Qwen3-VL-2B-Instruct (every "
+        "dimension, bf16), wide (its embedding width, a shallow ViT and language model, bf16), "
+        "moe (the tiny checkpoint with a MoE language model), thinking (the tiny checkpoint "
+        "with a Qwen3-VL-Thinking chat template)",
     )
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("up", help="run the four services")
     add_cluster_flags(p)
     add_replica_flags(p)
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3"],
+        help="the OpenAI front returns the model's reasoning (before </think>) apart from its "
+        "answer, as vLLM's --reasoning-parser qwen3 (the gateway's GATEWAY_REASONING_PARSER; "
+        "Qwen3-VL Thinking checkpoints)",
+    )
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("demo", help="run the demo on real photos and a video")

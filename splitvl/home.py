@@ -65,4 +65,5 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
         cache_store=cache_store,
         store_server=server,
         start_timeout_s=args.start_timeout,
+        reasoning_parser=getattr(args, "reasoning_parser", None) or "",
     )

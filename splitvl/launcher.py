@@ -161,6 +161,9 @@ class Cluster:
             them; its URL is the caches' ``CACHE_STORE``.
         start_timeout_s: How long :meth:`wait_ready` waits for every instance by default,
             seconds (a cold first start on a loaded 2-core host imports vLLM for minutes).
+        reasoning_parser: The gateway's ``--reasoning-parser`` (``qwen3``: the OpenAI front
+            returns the model's reasoning apart, as ``vllm serve --reasoning-parser qwen3``);
+            empty: the gateway's environment decides (``GATEWAY_REASONING_PARSER``, off).
     """
 
     model: str
@@ -173,6 +176,7 @@ class Cluster:
     cache_store: str | None = None
     store_server: RedisServer | None = None
     start_timeout_s: float = 900.0
+    reasoning_parser: str = ""
     _lock: LogDirLock | None = field(default=None, repr=False)
 
     def _command(self, name: str) -> list[str]:
@@ -202,6 +206,7 @@ class Cluster:
                 self.ports.target("decoder"),
                 "--http-port",
                 str(self.ports.http),
+                *(("--reasoning-parser", self.reasoning_parser) if self.reasoning_parser else ()),
             ]
         if service == "encoder":
             # An operator's ENCODER_DTYPE wins over the checkpoint's dtype.

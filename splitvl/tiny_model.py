@@ -73,6 +73,59 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# The same reduced template with the assistant-turn logic of the published
+# Qwen3-VL-*-Thinking chat template (chat_template.json of Qwen/Qwen3-VL-8B-Thinking, tools
+# and vision ids left out as above): an assistant message's reasoning is its
+# `reasoning_content` when that is a string, else what its content holds before `</think>`
+# (the content keeping what follows); only assistant turns after the last user query (one
+# that is not a wrapped <tool_response>) show their reasoning, between <think> and
+# </think>, when they are the last message or have some; earlier turns keep only their
+# content. The generation prompt opens the answer inside <think>: the Thinking models
+# start by reasoning.
+THINKING_CHAT_TEMPLATE = (
+    "{%- macro render_content(content) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- else %}{%- for item in content %}"
+    "{%- if item['type'] == 'image' or 'image' in item or 'image_url' in item %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'video' or 'video' in item %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in item %}{{- item['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- endmacro %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}"
+    "{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message['role'] == 'user' %}"
+    "{%- set content = render_content(message['content']) %}"
+    "{%- if not (content.startswith('<tool_response>')"
+    " and content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}"
+    "{%- endif %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- set content = render_content(message['content']) %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- set reasoning_content = '' %}"
+    "{%- if message['reasoning_content'] is string %}"
+    "{%- set reasoning_content = message['reasoning_content'] %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')"
+    ".split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n<think>\\n' + reasoning_content.strip('\\n')"
+    " + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + content }}"
+    "{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + content }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
 _CORPUS_MODULES = [
     "this",
     "os",
@@ -257,11 +310,14 @@ def build_processor(
     max_pixels: int = 65536,
     video_min_pixels: int | None = None,
     video_max_pixels: int | None = None,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Any:
     """Qwen3VLProcessor with the fast (torchvision) image processor and mean/std 0.5.
 
     The video budget defaults to ``min_pixels`` .. ``4 * max_pixels`` (the tiny and bench
     checkpoints); ``video_min_pixels``/``video_max_pixels`` set it explicitly.
+    ``chat_template``: the Jinja template (:data:`CHAT_TEMPLATE`, or
+    :data:`THINKING_CHAT_TEMPLATE` for ``--like thinking``).
     """
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
@@ -288,7 +344,7 @@ def build_processor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=video_processor,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
 
 
@@ -430,7 +486,12 @@ LIKE: dict[str, tuple[dict[str, Any], dict[str, int], str]] = {
     "wide": (WIDE_OVERRIDES, QWEN3_VL_PROCESSOR_BUDGET, "bfloat16"),
     # The tiny checkpoint's dimensions and processor with the MoE text model (MOE_TEXT).
     "moe": ({}, {}, "float32"),
+    # The tiny checkpoint itself (same weights, tokenizer and processor) with a Thinking
+    # chat template (THINKING_CHAT_TEMPLATE, LIKE_CHAT_TEMPLATES).
+    "thinking": ({}, {}, "float32"),
 }
+#: The chat template of a ``--like`` kind that does not use :data:`CHAT_TEMPLATE`.
+LIKE_CHAT_TEMPLATES: dict[str, str] = {"thinking": THINKING_CHAT_TEMPLATE}
 
 
 def _write_experts_as_published(out: Path) -> None:
@@ -465,7 +526,10 @@ def make_tiny_model(
         like: A name in :data:`LIKE`: that configuration instead (``Qwen/Qwen3-VL-2B-Instruct``:
             every dimension of the real model, 2.1 B parameters, 4.3 GB in bf16; ``wide``:
             its embedding width with a shallow ViT and language model), with the real
-            model's processor budget and weights in bf16.
+            model's processor budget and weights in bf16; ``moe``: the tiny dimensions
+            with a Qwen3-VL-MoE text model; ``thinking``: the tiny checkpoint (the same
+            files but the chat template) with :data:`THINKING_CHAT_TEMPLATE`, as the
+            Qwen3-VL-*-Thinking checkpoints ship.
 
     Raises:
         ValueError: ``like`` is not a known name, or given with ``bench``.
@@ -480,6 +544,8 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
+    chat_template = LIKE_CHAT_TEMPLATES.get(like or "", CHAT_TEMPLATE)
+    tokenizer.chat_template = chat_template
     budget: dict[str, int] = {}
     dtype = torch.float32
     if like is not None:
@@ -505,11 +571,11 @@ def make_tiny_model(
     if moe:
         _write_experts_as_published(out)
     if like is not None and budget:
-        processor = build_processor(tokenizer, **budget)
+        processor = build_processor(tokenizer, chat_template=chat_template, **budget)
     elif bench:
         processor = build_processor(tokenizer, max_pixels=BENCH_MAX_PIXELS)
     else:
-        processor = build_processor(tokenizer)
+        processor = build_processor(tokenizer, chat_template=chat_template)
     processor.save_pretrained(out)
     tokenizer.save_pretrained(out)
     kind = f"like {like}" if like else ("bench" if bench else "tiny")

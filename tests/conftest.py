@@ -134,6 +134,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture(scope="session")
+def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with the Thinking chat template (``make-tiny-model --like
+    thinking``), built once per session."""
+    from splitvl.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("thinking") / "model", like="thinking")
+
+
 class OtlpReceiver:
     """An in-process OTLP/gRPC trace receiver (opentelemetry-proto's TraceService),
     listening on ``host`` (another network namespace reaches it on a bridge address)."""

@@ -110,3 +110,67 @@ def test_services_get_the_checkpoints_own_dtype(wide: Path, tiny_model: Path) ->
     assert encoder[encoder.index("--dtype") + 1] == "bfloat16"
     tiny = Cluster(model=str(tiny_model), ports=Ports.free(), log_dir=wide.parent)
     assert tiny._command("decoder").count("float32") == 1
+
+
+def test_the_thinking_checkpoint_is_the_tiny_one_with_a_thinking_template(
+    thinking_model: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Same weights, tokenizer and processor files as the tiny checkpoint; only the chat
+    template (and the marker) differ, and the same seed gives the same bytes."""
+    from splitvl.tiny_model import THINKING_CHAT_TEMPLATE
+
+    names = {p.name for p in tiny_model.iterdir()}
+    assert names == {p.name for p in thinking_model.iterdir()}
+    differ = {
+        n for n in names if (tiny_model / n).read_bytes() != (thinking_model / n).read_bytes()
+    }
+    assert differ == {"chat_template.jinja", "SPLITVL_TINY_MODEL"}
+    assert (thinking_model / "chat_template.jinja").read_text() == THINKING_CHAT_TEMPLATE
+    assert (thinking_model / "SPLITVL_TINY_MODEL").read_text() == "kind=like thinking\nseed=1234\n"
+    again = make_tiny_model(tmp_path / "again", like="thinking")
+    for name in names:
+        assert (again / name).read_bytes() == (thinking_model / name).read_bytes(), name
+
+
+def test_the_thinking_template_renders_as_the_published_one(thinking_model: Path) -> None:
+    """transformers' apply_chat_template on the saved checkpoint (its tokenizer, as the
+    decoder renders, and its processor, as the reference model's inputs are made), against
+    the published Qwen3-VL-*-Thinking template's output written out: an assistant turn
+    before the last user query keeps only its content (its reasoning dropped, whether it
+    came as reasoning_content or inside the content), the last turn after the query shows
+    its reasoning, and the generation prompt opens <think>."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    proc = AutoProcessor.from_pretrained(thinking_model)
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}
+    turns = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        user,
+        {**answer, "reasoning_content": "\nIt is furry.\n"},
+        {"role": "user", "content": [{"type": "text", "text": "Sure?"}]},
+    ]
+    head = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What?<|im_end|>\n"
+    )
+    three = head + (
+        "<|im_start|>assistant\nA cat.<|im_end|>\n"
+        "<|im_start|>user\nSure?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n"
+    )
+    in_content = {"role": "assistant", "content": "<think>\nIt is furry.\n</think>\n\nA cat."}
+    for render in (tok.apply_chat_template, proc.apply_chat_template):
+        assert render(turns, add_generation_prompt=True, tokenize=False) == three
+        split = [*turns[:2], in_content, turns[3]]
+        assert render(split, add_generation_prompt=True, tokenize=False) == three
+        last = head + "<|im_start|>assistant\n<think>\nIt is furry.\n</think>\n\nA cat.<|im_end|>\n"
+        assert render(turns[:3], add_generation_prompt=False, tokenize=False) == last
+        assert render(turns[:3], add_generation_prompt=True, tokenize=False) == (
+            last + "<|im_start|>assistant\n<think>\n"
+        )
+        # The last turn shows a <think> block even without reasoning; earlier ones do not.
+        assert render([*turns[:2], answer], add_generation_prompt=False, tokenize=False) == (
+            head + "<|im_start|>assistant\n<think>\n\n</think>\n\nA cat.<|im_end|>\n"
+        )

@@ -1,7 +1,7 @@
 """Rules a request must meet, shared by the gateway, the cache and the decoder: message and
 part counts, image and video counts, text length, chat roles, the control tokens user text
-may not hold, the grid rule (``image_grid_thw`` / ``video_grid_thw``), and the names of
-cache tiers and policies.
+may not hold, where an earlier turn's reasoning may go, the grid rule (``image_grid_thw`` /
+``video_grid_thw``), and the names of cache tiers and policies.
 
 Each check raises :class:`~vlcommon.errors.ServiceError` with INVALID_ARGUMENT naming the
 field (and the limit where one applies).
@@ -106,9 +106,14 @@ def check_text_length(chars: int, limit: int) -> None:
         )
 
 
-def check_parts_present(parts: Sequence[Any], message_index: int) -> None:
-    """Refuse a message without content parts (INVALID_ARGUMENT ``PARTS_EMPTY``)."""
-    if not parts:
+def check_parts_present(
+    parts: Sequence[Any], message_index: int, *, has_reasoning: bool = False
+) -> None:
+    """Refuse a message without content parts (INVALID_ARGUMENT ``PARTS_EMPTY``), unless it
+    carries an earlier turn's reasoning (``has_reasoning``): an assistant turn that only
+    reasoned, which OpenAI clients send back with ``content: null`` and vLLM renders with
+    an empty content."""
+    if not parts and not has_reasoning:
         field = f"messages[{message_index}].parts"
         raise invalid_argument("PARTS_EMPTY", f"{field} is empty", field=field)
 
@@ -185,6 +190,28 @@ def check_no_control_tokens(text: str, forbidden: tuple[str, ...], field: str) -
                 field=field,
                 token=token,
             )
+
+
+def check_reasoning_content(
+    role: str, reasoning: str, forbidden: tuple[str, ...], message_index: int
+) -> None:
+    """Refuse a message's ``reasoning_content`` (an earlier assistant turn's reasoning, as
+    vLLM's chat_utils hands it to the chat template for assistant messages only) on a role
+    other than assistant, or holding a control token (the rule of text parts, case C05).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``REASONING_CONTENT_NOT_ASSISTANT`` or
+            ``TEXT_CONTAINS_SPECIAL_TOKEN``, naming ``messages[i].reasoning_content``.
+    """
+    field = f"messages[{message_index}].reasoning_content"
+    if role != "assistant":
+        raise invalid_argument(
+            "REASONING_CONTENT_NOT_ASSISTANT",
+            f"{field} is set on a {role!r} message; only assistant messages carry the "
+            "reasoning of an earlier turn",
+            field=field,
+        )
+    check_no_control_tokens(reasoning, forbidden, field)
 
 
 #: Most patches (t * h * w) one grid may have: 2**24, i.e. 4,194,304 tokens at a merge of

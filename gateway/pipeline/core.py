@@ -350,7 +350,9 @@ class Pipeline:
         else:
             media = sum(self.spec.tokens(*im.served_grid) for im in f.images)
             media += sum(v.plan.tokens for v in f.videos)
-            text = sum(len(p.text) for m in req.messages for p in m.parts) // 4
+            chars = sum(len(p.text) for m in req.messages for p in m.parts)
+            chars += sum(len(m.reasoning_content) for m in req.messages)
+            text = chars // 4
             klass, how = rules.default_class(req.sampling.max_tokens, media + text), rules.policy
         metrics.PRIORITY_REQUESTS.labels(source=how).inc()
         return rules.aged(klass, req.arrived_wall)
