@@ -1,0 +1,249 @@
+"""``splitvl plan``: the simulation against queueing results it must reproduce, the
+planner's search, its command line, and the calibration on real services."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from splitvl_tools import plan_measure
+from splitvl_tools.plan import (
+    Profile,
+    Replicas,
+    SideTimes,
+    Workload,
+    answer,
+    plan,
+    simulate,
+    typical,
+)
+
+
+def profile(**over: Any) -> Profile:
+    """A profile with every service time 0 except those given (ms)."""
+    side = SideTimes(
+        preprocess_ms={"miss": 0.0, "hit": 0.0},
+        lookup_ms={"miss": 0.0, "hit": 0.0},
+        encode_image_ms=0.0,
+        prefill_ms={"miss": 0.0, "hit": 0.0},
+    )
+    base = Profile(
+        sides={128: side},
+        encode_batch_ms=0.0,
+        encode_delay_ms=0.0,
+        encoder_max_batch=8,
+        encoder_max_wait_ms=0.0,
+        decoder_delay_ms=0.0,
+        step_ms=0.0,
+        step_per_seq_ms=0.0,
+        client_delay_ms={"miss": 0.0, "hit": 0.0},
+    )
+    side_over = {k: over.pop(k) for k in list(over) if hasattr(side, k)}
+    return replace(base, sides={128: replace(side, **side_over)}, **over)
+
+
+@pytest.mark.parametrize("rho", [0.3, 0.7])
+@pytest.mark.parametrize("times", [[10.0], [5.0, 15.0]])
+def test_one_server_is_an_mg1_queue(rho: float, times: list[float]) -> None:
+    """Poisson arrivals at one server (the cache lookup) whose time is drawn from the
+    observed ``times``: the mean time in the system is E[S] + lambda E[S^2] / (2 (1 - rho))
+    (Pollaczek-Khinchine), the server's utilisation rho = lambda E[S]."""
+    s_ms = sum(times) / len(times)
+    s2 = sum(t * t for t in times) / len(times)
+    p = profile(lookup_ms={"miss": times, "hit": times})
+    rate = rho / (s_ms / 1000)
+    pred = simulate(p, Workload(rate, {128: 1.0}, 0.5, 1), requests=40_000, seed=1)
+    expected = s_ms + (rate / 1000) * s2 / (2 * (1 - rho))
+    assert pred.ttft_mean_ms == pytest.approx(expected, rel=0.05)
+    assert pred.utilisation["cache"] == pytest.approx(rho, abs=0.02)
+    assert pred.req_per_s == pytest.approx(rate, rel=0.05)
+
+
+def test_decoder_steps_serve_running_sequences_together() -> None:
+    """A step serves every running sequence: with a step of 10 ms whatever the batch,
+    one request alone takes max_tokens steps, and many at once take no longer each (the
+    engine's throughput grows with the batch); with one sequence at a time it saturates
+    at 1 / (max_tokens x 10 ms)."""
+    p = profile(step_ms=10.0)
+    alone = simulate(p, Workload(0.5, {128: 1.0}, 0.0, 8), requests=300)
+    assert alone.ttft_p50_ms == pytest.approx(10.0, abs=0.01)
+    assert alone.e2e_p50_ms == pytest.approx(80.0, abs=0.01)
+    busy = simulate(p, Workload(200.0, {128: 1.0}, 0.0, 8), requests=4000)
+    assert busy.e2e_p50_ms <= 90.0  # at most one step waiting for the batch's next step
+    assert busy.req_per_s == pytest.approx(200.0, rel=0.05)
+    one_at_a_time = replace(p, max_num_seqs=1)
+    q = simulate(one_at_a_time, Workload(10.0, {128: 1.0}, 0.0, 8), requests=4000)
+    assert q.utilisation["decoder"] == pytest.approx(10.0 * 0.080, abs=0.03)
+    assert q.e2e_p50_ms > 100.0  # queued behind others: 80 ms of service, plus waiting
+
+
+def test_encoder_batches_queued_images() -> None:
+    """b0 = 8 ms per ViT call and b1 = 1 ms per image: one image at a time the encoder
+    serves at most 1 / 9 ms = 111 images/s; batching up to 8 it keeps up with 300/s
+    (busy nearly all the time, as a batching server is, its queue short)."""
+    p = profile(encode_batch_ms=8.0, encode_image_ms=1.0)
+    pred = simulate(p, Workload(300.0, {128: 1.0}, 0.0, 1), requests=6000)
+    assert pred.req_per_s == pytest.approx(300.0, rel=0.05)
+    assert pred.e2e_p50_ms < 30.0  # a batch or two of waiting, no growing queue
+    single = simulate(replace(p, encoder_max_batch=1), Workload(100.0, {128: 1.0}, 0.0, 1))
+    assert single.utilisation["encoder"] == pytest.approx(100 * 0.009, abs=0.03)
+
+
+def test_affinity_routing_keeps_repeats_where_their_prefix_is() -> None:
+    """Two decoders: routed by image, a repeat finds its image in the decoder's prefix
+    cache nearly always; round robin only where an earlier turn of the spread happened to
+    put it (an image served twice is held by both decoders)."""
+    p = profile(step_ms=5.0, prefill_ms={"miss": 20.0, "hit": 2.0})
+    work = Workload(5.0, {128: 1.0}, 0.5, 4)
+    affinity = simulate(p, work, Replicas(decoder=2), requests=3000)
+    spread = simulate(p, work, Replicas(decoder=2, routing="round_robin"), requests=3000)
+    assert affinity.prefix_hit_rate > 0.9
+    assert 0.4 < spread.prefix_hit_rate < affinity.prefix_hit_rate - 0.2
+    assert affinity.ttft_mean_ms < spread.ttft_mean_ms  # fewer full prefills
+
+
+def test_planner_grows_the_bottleneck_and_meets_the_target() -> None:
+    """The decoder is the bottleneck (one sequence at a time, 40 ms a request): the answer
+    adds decoders as the rate grows, never encoders or caches, and its prediction meets
+    the target; a target below the no-queue TTFT has no answer."""
+    p = replace(profile(step_ms=5.0, lookup_ms={"miss": 1.0, "hit": 1.0}), max_num_seqs=1)
+    chosen = []
+    for rate in (5.0, 30.0, 60.0):
+        candidates = plan(p, Workload(rate, {128: 1.0}, 0.5, 8), p95_ttft_ms=200.0, requests=800)
+        best = answer(candidates)
+        assert best is not None
+        assert best.prediction.ttft_p95_ms <= 200.0
+        assert (best.replicas.encoder, best.replicas.cache) == (1, 1)
+        chosen.append(best.replicas.decoder)
+    assert chosen == sorted(chosen) and chosen[0] < chosen[-1]
+    impossible = plan(p, Workload(5.0, {128: 1.0}, 0.5, 8), p95_ttft_ms=3.0, requests=400)
+    assert answer(impossible) is None
+
+
+def test_a_side_without_times_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"image sides \[256\]"):
+        simulate(profile(), Workload(1.0, {256: 1.0}))
+
+
+def test_profile_round_trips_through_json() -> None:
+    p = profile(step_ms=3.5, lookup_ms={"miss": 1.5, "hit": 0.5}, encode_batch_ms=2.0)
+    assert Profile.from_json(p.to_json()) == p
+
+
+def _splitvl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "splitvl.cli", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_command_answers_from_a_profile(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(replace(profile(step_ms=5.0), max_num_seqs=1).to_json())
+    common = ("--profile", str(path), "--rate", "30", "--p95-ttft-ms", "200", "--max-tokens", "8")
+    done = _splitvl(*common, "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["answer"]["replicas"]["decoder"] >= 2  # 30/s x 40 ms: one cannot
+    assert result["answer"]["prediction"]["ttft_p95_ms"] <= 200
+    table = _splitvl(*common)
+    assert table.stdout.startswith("answer: 1 encoder, ")
+    bad = _splitvl("--profile", str(path), "--rate", "3", "--p95-ttft-ms", "9", "--sides", "x")
+    assert bad.returncode == 2 and "--sides 'x': expected SIDE[:WEIGHT]" in bad.stderr
+    missing = _splitvl(
+        "--profile", str(tmp_path / "nope.json"), "--rate", "1", "--p95-ttft-ms", "9"
+    )
+    assert missing.returncode == 2 and "cannot read --profile" in missing.stderr
+    unknown = _splitvl("--profile", str(path), "--rate", "1", "--p95-ttft-ms", "9", "--sides", "64")
+    assert unknown.returncode == 2 and "no calibrated times for image sides [64]" in unknown.stderr
+
+
+def test_calibration_on_the_services(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration measures every stage on the real services (each time it fits is
+    positive where the stage does work), and an open-loop run answers every call."""
+    monkeypatch.setattr(plan_measure, "CALIBRATE_REQUESTS", 10)
+    monkeypatch.setattr(plan_measure, "BURST_REQUESTS", 12)
+    address = cluster.ports.address("gateway")
+    encoders = [cluster.ports.metrics[n] for n in cluster.instances("encoder")]
+    p = plan_measure.calibrate(
+        address,
+        encoders,
+        sides=[96],
+        max_tokens=8,
+        seed=4242,
+        log=lambda line: None,
+        processes=plan_measure.processes(cluster),
+    )
+    side = p.sides[96]
+    assert typical(side.preprocess_ms["miss"]) > 0
+    assert typical(side.lookup_ms["miss"]) > 0 and typical(side.lookup_ms["hit"]) > 0
+    assert side.encode_image_ms + p.encode_batch_ms > 0
+    assert typical(side.prefill_ms["miss"]) > 0
+    # Every call's own time is kept (the simulation draws from them): 10 calls, 5 repeats.
+    assert sum(len(side.lookup_ms[t]) for t in ("miss", "hit")) == 10  # type: ignore[arg-type]
+    assert p.step_ms + p.step_per_seq_ms > 0
+    assert p.relay_ms_per_token > 0  # the gateway's, decoder's and client's CPU per token
+    assert 0 < p.hit_of_repeats <= 1
+    assert p.conditions["burst_mean_batch_images"] >= 1
+    # Open loop on the same services, a few calls: every one answers, with a TTFT.
+    requests = plan_measure_requests(6)
+    calls, elapsed = asyncio.run(plan_measure.run_calls(address, requests, rate=2.0, seed=1))
+    real = plan_measure.measured(calls, elapsed)
+    assert real["answered"] == 6 and real["failed"] == 0
+    assert real["ttft_p50_ms"] is not None and real["ttft_p50_ms"] > 0
+    pred = simulate(p, Workload(2.0, {96: 1.0}, 0.5, 8), requests=200)
+    assert pred.ttft_p50_ms > 0 and pred.hit_rate > 0
+
+
+def plan_measure_requests(n: int) -> list[Any]:
+    from splitvl_tools.load import build_requests
+
+    return build_requests(n, side=96, repeat_fraction=0.5, max_tokens=8, seed=77)
+
+
+@pytest.mark.parametrize(
+    ("cores", "jobs", "expected"),
+    [(1, [10.0, 10.0], [20.0, 20.0]), (2, [10.0, 10.0], [10.0, 10.0]), (2, [10.0] * 3, [15.0] * 3)],
+)
+def test_host_shares_its_cores(cores: int, jobs: list[float], expected: list[float]) -> None:
+    """Processor sharing: jobs started together on a host of ``cores`` each run at
+    min(1, cores / jobs) of their speed; a later, shorter job finishes first."""
+    import simpy
+
+    from splitvl_tools.plan import _Host
+
+    env = simpy.Environment()
+    host = _Host(env, cores)
+    finished: list[float] = []
+
+    def job(ms: float) -> Any:
+        yield host.work(ms)
+        finished.append(env.now)
+
+    for ms in jobs:
+        env.process(job(ms))
+    env.run()
+    assert finished == pytest.approx(expected)
+    # 10 ms alone on 1 core, then a 2 ms job at t=4: both at half speed until the short
+    # one is done (t=8), the long one then alone: 10 - 4 - 2 = 4 ms more, t=12.
+    env, order = simpy.Environment(), []
+    host = _Host(env, 1)
+
+    def later(ms: float, at: float, name: str) -> Any:
+        yield env.timeout(at)
+        yield host.work(ms)
+        order.append((name, env.now))
+
+    env.process(later(10.0, 0.0, "long"))
+    env.process(later(2.0, 4.0, "short"))
+    env.run()
+    assert order == [("short", pytest.approx(8.0)), ("long", pytest.approx(12.0))]
