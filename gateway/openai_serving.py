@@ -32,15 +32,13 @@ from opentelemetry import propagate, trace
 from gateway.openai_protocol import (
     FINISH,
     INT32_MAX,
-    SSE_DONE,
-    ChatCompletionRenderer,
     ChatCompletionRequest,
     Converted,
     error_body,
     http_error_body,
-    sse,
     to_generate_request,
 )
+from gateway.openai_render import SSE_DONE, ChatCompletionRenderer, sse
 from gateway.pipeline import GenerateEvent, Pipeline
 from gateway.reasoning import ReasoningParser
 from vlcommon.admission import AdmissionInterceptor

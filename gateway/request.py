@@ -26,7 +26,8 @@ from gateway.fetch import UrlFetcher
 from gateway.media import ImageUrl, image_bytes, video_file_bytes
 from gateway.priority import PriorityRules
 from gateway.settings import GatewaySettings
-from gateway.video import VideoConfig, VideoLimits, VideoRequest, check_request
+from gateway.video import VideoLimits, VideoRequest, check_request
+from gateway.video_config import VideoConfig
 from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 from vlcommon.model_info import VisionSpec

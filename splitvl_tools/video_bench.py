@@ -113,7 +113,8 @@ def bench_vllm(model: str, plan: dict[str, Any], works: dict[str, list], log: An
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from gateway.video import VideoLimits, VideoRequest, decode_video, load_video_config
+    from gateway.video import VideoLimits, VideoRequest, decode_video
+    from gateway.video_config import load_video_config
     from vlcommon.model_info import load_vision_spec, resolve_model_dir
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

@@ -16,11 +16,8 @@ from pydantic import ValidationError
 from qwenvl.decoder.v1 import decoder_service_pb2 as dpb
 from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
 
-from gateway.openai_protocol import (
-    ChatCompletionRenderer,
-    ChatCompletionRequest,
-    to_generate_request,
-)
+from gateway.openai_protocol import ChatCompletionRequest, to_generate_request
+from gateway.openai_render import ChatCompletionRenderer
 from gateway.pipeline import GenerateEvent
 from gateway.reasoning import ReasoningDelta, ReasoningParser
 from vlcommon.errors import ServiceError

@@ -19,7 +19,8 @@ import torch
 from PIL import Image
 from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
 
-from gateway.video import VideoLimits, VideoRequest, decode_video, load_video_config
+from gateway.video import VideoLimits, VideoRequest, decode_video
+from gateway.video_config import load_video_config
 from splitvl.client import build_request, generate
 from splitvl.video_clips import pan_clip, zoom_clip
 from tests.conftest import case_file, photo, rgb

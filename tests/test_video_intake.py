@@ -15,15 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gateway.video import (
-    VideoConfig,
-    VideoLimits,
-    VideoRequest,
-    check_request,
-    decode_video,
-    frames_video,
-    load_video_config,
-)
+from gateway.video import VideoLimits, VideoRequest, check_request, decode_video, frames_video
+from gateway.video_config import VideoConfig, load_video_config
 from splitvl.video_clips import encode_clip, pan_clip, pan_frames, zoom_clip
 from tests.conftest import case_file as case
 from vlcommon.errors import ServiceError

@@ -38,7 +38,7 @@ from gateway.pipeline.types import (
 from gateway.pipeline.videos import VideoIntake
 from gateway.request import GenerateInput, RequestParser
 from gateway.settings import GatewaySettings
-from gateway.video import load_video_config
+from gateway.video_config import load_video_config
 from vlcommon import handoff
 from vlcommon.deadline import NO_DEADLINE, Deadline
 from vlcommon.model_info import VisionSpec, resolve_model_dir
