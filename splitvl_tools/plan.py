@@ -116,6 +116,9 @@ class Profile:
         hit_of_repeats: Fraction of designed repeats served from the cache.
         relay_ms_per_token: CPU each streamed token costs outside vLLM's engine (the
             decoder's front, the gateway, the client: protobuf, gRPC, detokenizing).
+        step_cores: Cores a decoder step keeps busy (vLLM's engine processes use more
+            CPU than the wall time of their steps: their CPU time over the steps' time).
+        encode_cores: Cores a ViT batch keeps busy, likewise.
         max_num_seqs: vLLM's running-sequence limit.
         conditions: Where and how it was measured (host, date, command).
     """
@@ -131,6 +134,8 @@ class Profile:
     client_delay_ms: dict[str, Time]
     hit_of_repeats: float = 1.0
     relay_ms_per_token: float = 0.0
+    step_cores: float = 1.0
+    encode_cores: float = 1.0
     max_num_seqs: int = 128
     conditions: dict[str, Any] = field(default_factory=dict)
 
@@ -193,29 +198,32 @@ class _Seq:
 
 
 class _Host:
-    """The CPU that services on one host share: processor sharing over ``cores``, each
-    job (a preprocess, a lookup, a ViT batch, a decoder step, the relay of a step's
-    tokens) running at ``min(1, cores / jobs)`` of its own speed. ``cores`` 0: each job
-    at full speed (own hardware). Times are ms of work at full speed."""
+    """The CPU that services on one host share: processor sharing over ``cores``. Each job
+    (a preprocess, a lookup, a ViT batch, a decoder step, the relay of a step's tokens)
+    keeps ``weight`` cores busy at full speed; while the jobs' weights sum past ``cores``,
+    every job runs at ``cores / sum`` of its speed. ``cores`` 0: each job at full speed
+    (own hardware). Times are ms of work at full speed."""
 
     def __init__(self, env: Any, cores: int) -> None:
         self.env, self.cores = env, cores
         self.jobs: dict[Any, float] = {}
+        self.weights: dict[Any, float] = {}
         self.last = 0.0
         self.version = 0
 
-    def work(self, ms: float) -> Any:
+    def work(self, ms: float, weight: float = 1.0) -> Any:
         """An event that fires once ``ms`` of work got done."""
         if not self.cores or ms <= 0:
             return self.env.timeout(max(ms, 0.0))
         self._advance()
         done = self.env.event()
         self.jobs[done] = ms
+        self.weights[done] = weight
         self._schedule()
         return done
 
     def _rate(self) -> float:
-        return min(1.0, self.cores / len(self.jobs)) if self.jobs else 1.0
+        return min(1.0, self.cores / sum(self.weights.values())) if self.jobs else 1.0
 
     def _advance(self) -> None:
         now = self.env.now
@@ -239,7 +247,7 @@ class _Host:
         self._advance()
         for job, left in list(self.jobs.items()):
             if left <= 1e-9:
-                del self.jobs[job]
+                del self.jobs[job], self.weights[job]
                 job.succeed()
         self._schedule()
 
@@ -273,7 +281,7 @@ class _Decoder:
             n = len(self.running) + len(new)
             step = self.p.step_ms + self.p.step_per_seq_ms * n + sum(s.prefill_ms for s in new)
             start = self.env.now
-            yield self.host.work(step)
+            yield self.host.work(step, self.p.step_cores)
             self.busy_ms += self.env.now - start
             still, ready = [], []
             for s in self.running:
@@ -319,10 +327,28 @@ class _Encoder:
                 self.p.sides[side].encode_image_ms for side, _ in batch
             )
             start = self.env.now
-            yield self.host.work(t)
+            yield self.host.work(t, self.p.encode_cores)
             self.busy_ms += self.env.now - start
             for _, done in batch:
                 done.succeed()
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One arrival of a given sequence (:func:`simulate`'s ``trace``).
+
+    Attributes:
+        after_ms: Time since the previous arrival (the first: since the start), ms.
+        side: Its image's side, pixels.
+        kind: ``unique``, or a designed repeat (``exact``, ``near``: a cache hit with the
+            profile's ``hit_of_repeats``).
+        image: The identity of its image (a repeat's is the original's).
+    """
+
+    after_ms: float
+    side: int
+    kind: str
+    image: int
 
 
 @dataclass
@@ -338,6 +364,7 @@ class Prediction:
     hit_rate: float
     prefix_hit_rate: float
     requests: int
+    ttft_p50_ms_by_tier: dict[str, float] = field(default_factory=dict)
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -367,11 +394,15 @@ def simulate(
     requests: int = 2000,
     seed: int = 0,
     warmup: int = 50,
+    trace: Sequence[Arrival] | None = None,
 ) -> Prediction:
     """Simulate ``requests`` arrivals of ``workload`` on ``replicas``.
 
     Args:
         profile: Measured service times.
+        trace: The arrivals themselves instead of drawn ones (a real run's, to compare
+            with it: ``requests``, ``warmup`` and the workload's rate and repeats are then
+            not used).
         workload: Rate, image sides, repeats, output length.
         replicas: Instances per service, and the decoders' routing.
         requests: Arrivals simulated (the first ``warmup`` are not counted).
@@ -452,6 +483,12 @@ def simulate(
             if tier == "hit":
                 prefix.append(cached)
 
+    def replay(arrivals: Sequence[Arrival]) -> Generator[Any, Any, None]:
+        for i, a in enumerate(arrivals):
+            yield env.timeout(a.after_ms)
+            repeat = a.kind != "unique" and rng.random() < profile.hit_of_repeats
+            env.process(one(i, a.side, "hit" if repeat else "miss", a.image))
+
     def arrivals() -> Generator[Any, Any, None]:
         seen: list[int] = []
         for i in range(requests):
@@ -465,7 +502,11 @@ def simulate(
             env.process(one(i, side, tier, image))
             yield env.timeout(rng.expovariate(workload.rate) * 1000)
 
-    env.process(arrivals())
+    if trace is not None:
+        warmup = 0
+        env.process(replay(trace))
+    else:
+        env.process(arrivals())
     env.run()
     span_ms = max(ends) - min(starts) if ends else 0.0
     total_ms = env.now or 1.0
@@ -485,6 +526,11 @@ def simulate(
         hit_rate=round(tiers.count("hit") / len(tiers), 3),
         prefix_hit_rate=round(sum(prefix) / len(prefix), 3) if prefix else 0.0,
         requests=len(ttft),
+        ttft_p50_ms_by_tier={
+            t: round(_pct([x for x, k in zip(ttft, tiers, strict=True) if k == t], 50), 1)
+            for t in TIERS
+            if t in tiers
+        },
     )
 
 

@@ -24,7 +24,7 @@ import asyncio
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,6 +40,10 @@ from splitvl_tools.plan import (
 )
 
 ENC_DURATION = "splitvl_encoder_batch_duration_seconds"
+#: PIDs by service (:func:`processes`), or None for services this host does not run.
+Processes = Mapping[str, Sequence[int]] | None
+#: Simulations of each validation run's own arrivals (their service times drawn anew).
+PREDICTION_SEEDS = 5
 #: Calls of each side before its measured ones (not recorded).
 WARMUP_REQUESTS = 4
 ENC_IMAGES = "splitvl_encoder_batch_images"
@@ -96,12 +100,12 @@ async def run_calls(
     requests: Sequence[Any],
     *,
     concurrency: int | None = None,
-    rate: float | None = None,
-    seed: int = 0,
+    gaps_s: Sequence[float] | None = None,
     channels: int = 4,
 ) -> tuple[list[Observed], float]:
-    """Every request once: ``concurrency`` at a time (closed loop), or open loop with
-    Poisson arrivals at ``rate`` requests/s (seeded; no cap, so queueing shows in TTFT).
+    """Every request once: ``concurrency`` at a time (closed loop), or open loop, request
+    k sent ``gaps_s[k]`` seconds after request k-1 (:func:`poisson_gaps`; no cap, so
+    queueing shows in TTFT).
 
     Returns:
         The calls in order, and the seconds from the first send to the last answer.
@@ -116,7 +120,7 @@ async def run_calls(
     stubs = [pb_grpc.GatewayServiceStub(ch) for ch in chans]
     try:
         t0 = time.perf_counter()
-        if rate is None:
+        if gaps_s is None:
             gate = asyncio.Semaphore(concurrency or 1)
 
             async def bounded(i: int, req: Any) -> Observed:
@@ -125,16 +129,22 @@ async def run_calls(
 
             calls = list(await asyncio.gather(*(bounded(i, r) for i, r in enumerate(requests))))
         else:
-            rng = random.Random(seed)
             tasks = []
-            for i, req in enumerate(requests):
+            for i, (req, gap) in enumerate(zip(requests, gaps_s, strict=True)):
+                await asyncio.sleep(gap)
                 tasks.append(asyncio.ensure_future(observe(stubs[i % len(stubs)], req)))
-                await asyncio.sleep(rng.expovariate(rate))
             calls = list(await asyncio.gather(*tasks))
         return calls, time.perf_counter() - t0
     finally:
         for ch in chans:
             await ch.close()
+
+
+def poisson_gaps(n: int, rate: float, seed: int) -> list[float]:
+    """``n`` exponential inter-arrival times (s) of Poisson arrivals at ``rate``/s; the
+    first is 0 (the run starts with a request)."""
+    rng = random.Random(seed)
+    return [0.0] + [rng.expovariate(rate) for _ in range(n - 1)]
 
 
 def _median(values: Sequence[float], default: float = 0.0) -> float:
@@ -175,7 +185,7 @@ def calibrate(
     max_tokens: int,
     seed: int,
     log: Callable[[str], None],
-    processes: Sequence[int] | None = None,
+    processes: Processes = None,
     max_num_seqs: int = 128,
 ) -> Profile:
     """Measure a running cluster (module docstring) and return its :class:`Profile`.
@@ -194,22 +204,24 @@ def calibrate(
 
     enc = EncoderSettings()
     per_side = {
-        side: _one_at_a_time(address, encoder_metrics, side, max_tokens, seed + side, log)
+        side: _one_at_a_time(
+            address, encoder_metrics, side, max_tokens, seed + side, log, processes
+        )
         for side in sides
     }
     first = sides[0]
     batch_ms, batch_n = _encoder_burst(address, encoder_metrics, first, seed + 7, log)
-    one_ms = per_side[first][1]
+    one_ms, encode_cores = per_side[first][1], per_side[first][2]
     # b0 + b1 n: batch 1 (one at a time) and the burst's mean batch; without batching in the
     # burst (n ~ 1) there is no slope to fit: every image costs its batch-1 time.
     b1 = (batch_ms - one_ms) / (batch_n - 1) if batch_n > 1.2 else one_ms
     b1 = min(max(b1, 0.0), one_ms)
     b0 = one_ms - b1
-    all_calls = [c for calls, _ in per_side.values() for c in calls if c.ok]
+    all_calls = [c for calls, _, _ in per_side.values() for c in calls if c.ok]
     decode = _decode_runs(address, max_tokens, processes, log)
     itl_1 = decode["d0"] + decode["d1"]
     times: dict[int, SideTimes] = {}
-    for side, (calls, enc_ms) in per_side.items():
+    for side, (calls, enc_ms, _) in per_side.items():
         ok = [c for c in calls if c.ok]
         times[side] = SideTimes(
             preprocess_ms=_by_tier(ok, lambda c: c.stages.get("preprocess", 0.0)),
@@ -229,7 +241,7 @@ def calibrate(
             - sum(c.stages.get(k, 0.0) for k in ("preprocess", "lookup", "encode", "ttft"))
         ),
     )
-    repeats = [c for calls, _ in per_side.values() for c in calls[1:] if c.ok]
+    repeats = [c for calls, _, _ in per_side.values() for c in calls[1:] if c.ok]
     hits = sum(c.tier == "hit" for c in repeats)
     designed = round(0.5 * (CALIBRATE_REQUESTS - 1)) * len(sides)
     return Profile(
@@ -246,6 +258,8 @@ def calibrate(
         client_delay_ms=client,
         hit_of_repeats=round(min(1.0, hits / designed), 3) if designed else 1.0,
         relay_ms_per_token=round(decode["relay"], 4),
+        step_cores=round(decode["step_cores"], 3),
+        encode_cores=round(encode_cores, 3),
         max_num_seqs=max_num_seqs,
         conditions={
             "burst_mean_batch_images": round(batch_n, 2),
@@ -263,9 +277,11 @@ def _one_at_a_time(
     max_tokens: int,
     seed: int,
     log: Callable[[str], None],
-) -> tuple[list[Observed], float]:
+    processes: Processes = None,
+) -> tuple[list[Observed], float, float]:
     """``CALIBRATE_REQUESTS`` calls of one side, one at a time (half designed repeats),
-    and the encoder's mean batch duration meanwhile, ms."""
+    the encoder's mean batch duration meanwhile (ms), and the cores its batches kept busy
+    (its CPU time over their duration; 1 without the processes)."""
     from splitvl_tools.load import build_requests
 
     requests = build_requests(
@@ -278,10 +294,14 @@ def _one_at_a_time(
     )
     asyncio.run(run_calls(address, warm, concurrency=1))
     before = _histogram(encoder_metrics, ENC_DURATION)
+    cpu0 = _service_cpu_ms(processes, "encoder", children=False)
     calls, _ = asyncio.run(run_calls(address, requests, concurrency=1))
+    cpu_ms = _service_cpu_ms(processes, "encoder", children=False) - cpu0
     after = _histogram(encoder_metrics, ENC_DURATION)
     log(f"  side {side}, one at a time: {sum(c.ok for c in calls)}/{len(calls)} answered")
-    return calls, _delta_mean(before, after) * 1000
+    busy_ms = (after[0] - before[0]) * 1000
+    cores = max(1.0, cpu_ms / busy_ms) if processes and busy_ms > 0 else 1.0
+    return calls, _delta_mean(before, after) * 1000, cores
 
 
 def _encoder_burst(
@@ -316,7 +336,7 @@ def _cpu_ms(pid: int, *, children: bool) -> float:
 
 
 def _decode_runs(
-    address: str, max_tokens: int, processes: Sequence[int] | None, log: Callable[[str], None]
+    address: str, max_tokens: int, processes: Processes, log: Callable[[str], None]
 ) -> dict[str, float]:
     """Text-only streams (no encoder, no cache) one at a time and ``BURST_CONCURRENCY`` at
     a time: the decode step ``d0 + d1 x sequences`` from the client's inter-token latency
@@ -324,8 +344,9 @@ def _decode_runs(
     run's), and, with the processes, the relay's CPU per token (the gateway, the
     decoder's front process and this client; 0 without them).
 
-    vLLM's engine CPU time is no measure of the step: its processes use more CPU than
-    the wall time of their steps (measured here: 9.3 ms of CPU per 5.3 ms step).
+    vLLM's engine CPU time is no measure of the step's time: its processes use more CPU
+    than the wall time of their steps (measured here: 9.3 ms of CPU per 5.3 ms step),
+    which is what ``step_cores`` says (the cores a step keeps busy, one sequence alone).
     """
     from splitvl.client import build_request
     from splitvl_tools.workload import PROMPTS
@@ -337,20 +358,24 @@ def _decode_runs(
             for i in range(n)
         ]
         cpu0 = _relay_cpu_ms(processes)
+        engine0 = _service_cpu_ms(processes, "decoder", children=True)
         calls, elapsed = asyncio.run(run_calls(address, requests, concurrency=concurrency))
         cpu1 = _relay_cpu_ms(processes)
+        engine_ms = _service_cpu_ms(processes, "decoder", children=True) - engine0
         ok = [c for c in calls if c.ok]
         tokens = max(1, len(ok) * max_tokens)
         running = max(1.0, sum(c.stages.get("decode", 0.0) for c in ok) / (elapsed * 1000))
         itl = _median([x * 1000 for c in ok for x in c.itl_s])
-        points.append((running, itl, (cpu1 - cpu0) / tokens))
+        points.append((running, itl, (cpu1 - cpu0) / tokens, engine_ms / tokens))
         log(f"  text at {concurrency}: {len(ok)}/{n} answered, {running:.2f} running")
-    (b_1, itl_1, _), (b_n, itl_n, relay) = points
+    (b_1, itl_1, _, engine_1), (b_n, itl_n, relay, _) = points
     d1 = max(0.0, (itl_n - itl_1) / (b_n - b_1)) if b_n > b_1 + 0.05 else 0.0
     return {
         "d0": max(0.0, itl_1 - d1 * b_1),
         "d1": d1,
         "relay": max(0.0, relay),
+        # One sequence alone: the engine's CPU per token over the step's wall time.
+        "step_cores": max(1.0, engine_1 / itl_1) if processes and itl_1 > 0 else 1.0,
         "text_running_one": b_1,
         "text_running_burst": b_n,
         "itl_text_one_ms": itl_1,
@@ -358,14 +383,28 @@ def _decode_runs(
     }
 
 
-def _relay_cpu_ms(processes: Sequence[int] | None) -> float:
-    """CPU so far (ms) of ``processes`` (not their children) and this one; 0 without
-    them."""
+def _relay_cpu_ms(processes: Processes) -> float:
+    """CPU so far (ms) of the gateway, the decoders' front processes (not their
+    children) and this one; 0 without the processes."""
     import os
 
     if not processes:
         return 0.0
-    return sum(_cpu_ms(pid, children=False) for pid in (*processes, os.getpid()))
+    pids = (*processes["gateway"], *processes["decoder"], os.getpid())
+    return sum(_cpu_ms(pid, children=False) for pid in pids)
+
+
+def _service_cpu_ms(processes: Processes, service: str, *, children: bool) -> float:
+    """CPU so far (ms) of a service's processes: with ``children``, their descendants'
+    (vLLM's engine), and for the encoder its own and its descendants'."""
+    if not processes:
+        return 0.0
+    total = 0.0
+    for pid in processes[service]:
+        total += _cpu_ms(pid, children=True)
+        if not children:
+            total += _cpu_ms(pid, children=False)
+    return total
 
 
 def measured(calls: Sequence[Observed], elapsed_s: float) -> dict[str, Any]:
@@ -379,6 +418,11 @@ def measured(calls: Sequence[Observed], elapsed_s: float) -> dict[str, Any]:
         "ttft_p95_ms": round(_pct(ttft, 95), 1) if ttft else None,
         "req_per_s": round(len(ok) / elapsed_s, 3) if elapsed_s else 0.0,
         "hit_rate": round(sum(c.tier == "hit" for c in ok) / len(ok), 3) if ok else 0.0,
+        "ttft_p50_ms_by_tier": {
+            t: round(_pct([c.ttft_s * 1000 for c in ok if c.tier == t and c.ttft_s], 50), 1)
+            for t in ("miss", "hit")
+            if any(c.tier == t for c in ok)
+        },
         "answered": len(ok),
         "failed": len(calls) - len(ok),
     }
@@ -437,9 +481,10 @@ def validate(
     """
     import os
 
+    from splitvl.client import build_request
     from splitvl_tools.cluster import own_cluster
-    from splitvl_tools.load import build_requests
-    from splitvl_tools.plan import simulate
+    from splitvl_tools.plan import Arrival, simulate
+    from splitvl_tools.workload import ImageFactory, make_workload
 
     rows = []
     # Every service on this host, sharing its cores.
@@ -468,33 +513,67 @@ def validate(
         for k, target in enumerate(utilisations):
             rate = rate_at(profile, workload, replicas, target)
             n = max(60, round(rate * duration_s))
-            requests = build_requests(
-                n, side=side, repeat_fraction=repeat_fraction, max_tokens=max_tokens, seed=seed + k
+            work = make_workload(
+                ImageFactory(side=side, seed=seed + k),
+                requests=n,
+                repeat_fraction=repeat_fraction,
+                seed=seed + k,
             )
+            requests = [
+                build_request(r.images, r.prompt, max_tokens=max_tokens, ignore_eos=True)
+                for r in work
+            ]
+            gaps = poisson_gaps(n, rate, seed + k)
             log(f"utilisation {target:.2f}: {rate:g} requests/s, {n} requests, open loop ...")
-            calls, elapsed = asyncio.run(run_calls(address, requests, rate=rate, seed=seed + k))
+            calls, elapsed = asyncio.run(run_calls(address, requests, gaps_s=gaps))
             real = measured(calls, elapsed)
-            predicted = simulate(profile, _at(workload, rate), replicas, requests=max(2000, 4 * n))
+            # The same arrivals and repeats, simulated with PREDICTION_SEEDS draws of the
+            # service times: the median of each figure.
+            trace = [
+                Arrival(gap * 1000, side, r.kinds[0], r.sources[0])
+                for gap, r in zip(gaps, work, strict=True)
+            ]
+            predicted = _median_prediction(
+                [
+                    simulate(profile, _at(workload, rate), replicas, seed=s, trace=trace)
+                    for s in range(PREDICTION_SEEDS)
+                ]
+            )
             rows.append(
                 {
                     "utilisation": target,
                     "rate": rate,
                     "requests": n,
-                    "predicted": asdict(predicted),
+                    "predicted": predicted,
                     "measured": real,
                     "ratio": {
-                        key: round(getattr(predicted, key) / real[key], 3) if real[key] else None
+                        key: round(predicted[key] / real[key], 3) if real[key] else None
                         for key in ("ttft_p50_ms", "ttft_p95_ms", "req_per_s")
                     },
                 }
             )
-            log(f"  predicted {asdict(predicted)}")
+            log(f"  predicted {predicted}")
             log(f"  measured  {real}")
         own.ok = True
     return {"profile": asdict(profile), "decoders": decoders, "runs": rows}
 
 
-def processes(cluster: Any) -> list[int]:
-    """PIDs of a local cluster's gateway and decoders (their front processes, whose
-    children run vLLM's engine)."""
-    return [cluster.procs[n].pid for n in ("gateway", *cluster.instances("decoder"))]
+def _median_prediction(predictions: Sequence[Any]) -> dict[str, Any]:
+    """Each figure's median over several simulations of one trace."""
+    out: dict[str, Any] = {}
+    for key, value in asdict(predictions[0]).items():
+        if isinstance(value, dict):
+            seen = [asdict(p)[key] for p in predictions]
+            out[key] = {k: round(statistics.median(d[k] for d in seen if k in d), 3) for k in value}
+        else:
+            out[key] = round(statistics.median(asdict(p)[key] for p in predictions), 3)
+    return out
+
+
+def processes(cluster: Any) -> dict[str, list[int]]:
+    """PIDs of a local cluster's services by name (``gateway``, ``decoder``: their front
+    processes, whose children run vLLM's engine, ``encoder``)."""
+    return {
+        service: [cluster.procs[n].pid for n in cluster.instances(service)]
+        for service in ("gateway", "decoder", "encoder")
+    }

@@ -61,6 +61,9 @@ class Request:
     images: list[bytes]
     prompt: str
     kinds: list[str]  # "unique", "exact" or "near" per image
+    # Per image, the identity of what it shows: a unique image's number in its workload,
+    # a repeat's original's (with a pool: its position in the pool, negative: -1 - k).
+    sources: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -159,10 +162,12 @@ def make_workload(
     rng.shuffle(near)
     out: list[Request] = []
     for i in range(requests):
-        images, kinds = [], []
+        images, kinds, origin = [], [], []
         for j in range(images_per_request):
             if i * images_per_request + j in repeat_at:
                 base = rng.choice(sources)
+                k = next(n for n, s in enumerate(sources) if s is base)
+                origin.append(-1 - k if pool else k)
                 if near.pop():
                     images.append(jpeg(base))
                     kinds.append("near")
@@ -171,8 +176,10 @@ def make_workload(
                     kinds.append("exact")
             else:
                 image = factory.make()
+                origin.append(len(seen))
                 seen.append(image)
                 images.append(png(image))
                 kinds.append("unique")
-        out.append(Request(images, f"{PROMPTS[rng.randrange(len(PROMPTS))]} ({i})", kinds))
+        prompt = f"{PROMPTS[rng.randrange(len(PROMPTS))]} ({i})"
+        out.append(Request(images, prompt, kinds, origin))
     return out

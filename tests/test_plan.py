@@ -192,11 +192,14 @@ def test_calibration_on_the_services(cluster: Any, monkeypatch: pytest.MonkeyPat
     assert sum(len(side.lookup_ms[t]) for t in ("miss", "hit")) == 10  # type: ignore[arg-type]
     assert p.step_ms + p.step_per_seq_ms > 0
     assert p.relay_ms_per_token > 0  # the gateway's, decoder's and client's CPU per token
+    assert p.step_cores >= 1 and p.encode_cores >= 1
     assert 0 < p.hit_of_repeats <= 1
     assert p.conditions["burst_mean_batch_images"] >= 1
     # Open loop on the same services, a few calls: every one answers, with a TTFT.
     requests = plan_measure_requests(6)
-    calls, elapsed = asyncio.run(plan_measure.run_calls(address, requests, rate=2.0, seed=1))
+    gaps = plan_measure.poisson_gaps(6, 2.0, seed=1)
+    assert gaps[0] == 0 and all(g > 0 for g in gaps[1:])
+    calls, elapsed = asyncio.run(plan_measure.run_calls(address, requests, gaps_s=gaps))
     real = plan_measure.measured(calls, elapsed)
     assert real["answered"] == 6 and real["failed"] == 0
     assert real["ttft_p50_ms"] is not None and real["ttft_p50_ms"] > 0
@@ -247,3 +250,40 @@ def test_host_shares_its_cores(cores: int, jobs: list[float], expected: list[flo
     env.process(later(2.0, 4.0, "short"))
     env.run()
     assert order == [("short", pytest.approx(8.0)), ("long", pytest.approx(12.0))]
+
+
+def test_a_job_may_keep_several_cores_busy() -> None:
+    """A decoder step that keeps 2 cores busy and a 1-core job on a 2-core host: weights
+    sum to 3, each runs at 2/3 of its speed; the 4 ms job ends at 6 ms, the step's last
+    6 ms then alone: 8 - 4 = 4 ms more, t=10."""
+    import simpy
+
+    from splitvl_tools.plan import _Host
+
+    env, order = simpy.Environment(), []
+    host = _Host(env, 2)
+
+    def job(ms: float, weight: float, name: str) -> Any:
+        yield host.work(ms, weight)
+        order.append((name, env.now))
+
+    env.process(job(8.0, 2.0, "step"))
+    env.process(job(4.0, 1.0, "lookup"))
+    env.run()
+    assert order == [("lookup", pytest.approx(6.0)), ("step", pytest.approx(10.0))]
+
+
+def test_a_trace_is_replayed_as_given() -> None:
+    """A real run's arrivals replayed: at one 10 ms server, the second request (5 ms after
+    the first) waits 5 ms, the third (100 ms later) none; req/s is the requests over first
+    arrival -> last answer (3 in 110 ms)."""
+    from splitvl_tools.plan import Arrival
+
+    p = profile(lookup_ms={"miss": 10.0, "hit": 10.0})
+    trace = [Arrival(0.0, 128, "unique", 0), Arrival(5.0, 128, "unique", 1)]
+    trace.append(Arrival(100.0, 128, "exact", 0))
+    pred = simulate(p, Workload(1.0, {128: 1.0}), trace=trace)
+    assert pred.requests == 3
+    assert (pred.ttft_p50_ms, pred.ttft_p95_ms) == (10.0, 15.0)
+    assert pred.req_per_s == pytest.approx(3 / 0.115, rel=1e-3)
+    assert pred.hit_rate == pytest.approx(1 / 3, abs=1e-3)  # the repeat hits (hit_of_repeats 1)
