@@ -45,7 +45,7 @@ Processes = Mapping[str, Sequence[int]] | None
 #: Simulations of each validation run's own arrivals (their service times drawn anew).
 PREDICTION_SEEDS = 5
 #: Calls of each side before its measured ones (not recorded).
-WARMUP_REQUESTS = 4
+WARMUP_REQUESTS = 24
 ENC_IMAGES = "splitvl_encoder_batch_images"
 
 
@@ -466,8 +466,9 @@ def validate(
     seed: int,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
-    """Calibrate a fresh cluster, then at each target utilisation run the real workload
-    open loop and simulate it: predicted against measured TTFT p50/p95 and req/s.
+    """On a fresh cluster, for each target utilisation: calibrate, run the real workload
+    open loop, and simulate that run's own arrivals: predicted against measured TTFT
+    p50/p95 and req/s.
 
     Args:
         model: Checkpoint (None: the tiny one).
@@ -499,18 +500,23 @@ def validate(
         cluster = own.cluster
         address = cluster.ports.address("gateway")
         encoders = [cluster.ports.metrics[n] for n in cluster.instances("encoder")]
-        log("calibrating ...")
-        profile = calibrate(
-            address,
-            encoders,
-            sides=[side],
-            max_tokens=max_tokens,
-            seed=seed + 1000,
-            log=log,
-            processes=processes(cluster),
-        )
         workload = Workload(1.0, {side: 1.0}, repeat_fraction, max_tokens)
+        profiles = []
         for k, target in enumerate(utilisations):
+            # Calibrated again right before each run: this shared host's speed drifts by
+            # tens of percent within minutes (docs/planner.md), and a profile measured
+            # before an earlier run no longer describes the machine of a later one.
+            log("calibrating ...")
+            profile = calibrate(
+                address,
+                encoders,
+                sides=[side],
+                max_tokens=max_tokens,
+                seed=seed + 1000 * (k + 1),
+                log=log,
+                processes=processes(cluster),
+            )
+            profiles.append(asdict(profile))
             rate = rate_at(profile, workload, replicas, target)
             n = max(60, round(rate * duration_s))
             work = make_workload(
@@ -555,7 +561,7 @@ def validate(
             log(f"  predicted {predicted}")
             log(f"  measured  {real}")
         own.ok = True
-    return {"profile": asdict(profile), "decoders": decoders, "runs": rows}
+    return {"profiles": profiles, "decoders": decoders, "runs": rows}
 
 
 def _median_prediction(predictions: Sequence[Any]) -> dict[str, Any]:
