@@ -128,6 +128,7 @@ def test_docstring_lists_every_subcommand() -> None:
         "load",
         "faults",
         "soak",
+        "plan",
         "generate",
     }
     for name in names:
