@@ -287,3 +287,55 @@ def test_a_trace_is_replayed_as_given() -> None:
     assert (pred.ttft_p50_ms, pred.ttft_p95_ms) == (10.0, 15.0)
     assert pred.req_per_s == pytest.approx(3 / 0.115, rel=1e-3)
     assert pred.hit_rate == pytest.approx(1 / 3, abs=1e-3)  # the repeat hits (hit_of_repeats 1)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs is 0"),  # the step loop would never admit one
+        ({"step_ms": float("nan")}, "step_ms: expected a time"),
+        ({"step_ms": float("inf")}, "step_ms: expected a time"),
+        ({"step_ms": -5}, "step_ms: expected a time"),
+        ({"decoder_delay_ms": -3.0}, "decoder_delay_ms: expected a time"),
+        ({"encode_delay_ms": []}, "encode_delay_ms: expected a time"),
+        ({"client_delay_ms": {"miss": 1.0}}, "client_delay_ms: expected an object with the tiers"),
+        ({"step_cores": 0}, "step_cores is 0"),
+        ({"encoder_max_batch": True}, "encoder_max_batch is True"),
+        ({"hit_of_repeats": 2.0}, "hit_of_repeats is 2.0"),
+        ({"sides": []}, "'sides' must be an object"),
+        ({"sides": {}}, "sides: no image side calibrated"),
+        ({"sides": {"128": {"preprocess_ms": [1.0]}}}, "cannot read --profile"),
+        ({"step_ms": "fast"}, "step_ms: expected a time"),
+    ],
+)
+def test_a_profile_the_simulation_cannot_run_is_refused(
+    tmp_path: Path, change: dict[str, Any], named: str
+) -> None:
+    """Found by an adversarial pass: max_num_seqs 0 hung the simulation, NaN step times
+    printed NaN as JSON, an empty list of observed times or a missing tier raised a
+    traceback. Every such profile is refused at load, naming the field (exit 2)."""
+    data = json.loads(profile(step_ms=5.0).to_json())
+    data.update(change)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    done = _splitvl("--profile", str(path), "--rate", "5", "--p95-ttft-ms", "500")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    assert named in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--sides", "128:nan", "sides and weights must be finite"),
+        ("--sides", "128:1e400", "sides and weights must be finite"),
+        ("--rate", "1e-300", "expected a finite rate >= 0.001"),
+        ("--rate", "inf", "expected a finite rate >= 0.001"),
+    ],
+)
+def test_flags_out_of_range_are_refused(tmp_path: Path, flag: str, value: str, named: str) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(profile(step_ms=5.0).to_json())
+    args = {"--rate": "5", "--sides": "128", "--p95-ttft-ms": "500", flag: value}
+    done = _splitvl("--profile", str(path), *(x for kv in args.items() for x in kv))
+    assert done.returncode == 2 and named in done.stderr, done.stderr
