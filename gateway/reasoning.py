@@ -43,10 +43,11 @@ ordinary tokens after it binds the marker to the later one (vLLM decodes each to
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from vlcommon.request_rules import added_tokens
 
 #: Reasoning parsers served (``GATEWAY_REASONING_PARSER``); "" is off.
 PARSERS = ("qwen3",)
@@ -122,7 +123,7 @@ class ReasoningParser:
                 f"reasoning parser {name!r}: splitvl serves {', '.join(PARSERS)} "
                 "(vLLM's --reasoning-parser of that name), or '' for none"
             )
-        added = _added_tokens(Path(model_dir))
+        added = added_tokens(Path(model_dir))
         markers = {
             token_id: terminal
             for terminal in _TOKEN_ID_TERMINALS
@@ -146,21 +147,6 @@ class ReasoningParser:
         reasoning = "".join(value for kind, value in events if kind == _REASONING)
         content = "".join(value for kind, value in events if kind == _ANSWER)
         return reasoning or None, content or None
-
-
-def _added_tokens(model_dir: Path) -> dict[str, tuple[int, bool]]:
-    """The tokenizer's added tokens: text -> (token id, special)."""
-    out: dict[str, tuple[int, bool]] = {}
-    path = model_dir / "tokenizer.json"
-    if path.exists():
-        for token in json.loads(path.read_text()).get("added_tokens", []):
-            out[token["content"]] = (int(token["id"]), bool(token.get("special")))
-    path = model_dir / "tokenizer_config.json"
-    if path.exists():
-        decoder = json.loads(path.read_text()).get("added_tokens_decoder", {})
-        for token_id, token in decoder.items():
-            out.setdefault(token["content"], (int(token_id), bool(token.get("special"))))
-    return out
 
 
 # Events of the grammar: (kind, text); kind "reasoning", "content" or "end" (the

@@ -424,7 +424,8 @@ class Prediction:
     ttft_p50_ms_by_tier: dict[str, float] = field(default_factory=dict)
 
 
-def _pct(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile of ``values`` (non-empty)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
@@ -574,17 +575,17 @@ def simulate(
         "decoder": sum(d.busy_ms for d in decoders) / total_ms / len(decoders),
     }
     return Prediction(
-        ttft_p50_ms=round(_pct(ttft, 50), 1),
-        ttft_p95_ms=round(_pct(ttft, 95), 1),
+        ttft_p50_ms=round(percentile(ttft, 50), 1),
+        ttft_p95_ms=round(percentile(ttft, 95), 1),
         ttft_mean_ms=round(statistics.fmean(ttft), 2),
-        e2e_p50_ms=round(_pct(e2e, 50), 1),
+        e2e_p50_ms=round(percentile(e2e, 50), 1),
         req_per_s=round(len(ends) / span_ms * 1000, 3) if span_ms else 0.0,
         utilisation={k: round(v, 3) for k, v in util.items()},
         hit_rate=round(tiers.count("hit") / len(tiers), 3),
         prefix_hit_rate=round(sum(prefix) / len(prefix), 3) if prefix else 0.0,
         requests=len(ttft),
         ttft_p50_ms_by_tier={
-            t: round(_pct([x for x, k in zip(ttft, tiers, strict=True) if k == t], 50), 1)
+            t: round(percentile([x for x, k in zip(ttft, tiers, strict=True) if k == t], 50), 1)
             for t in TIERS
             if t in tiers
         },

@@ -40,13 +40,13 @@ from splitvl_tools.plan import (
 )
 
 ENC_DURATION = "splitvl_encoder_batch_duration_seconds"
+ENC_IMAGES = "splitvl_encoder_batch_images"
 #: PIDs by service (:func:`processes`), or None for services this host does not run.
 Processes = Mapping[str, Sequence[int]] | None
 #: Simulations of each validation run's own arrivals (their service times drawn anew).
 PREDICTION_SEEDS = 5
 #: Calls of each side before its measured ones (not recorded).
 WARMUP_REQUESTS = 24
-ENC_IMAGES = "splitvl_encoder_batch_images"
 
 
 @dataclass
@@ -57,7 +57,6 @@ class Observed:
     tier: str = ""
     ttft_s: float | None = None
     e2e_s: float = 0.0
-    sent_at: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)
 
@@ -69,8 +68,8 @@ async def observe(stub: Any, request: Any, deadline_s: float = 120.0) -> Observe
 
     from splitvl.client import TIER_NAMES
 
-    out = Observed(ok=True, sent_at=time.perf_counter())
-    t0 = last = out.sent_at
+    out = Observed(ok=True)
+    t0 = last = time.perf_counter()
     try:
         async for chunk in stub.Generate(request, timeout=deadline_s):
             now = time.perf_counter()
@@ -294,9 +293,9 @@ def _one_at_a_time(
     )
     asyncio.run(run_calls(address, warm, concurrency=1))
     before = _histogram(encoder_metrics, ENC_DURATION)
-    cpu0 = _service_cpu_ms(processes, "encoder", children=False)
+    cpu0 = _service_cpu_ms(processes, "encoder", own=True)
     calls, _ = asyncio.run(run_calls(address, requests, concurrency=1))
-    cpu_ms = _service_cpu_ms(processes, "encoder", children=False) - cpu0
+    cpu_ms = _service_cpu_ms(processes, "encoder", own=True) - cpu0
     after = _histogram(encoder_metrics, ENC_DURATION)
     log(f"  side {side}, one at a time: {sum(c.ok for c in calls)}/{len(calls)} answered")
     busy_ms = (after[0] - before[0]) * 1000
@@ -358,10 +357,10 @@ def _decode_runs(
             for i in range(n)
         ]
         cpu0 = _relay_cpu_ms(processes)
-        engine0 = _service_cpu_ms(processes, "decoder", children=True)
+        engine0 = _service_cpu_ms(processes, "decoder", own=False)
         calls, elapsed = asyncio.run(run_calls(address, requests, concurrency=concurrency))
         cpu1 = _relay_cpu_ms(processes)
-        engine_ms = _service_cpu_ms(processes, "decoder", children=True) - engine0
+        engine_ms = _service_cpu_ms(processes, "decoder", own=False) - engine0
         ok = [c for c in calls if c.ok]
         tokens = max(1, len(ok) * max_tokens)
         running = max(1.0, sum(c.stages.get("decode", 0.0) for c in ok) / (elapsed * 1000))
@@ -394,32 +393,32 @@ def _relay_cpu_ms(processes: Processes) -> float:
     return sum(_cpu_ms(pid, children=False) for pid in pids)
 
 
-def _service_cpu_ms(processes: Processes, service: str, *, children: bool) -> float:
-    """CPU so far (ms) of a service's processes: with ``children``, their descendants'
-    (vLLM's engine), and for the encoder its own and its descendants'."""
+def _service_cpu_ms(processes: Processes, service: str, *, own: bool) -> float:
+    """CPU so far (ms) of a service's processes' descendants (vLLM's engine), and with
+    ``own`` of the processes themselves too; 0 without the processes."""
     if not processes:
         return 0.0
     total = 0.0
     for pid in processes[service]:
         total += _cpu_ms(pid, children=True)
-        if not children:
+        if own:
             total += _cpu_ms(pid, children=False)
     return total
 
 
 def measured(calls: Sequence[Observed], elapsed_s: float) -> dict[str, Any]:
     """TTFT p50/p95 (ms) and req/s (answered over first send -> last answer) of a run."""
-    from splitvl_tools.plan import _pct
+    from splitvl_tools.plan import percentile
 
     ok = [c for c in calls if c.ok and c.ttft_s is not None]
     ttft = [c.ttft_s * 1000 for c in ok if c.ttft_s is not None]
     return {
-        "ttft_p50_ms": round(_pct(ttft, 50), 1) if ttft else None,
-        "ttft_p95_ms": round(_pct(ttft, 95), 1) if ttft else None,
+        "ttft_p50_ms": round(percentile(ttft, 50), 1) if ttft else None,
+        "ttft_p95_ms": round(percentile(ttft, 95), 1) if ttft else None,
         "req_per_s": round(len(ok) / elapsed_s, 3) if elapsed_s else 0.0,
         "hit_rate": round(sum(c.tier == "hit" for c in ok) / len(ok), 3) if ok else 0.0,
         "ttft_p50_ms_by_tier": {
-            t: round(_pct([c.ttft_s * 1000 for c in ok if c.tier == t and c.ttft_s], 50), 1)
+            t: round(percentile([c.ttft_s * 1000 for c in ok if c.tier == t and c.ttft_s], 50), 1)
             for t in ("miss", "hit")
             if any(c.tier == t for c in ok)
         },

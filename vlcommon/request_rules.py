@@ -151,24 +151,37 @@ QWEN_CONTROL_TOKENS = frozenset(
 )
 
 
-def forbidden_tokens(model_dir: Path) -> tuple[str, ...]:
-    """The control tokens user text may not spell (case C05), longest first, as the
-    gateway and the decoder both refuse them: every added token of the checkpoint's
-    tokenizer (``tokenizer.json``'s ``added_tokens`` and ``tokenizer_config.json``'s
-    ``added_tokens_decoder``, the sources of transformers' ``get_added_vocab``) and
-    :data:`QWEN_CONTROL_TOKENS`.
+def added_tokens(model_dir: Path) -> dict[str, tuple[int, bool]]:
+    """Every added token of the checkpoint's tokenizer, text -> (token id, special):
+    ``tokenizer.json``'s ``added_tokens`` and ``tokenizer_config.json``'s
+    ``added_tokens_decoder`` (the sources of transformers' ``get_added_vocab``; the first
+    wins where both name a token).
 
     Raises:
         json.JSONDecodeError: a tokenizer file that is not JSON (at startup).
     """
-    tokens = set(QWEN_CONTROL_TOKENS)
+    out: dict[str, tuple[int, bool]] = {}
     path = Path(model_dir) / "tokenizer.json"
     if path.exists():
-        tokens |= {t["content"] for t in json.loads(path.read_text()).get("added_tokens", [])}
+        for token in json.loads(path.read_text()).get("added_tokens", []):
+            out[token["content"]] = (int(token["id"]), bool(token.get("special")))
     path = Path(model_dir) / "tokenizer_config.json"
     if path.exists():
         decoder = json.loads(path.read_text()).get("added_tokens_decoder", {})
-        tokens |= {t["content"] for t in decoder.values()}
+        for token_id, token in decoder.items():
+            out.setdefault(token["content"], (int(token_id), bool(token.get("special"))))
+    return out
+
+
+def forbidden_tokens(model_dir: Path) -> tuple[str, ...]:
+    """The control tokens user text may not spell (case C05), longest first, as the
+    gateway and the decoder both refuse them: every added token of the checkpoint's
+    tokenizer (:func:`added_tokens`) and :data:`QWEN_CONTROL_TOKENS`.
+
+    Raises:
+        json.JSONDecodeError: a tokenizer file that is not JSON (at startup).
+    """
+    tokens = set(QWEN_CONTROL_TOKENS) | set(added_tokens(model_dir))
     return tuple(sorted(tokens, key=len, reverse=True))
 
 
