@@ -5,7 +5,9 @@ decoder, the caches on a local redis-server, 16 concurrent streaming calls throu
 (splitvl_tools/replica_faults.py says what each step does). CI runs this; the 60 s
 windows are ``splitvl faults`` run by hand, with the figures in docs/scaling.md.
 
-About 8 minutes on 2 cores: two vLLM engines start, and each decoder starts twice more.
+The rolling step restarts the replicas the kills did not (cache-2, encoder-2, decoder-2),
+so each of the six is started again once. About 8 minutes on 2 cores here, 13-15 on CI's
+(two vLLM engines start, then each decoder once more, under load): its own timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from splitvl_tools.replica_faults import LOST_MID_STREAM, REPLICAS, run_drill
 
 WINDOW_S = 15.0
 CONCURRENCY = 16
+#: The replicas the earlier steps did not restart (they killed and restarted the first ones).
+ROLLING = ("cache-2", "encoder-2", "decoder-2")
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +37,12 @@ def replicated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(1800)
 def test_replicas_and_the_store_killed_and_restarted_under_load(replicated: Cluster) -> None:
-    report = run_drill(replicated, window_s=WINDOW_S, concurrency=CONCURRENCY, deadline_s=60.0)
+    pids_before = replicated.pids()
+    report = run_drill(
+        replicated, window_s=WINDOW_S, concurrency=CONCURRENCY, deadline_s=60.0, rolling=ROLLING
+    )
     print(report)
     failed = {
         code: n
@@ -57,16 +65,11 @@ def test_replicas_and_the_store_killed_and_restarted_under_load(replicated: Clus
     assert report["decoder_1_answers_once_back"] >= 1
     assert report["store_errors_store_killed"] >= 1
     assert report["probe_after_store_back"] == ["exact"]
-    assert report["rolling_exit_codes"] == {
-        "cache-1": 0,
-        "cache-2": 0,
-        "encoder-1": 0,
-        "encoder-2": 0,
-        "decoder-1": 0,
-        "decoder-2": 0,
-    }
+    assert report["rolling_exit_codes"] == dict.fromkeys(ROLLING, 0)
     assert report["tiers"].get("exact", 0) > 0
     assert all(n > 0 for n in report["encoded_by_step"].values()), report["encoded_by_step"]
     assert all(report["verdicts"].values()), report["verdicts"]
-    # Every replica was restarted; the gateway never was.
-    assert set(replicated.pids()) == {"gateway", *(f"{s}-{r}" for s in REPLICAS for r in (1, 2))}
+    # Every replica was restarted (a new process); the gateway never was.
+    pids_after = replicated.pids()
+    assert set(pids_after) == {"gateway", *(f"{s}-{r}" for s in REPLICAS for r in (1, 2))}
+    assert {n for n in pids_after if pids_after[n] == pids_before[n]} == {"gateway"}
