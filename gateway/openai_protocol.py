@@ -115,6 +115,8 @@ class ChatCompletionRequest(BaseModel):
     ignore_eos: StrictBool = False
     user: StrictStr | None = None
     priority: StrictInt | None = None  # vLLM's extension: lower = sooner (gateway.priority)
+    # vLLM's: False leaves the reasoning out of the answer (with a reasoning parser).
+    include_reasoning: StrictBool = True
 
 
 #: Fields of OpenAI's or vLLM's API that splitvl does not implement, accepted only with
@@ -134,7 +136,6 @@ NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
     "metadata": (None, {}),
     "store": (None, False),
-    "include_reasoning": (None, True),  # vLLM's: reasoning is always returned when parsed
 }
 
 

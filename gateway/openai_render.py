@@ -40,14 +40,19 @@ def sse(data: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(u: generation_pb2.Usage | None) -> dict[str, Any]:
-    """OpenAI's ``usage`` (tokens) of the pipeline's; zeros when there is none."""
+def usage(u: generation_pb2.Usage | None, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage`` (tokens) of the pipeline's; zeros when there is none. With a
+    reasoning parser, ``completion_tokens_details.reasoning_tokens`` as ``vllm serve
+    --reasoning-parser`` adds it (:meth:`ReasoningParser.count_reasoning_tokens`)."""
     u = u or generation_pb2.Usage()
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def splitvl_extension(first: GenerateEvent, last: GenerateEvent | None) -> dict[str, Any]:
@@ -92,6 +97,9 @@ class ChatCompletionRenderer:
         include_usage: ``stream_options.include_usage``: each chunk carries ``usage: null``
             and a last chunk without choices carries the usage.
         reasoning: The reasoning parser, None = off (the text is all ``content``).
+        include_reasoning: The request's ``include_reasoning`` (vLLM's field): False
+            leaves the reasoning out of the answer (a stream step that only reasoned sends
+            no chunk); the usage still counts its tokens, as vLLM's.
     """
 
     id: str
@@ -99,14 +107,24 @@ class ChatCompletionRenderer:
     model: str
     include_usage: bool = False
     reasoning: ReasoningParser | None = None
+    include_reasoning: bool = True
 
     @classmethod
     def new(
-        cls, model: str, include_usage: bool, reasoning: ReasoningParser | None = None
+        cls,
+        model: str,
+        include_usage: bool,
+        reasoning: ReasoningParser | None = None,
+        include_reasoning: bool = True,
     ) -> ChatCompletionRenderer:
         """A renderer with a fresh id, created now."""
         return cls(
-            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, include_usage, reasoning
+            f"chatcmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            model,
+            include_usage,
+            reasoning,
+            include_reasoning,
         )
 
     def _head(self, kind: str) -> dict[str, Any]:
@@ -135,11 +153,25 @@ class ChatCompletionRenderer:
             delta["reasoning"] = delta["reasoning_content"] = split.reasoning
         return delta
 
-    def usage_chunk(self, first: GenerateEvent, last: GenerateEvent) -> str:
+    def visible(self, split: ReasoningDelta | None) -> ReasoningDelta | None:
+        """A streamed step's split as the client gets it: without its reasoning when
+        ``include_reasoning`` is off (None, no chunk, when nothing else is left)."""
+        if self.include_reasoning or split is None:
+            return split
+        return None if split.content is None else ReasoningDelta(None, split.content)
+
+    def reasoning_tokens(self, token_ids: Sequence[int]) -> int | None:
+        """The answer's reasoning tokens (``token_ids``: all it generated); None without a
+        reasoning parser (the usage then has no ``completion_tokens_details``)."""
+        return None if self.reasoning is None else self.reasoning.count_reasoning_tokens(token_ids)
+
+    def usage_chunk(
+        self, first: GenerateEvent, last: GenerateEvent, reasoning_tokens: int | None = None
+    ) -> str:
         """The event after the last choice chunk: no choices, the usage and ``splitvl``."""
         data = self._head("chat.completion.chunk")
         data["choices"] = []
-        data["usage"] = usage(last.usage)
+        data["usage"] = usage(last.usage, reasoning_tokens)
         data["splitvl"] = splitvl_extension(first, last)
         return sse(data)
 
@@ -147,13 +179,15 @@ class ChatCompletionRenderer:
         """The non-streaming ``chat.completion`` of all of a request's events (the first
         carries the images, the last the finish reason, usage and timings). With a
         reasoning parser the message is ``{"role", "content", "reasoning",
-        "reasoning_content"}``, each text None (``null``) when empty, as vLLM's."""
+        "reasoning_content"}``, each text None (``null``) when empty (the reasoning also
+        when ``include_reasoning`` is off), as vLLM's."""
         first = events[0] if events else None
         last = events[-1] if events else None
         text = "".join(e.text for e in events)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.reasoning is not None:
             reasoning, content = self.reasoning.split(text)
+            reasoning = reasoning if self.include_reasoning else None
             message.update(content=content, reasoning=reasoning, reasoning_content=reasoning)
         data = self._head("chat.completion")
         data["choices"] = [
@@ -164,6 +198,7 @@ class ChatCompletionRenderer:
                 "logprobs": None,
             }
         ]
-        data["usage"] = usage(last.usage) if last is not None else None
+        ids = [token_id for e in events for token_id in e.token_ids]
+        data["usage"] = usage(last.usage, self.reasoning_tokens(ids)) if last is not None else None
         data["splitvl"] = splitvl_extension(first, last) if first is not None else {}
         return data

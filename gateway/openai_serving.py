@@ -245,7 +245,9 @@ class OpenAIServingChat:
         """
         first = await self._first_event(call, body, request)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        render = ChatCompletionRenderer.new(self.served_model_name, include_usage, self.reasoning)
+        render = ChatCompletionRenderer.new(
+            self.served_model_name, include_usage, self.reasoning, body.include_reasoning
+        )
         if not body.stream:
             events = await _watching(request, call.collect(first), poll_s=0.5)
             call.finish()
@@ -298,11 +300,13 @@ class OpenAIServingChat:
         chunk, as ``vllm serve --reasoning-parser`` streams."""
         error: ServiceError | None = None
         splitter = render.reasoning.splitter() if render.reasoning is not None else None
+        generated: list[int] = []  # token ids, for usage's reasoning_tokens
         try:
             yield render.chunk({"role": "assistant", "content": ""})
             event, last = first, first
             while event is not None:
                 last = event
+                generated.extend(event.token_ids)
                 reason = FINISH.get(event.finish_reason) if event.finish_reason else None
                 # One chunk per engine step that made tokens, its text empty or not (a
                 # byte-level token that ends inside a UTF-8 character has none yet), as
@@ -314,11 +318,12 @@ class OpenAIServingChat:
                     else:
                         # The parser may hold a step's text back: no chunk, as vLLM's.
                         split = splitter.feed(event.text, event.token_ids, finished=event.finished)
+                        split = render.visible(split)
                         if split is not None or reason:
                             yield render.chunk(render.delta(split), reason)
                 event = await call.next_event()
             if render.include_usage and first is not None and last is not None:
-                yield render.usage_chunk(first, last)
+                yield render.usage_chunk(first, last, render.reasoning_tokens(generated))
             yield SSE_DONE
         except ServiceError as err:
             error = err

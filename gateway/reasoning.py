@@ -13,6 +13,7 @@ layer's ``DelegatingParser``) on the pipeline's text deltas, without vLLM or a t
 
     parser = ReasoningParser.load("qwen3", model_dir)   # once, at start
     reasoning, content = parser.split(text)              # a whole answer (non-streaming)
+    n = parser.count_reasoning_tokens(token_ids)          # usage's reasoning_tokens
     splitter = parser.splitter()                         # one per streamed answer
     for event in events:                                 # GenerateEvent: text + token ids
         delta = splitter.feed(event.text, event.token_ids, finished=event.finished)
@@ -102,11 +103,13 @@ class ReasoningParser:
         marker_ids: Token id -> terminal name (``THINK_END``, ...) of the markers the
             tokenizer has as tokens.
         special_tokens: Texts of the tokenizer's special tokens (vLLM drops them).
+        special_ids: Their token ids.
     """
 
     name: str
     marker_ids: Mapping[int, str] = field(default_factory=dict)
     special_tokens: tuple[str, ...] = ()
+    special_ids: frozenset[int] = frozenset()
 
     @classmethod
     def load(cls, name: str, model_dir: str | Path) -> ReasoningParser:
@@ -130,8 +133,29 @@ class ReasoningParser:
             for text, (token_id, _) in added.items()
             if text == _TERMINALS[terminal]
         }
-        special = tuple(sorted(text for text, (_, is_special) in added.items() if is_special))
-        return cls(name, markers, special)
+        special = {text: token_id for text, (token_id, is_special) in added.items() if is_special}
+        return cls(name, markers, tuple(sorted(special)), frozenset(special.values()))
+
+    def count_reasoning_tokens(self, token_ids: Iterable[int]) -> int:
+        """How many of an answer's generated tokens are its reasoning, as ``vllm serve``
+        reports them (``usage.completion_tokens_details.reasoning_tokens``): the tokens
+        before the ``</think>`` (or ``<tool_call>``) token, less ``<think>`` tokens and
+        special tokens (the end-of-turn token is never reasoning); all of them, less the
+        same, when the reasoning never ended. vLLM counts the tokens of the grammar's
+        reasoning chunks, which with token ids (markers recognised by id) is this count;
+        ``tests/test_reasoning.py`` checks it against vLLM's at every cut of the stream.
+
+        Args:
+            token_ids: The answer's generated token ids, in order.
+        """
+        count = 0
+        for token_id in token_ids:
+            marker = self.marker_ids.get(token_id)
+            if marker in ("THINK_END", "TOOL_START"):
+                break
+            if marker != "THINK_START" and token_id not in self.special_ids:
+                count += 1
+        return count
 
     def splitter(self) -> ReasoningSplitter:
         """A streaming splitter for one answer."""

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from pydantic import ValidationError
+from qwenvl.common.v1 import generation_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2 as dpb
 from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
 
@@ -57,6 +58,28 @@ class Oracle:
         """The non-streaming message's (reasoning, content)."""
         reasoning, content, _ = self.parser_cls(self.tokenizer, None).parse(text, self.request)
         return reasoning, content
+
+    def reasoning_tokens(self, text: str, token_ids: list[int]) -> int:
+        """The non-streaming usage's ``reasoning_tokens`` (vLLM parses the text with the
+        output's token ids, then counts)."""
+        parser = self.parser_cls(self.tokenizer, None)
+        parser.parse(text, self.request, model_output_token_ids=token_ids)
+        return int(parser.count_reasoning_tokens(token_ids))
+
+    def stream_reasoning_tokens(
+        self, deltas: Sequence[tuple[str, Sequence[int]]], token_ids: list[int]
+    ) -> int:
+        """The streaming usage's ``reasoning_tokens`` after ``deltas``."""
+        parser = self.parser_cls(self.tokenizer, None)
+        for i, (text, ids) in enumerate(deltas):
+            parser.parse_delta(
+                text,
+                list(ids),
+                self.request,
+                prompt_token_ids=self.prompt_ids,
+                finished=i == len(deltas) - 1,
+            )
+        return int(parser.count_reasoning_tokens(token_ids))
 
     def stream(self, deltas: Sequence[tuple[str, Sequence[int]]]) -> list[Split]:
         """Each step's delta (reasoning, content), None where vLLM sends no chunk."""
@@ -206,6 +229,43 @@ def test_a_marker_spelled_with_ordinary_tokens_is_text_while_streaming(
     assert parser.split(text) == oracle.parse(text) == ("Hmm ", " ok")
 
 
+@pytest.mark.parametrize("text", OUTPUTS)
+def test_reasoning_tokens_equal_vllms_count(
+    text: str, parser: ReasoningParser, oracle: Oracle
+) -> None:
+    """``usage.completion_tokens_details.reasoning_tokens``: vLLM's count after a whole
+    answer (non-streaming, parsed with its token ids) and after every stream cut, with and
+    without the end-of-turn token vLLM's output ids end with."""
+    tok = oracle.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    for generated in (ids, [*ids, tok.convert_tokens_to_ids("<|im_end|>")]):
+        counts = {oracle.reasoning_tokens(text, generated)}
+        for deltas in token_streams(tok, generated):
+            counts.add(oracle.stream_reasoning_tokens(deltas, generated))
+        assert counts == {parser.count_reasoning_tokens(generated)}, (text, generated)
+
+
+def test_reasoning_tokens_known_values(parser: ReasoningParser, oracle: Oracle) -> None:
+    """Values that would be wrong if the count were: the tokens before </think> and not
+    it, <think> left out, all of an unended reasoning but the end-of-turn token, none
+    when </think> comes first, and a </think> spelled with ordinary tokens is no end."""
+    tok = oracle.tokenizer
+
+    def ids(*parts: str) -> list[int]:
+        return [i for p in parts for i in tok.encode(p, add_special_tokens=False)]
+
+    end, start, eot = (tok.convert_tokens_to_ids(t) for t in ("</think>", "<think>", "<|im_end|>"))
+    reasoning = ids("The photo shows a cat.\n")
+    assert len(reasoning) > 3
+    count = parser.count_reasoning_tokens
+    assert count([*reasoning, end, *ids("\n\nA cat.")]) == len(reasoning)
+    assert count([start, *reasoning, end, *ids("A cat.")]) == len(reasoning)
+    assert count([*reasoning, eot]) == len(reasoning)
+    assert count([end, *reasoning]) == 0
+    spelled = ids("Hmm </", "think", "> ok")
+    assert end not in spelled and count(spelled) == len(spelled)
+
+
 def events(texts: Sequence[str], finish: int = 1) -> list[GenerateEvent]:
     out = [GenerateEvent(token_ids=[i], text=t) for i, t in enumerate(texts)]
     out[-1].finish_reason = finish
@@ -226,6 +286,47 @@ def test_the_answer_is_unchanged_with_the_parser_off(parser: ReasoningParser) ->
     }
     message = on.completion(events(["Still thinking"]))["choices"][0]["message"]
     assert message["content"] is None and message["reasoning_content"] == "Still thinking"
+
+
+def test_include_reasoning_false_and_the_usage_reasoning_tokens(parser: ReasoningParser) -> None:
+    """vLLM's ``include_reasoning: false``: no reasoning in the message, a streamed step
+    that only reasoned is no chunk; its tokens are still counted in the usage, which has
+    no ``completion_tokens_details`` without a parser (the answers are unchanged then)."""
+    end = next(i for i, name in parser.marker_ids.items() if name == "THINK_END")
+    answer = [
+        GenerateEvent(token_ids=[11, 12], text="Think"),
+        GenerateEvent(token_ids=[end], text="</think>"),
+        GenerateEvent(token_ids=[13], text="Answer", finish_reason=1),
+    ]
+    answer[-1].usage = generation_pb2.Usage(prompt_tokens=7, completion_tokens=4)
+    on = ChatCompletionRenderer.new("m", False, parser, include_reasoning=True)
+    off = ChatCompletionRenderer.new("m", False, parser, include_reasoning=False)
+    shown, hidden = on.completion(answer), off.completion(answer)
+    assert shown["choices"][0]["message"]["reasoning"] == "Think"
+    assert hidden["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "Answer",
+        "reasoning": None,
+        "reasoning_content": None,
+    }
+    usage = {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    assert (
+        shown["usage"]
+        == hidden["usage"]
+        == usage | {"completion_tokens_details": {"reasoning_tokens": 2}}
+    )
+    assert ChatCompletionRenderer.new("m", False).completion(answer)["usage"] == usage
+    assert off.visible(ReasoningDelta("r", None)) is None
+    assert off.visible(ReasoningDelta("r", "c")) == ReasoningDelta(None, "c")
+    assert on.visible(ReasoningDelta("r", None)) == ReasoningDelta("r", None)
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "include_reasoning": False}
+    )
+    assert body.include_reasoning is False
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], "include_reasoning": "no"}
+        )
 
 
 def test_a_delta_names_what_it_carries() -> None:

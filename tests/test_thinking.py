@@ -255,6 +255,45 @@ def test_a_later_turn_with_the_earlier_reasoning_gets_the_monolithic_tokens(
             assert openai_answer(thinking_cluster, turns) == vllm_split(oracle, chunks)["whole"]
 
 
+def test_reasoning_tokens_and_include_reasoning_false_as_vllm(
+    thinking_cluster: Cluster, oracle: Oracle
+) -> None:
+    """``usage.completion_tokens_details.reasoning_tokens`` is vLLM's count over the
+    answer's token ids (streaming and not); ``include_reasoning: false`` leaves the
+    reasoning out (no chunk that only reasoned) and keeps the content and the count."""
+    turns: list[Turn] = [("user", END_PROMPT, None, None)]
+    chunks = grpc_chunks(thinking_cluster, turns)
+    raw = "".join(c.text for c in chunks)
+    ids = [t for c in chunks for t in c.token_ids]
+    expected = oracle.reasoning_tokens(raw, ids)
+    assert 0 < expected < MAX_TOKENS  # </think> is the 6th token: 5 reasoned
+    _, content = oracle.parse(raw)
+    for include in (True, False):
+        body = {"ignore_eos": True, "include_reasoning": include}
+        kwargs: dict[str, Any] = {
+            "model": thinking_cluster.model,
+            "messages": openai_messages(turns),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "extra_body": body,
+        }
+        out = client(thinking_cluster).chat.completions.create(**kwargs)
+        assert out.usage is not None and out.usage.completion_tokens_details is not None
+        assert out.usage.completion_tokens_details.reasoning_tokens == expected
+        extra = out.choices[0].message.model_extra or {}
+        assert (extra["reasoning_content"] is None) == (not include)
+        assert out.choices[0].message.content == content
+        stream = client(thinking_cluster).chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+        got = list(stream)
+        assert got[-1].usage is not None and got[-1].usage.completion_tokens_details is not None
+        assert got[-1].usage.completion_tokens_details.reasoning_tokens == expected
+        deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in got if c.choices]
+        assert any("reasoning_content" in d for d in deltas) == include
+        assert "".join(d.get("content", "") for d in deltas) == content
+
+
 def test_bad_reasoning_input_names_the_field(thinking_cluster: Cluster) -> None:
     """A reasoning on a user turn over gRPC, a control token in it over HTTP: the status
     and the field, never INTERNAL."""
