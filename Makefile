@@ -48,8 +48,9 @@ demo: $(STAMP)
 	$(BIN)/splitvl demo
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
+# --durations: the slowest tests, so a CI log shows where its time went.
 test: $(STAMP) $(NODE_DEPS) system-deps
-	$(BIN)/python -m pytest -ra $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest -ra --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Everything but the tests that start services (marked e2e): about 7 minutes on 2 cores.
