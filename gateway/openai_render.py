@@ -155,10 +155,11 @@ class ChatCompletionRenderer:
 
     def visible(self, split: ReasoningDelta | None) -> ReasoningDelta | None:
         """A streamed step's split as the client gets it: without its reasoning when
-        ``include_reasoning`` is off (None, no chunk, when nothing else is left)."""
+        ``include_reasoning`` is off (None, no chunk, when no content text is left: vLLM
+        drops such a step, an empty content included)."""
         if self.include_reasoning or split is None:
             return split
-        return None if split.content is None else ReasoningDelta(None, split.content)
+        return ReasoningDelta(None, split.content) if split.content else None
 
     def reasoning_tokens(self, token_ids: Sequence[int]) -> int | None:
         """The answer's reasoning tokens (``token_ids``: all it generated); None without a

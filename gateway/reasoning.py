@@ -139,11 +139,15 @@ class ReasoningParser:
     def count_reasoning_tokens(self, token_ids: Iterable[int]) -> int:
         """How many of an answer's generated tokens are its reasoning, as ``vllm serve``
         reports them (``usage.completion_tokens_details.reasoning_tokens``): the tokens
-        before the ``</think>`` (or ``<tool_call>``) token, less ``<think>`` tokens and
-        special tokens (the end-of-turn token is never reasoning); all of them, less the
-        same, when the reasoning never ended. vLLM counts the tokens of the grammar's
-        reasoning chunks, which with token ids (markers recognised by id) is this count;
-        ``tests/test_reasoning.py`` checks it against vLLM's at every cut of the stream.
+        before the ``</think>`` (or ``<tool_call>``) token, less marker tokens (``<think>``,
+        ``</tool_call>``) and special tokens (the end-of-turn token is never reasoning);
+        all of them, less the same, when the reasoning never ended. vLLM counts the tokens
+        of the grammar's reasoning chunks, which with token ids (markers recognised by id)
+        is this count; ``tests/test_reasoning.py`` checks it against vLLM's at every cut of
+        the stream. One difference: vLLM's streaming count leaves out tokens of a step
+        without text (a byte of a character split over tokens, in Chinese or an emoji) and
+        so differs from its own non-streaming count; this is the non-streaming one, for
+        both.
 
         Args:
             token_ids: The answer's generated token ids, in order.
@@ -153,7 +157,7 @@ class ReasoningParser:
             marker = self.marker_ids.get(token_id)
             if marker in ("THINK_END", "TOOL_START"):
                 break
-            if marker != "THINK_START" and token_id not in self.special_ids:
+            if marker is None and token_id not in self.special_ids:
                 count += 1
         return count
 

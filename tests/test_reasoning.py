@@ -264,6 +264,13 @@ def test_reasoning_tokens_known_values(parser: ReasoningParser, oracle: Oracle) 
     assert count([end, *reasoning]) == 0
     spelled = ids("Hmm </", "think", "> ok")
     assert end not in spelled and count(spelled) == len(spelled)
+    # A </tool_call> token inside the reasoning is no reasoning token (found by an
+    # adversarial pass: vLLM counts its terminal as none).
+    tool_end = tok.convert_tokens_to_ids("</tool_call>")
+    assert count([*reasoning, tool_end, *reasoning]) == 2 * len(reasoning)
+    assert count([*reasoning, tool_end, *reasoning]) == oracle.reasoning_tokens(
+        tok.decode([*reasoning, tool_end, *reasoning]), [*reasoning, tool_end, *reasoning]
+    )
 
 
 def events(texts: Sequence[str], finish: int = 1) -> list[GenerateEvent]:
@@ -318,6 +325,10 @@ def test_include_reasoning_false_and_the_usage_reasoning_tokens(parser: Reasonin
     assert ChatCompletionRenderer.new("m", False).completion(answer)["usage"] == usage
     assert off.visible(ReasoningDelta("r", None)) is None
     assert off.visible(ReasoningDelta("r", "c")) == ReasoningDelta(None, "c")
+    # A step past the reasoning whose text is empty (a byte of a split character): vLLM
+    # sends nothing for it when the reasoning is left out (found by an adversarial pass).
+    assert off.visible(ReasoningDelta(None, "")) is None
+    assert on.visible(ReasoningDelta(None, "")) == ReasoningDelta(None, "")
     assert on.visible(ReasoningDelta("r", None)) == ReasoningDelta("r", None)
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "x"}], "include_reasoning": False}

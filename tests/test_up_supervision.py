@@ -234,9 +234,14 @@ def test_kill_9_of_a_holder_and_of_the_decoder_leaves_nothing_of_them_in_dev_shm
     up: Up,
 ) -> None:
     """Issue 14: segments never leak. The encoder holds an embedding nobody reads (a
-    segment of its pid), the decoder's vLLM maps its message-queue buffers (psm_*); both
-    are killed with SIGKILL (the decoder with its whole process group), and once the
-    launcher has restarted them nothing of the dead processes is left in /dev/shm."""
+    segment of its pid), the decoder's vLLM maps its message-queue buffers (psm_*) and has
+    POSIX named semaphores (``sem.*``); both are killed with SIGKILL (the decoder with its
+    whole process group), and once the launcher has restarted them nothing of the dead
+    processes is left in /dev/shm. The semaphores: one vLLM's engine start registers is
+    mapped by no process, so only the resource tracker can unlink it, and the decoder
+    starts that tracker outside its process group
+    (``handoff.start_resource_tracker_in_own_group``; found 2026-12-04, when it died in
+    the same killpg)."""
     from qwenvl.common.v1 import tensor_pb2
     from qwenvl.encoder.v1 import encoder_service_pb2 as epb
     from qwenvl.encoder.v1 import encoder_service_pb2_grpc as epb_grpc
@@ -259,6 +264,11 @@ def test_kill_9_of_a_holder_and_of_the_decoder_leaves_nothing_of_them_in_dev_shm
     queues = handoff.mapped_segments(tree)
     assert queues, "vLLM maps no shared-memory segment: nothing to check"
     assert any(n.startswith(f"splitvl-decoder-{decoder.pid}-") for n in _shm())  # the record
+    # The semaphores made since the decoder started (another cluster of the same test
+    # session, or anything else on the host, made its own earlier and keeps them).
+    started = decoder.create_time() - 0.5
+    semaphores = {n for n in _shm() if n.startswith("sem.") and _ctime(n) >= started}
+    assert semaphores, "no named semaphore in /dev/shm while the decoder runs: nothing to check"
 
     os.killpg(os.getpgid(decoder.pid), signal.SIGKILL)
     os.kill(encoder.pid, signal.SIGKILL)
@@ -268,27 +278,9 @@ def test_kill_9_of_a_holder_and_of_the_decoder_leaves_nothing_of_them_in_dev_shm
     assert after["encoder"].pid != encoder.pid and after["decoder"].pid != decoder.pid
     left = _shm()
     assert segment not in left and not (set(queues) & left), sorted(left)
+    assert not (semaphores & left), sorted(semaphores & left)
     dead = (f"splitvl-encoder-{encoder.pid}-", f"splitvl-decoder-{decoder.pid}-")
     assert not [n for n in left if n.startswith(dead)], sorted(left)
-
-
-def test_kill_9_of_the_decoder_leaves_no_named_semaphore_of_it(up: Up) -> None:
-    """Issue 14: nothing of a process killed with SIGKILL stays in /dev/shm, the POSIX
-    named semaphores (``sem.*``) of its tree included: a multiprocessing semaphore vLLM's
-    engine start registers is mapped by no process, so only the resource tracker can
-    unlink it, and the decoder starts that tracker outside its process group
-    (``handoff.start_resource_tracker_in_own_group``; found 2026-12-04, when it died in
-    the same killpg)."""
-    decoder = up.services()["decoder"]
-    # This decoder's: made since it started (another cluster of the same test session, or
-    # anything else on the host, made its own earlier and keeps them).
-    started = decoder.create_time() - 0.5
-    before = {n for n in _shm() if n.startswith("sem.") and _ctime(n) >= started}
-    assert before, "no named semaphore in /dev/shm while the decoder runs: nothing to check"
-    os.killpg(os.getpgid(decoder.pid), signal.SIGKILL)
-    _until_a_request_succeeds(up, "decoder", seed=4000)
-    assert up.services()["decoder"].pid != decoder.pid
-    assert not (before & _shm()), sorted(before & _shm())
 
 
 def tensors_from_numpy(array: np.ndarray):  # type: ignore[no-untyped-def]
