@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,9 +161,10 @@ class ChatCompletionRenderer:
             return split
         return ReasoningDelta(None, split.content) if split.content else None
 
-    def reasoning_tokens(self, token_ids: Sequence[int]) -> int | None:
-        """The answer's reasoning tokens (``token_ids``: all it generated); None without a
-        reasoning parser (the usage then has no ``completion_tokens_details``)."""
+    def reasoning_tokens(self, token_ids: Iterable[int]) -> int | None:
+        """The answer's reasoning tokens (``token_ids``: all it generated, read only with
+        a parser); None without a reasoning parser (the usage then has no
+        ``completion_tokens_details``)."""
         return None if self.reasoning is None else self.reasoning.count_reasoning_tokens(token_ids)
 
     def usage_chunk(
@@ -199,7 +200,7 @@ class ChatCompletionRenderer:
                 "logprobs": None,
             }
         ]
-        ids = [token_id for e in events for token_id in e.token_ids]
+        ids = (token_id for e in events for token_id in e.token_ids)
         data["usage"] = usage(last.usage, self.reasoning_tokens(ids)) if last is not None else None
         data["splitvl"] = splitvl_extension(first, last) if first is not None else {}
         return data

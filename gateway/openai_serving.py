@@ -300,13 +300,14 @@ class OpenAIServingChat:
         chunk, as ``vllm serve --reasoning-parser`` streams."""
         error: ServiceError | None = None
         splitter = render.reasoning.splitter() if render.reasoning is not None else None
-        generated: list[int] = []  # token ids, for usage's reasoning_tokens
+        generated: list[int] = []  # token ids, for usage's reasoning_tokens (with a parser)
         try:
             yield render.chunk({"role": "assistant", "content": ""})
             event, last = first, first
             while event is not None:
                 last = event
-                generated.extend(event.token_ids)
+                if splitter is not None:
+                    generated.extend(event.token_ids)
                 reason = FINISH.get(event.finish_reason) if event.finish_reason else None
                 # One chunk per engine step that made tokens, its text empty or not (a
                 # byte-level token that ends inside a UTF-8 character has none yet), as
