@@ -63,12 +63,20 @@ STORE_ERRORS = Counter(
 )  # op = lookup | put | alias | follow | sync | start
 for _op in ("lookup", "put", "alias", "follow", "sync", "start"):
     STORE_ERRORS.labels(op=_op)
+STORE_REFUSED = Counter(
+    "splitvl_cache_store_refused_total",
+    "Shared-store commands the store answered with an error (OOM when full, READONLY, "
+    "NOPERM, WRONGTYPE, ...): a put is dropped and kept as this replica's local copy; "
+    "reads go on.",
+    ["op", "reason"],
+)  # reason = oom | readonly | noperm | wrongtype | noscript | busy | other
 STORE_INTEGRITY_FAILURES = Counter(
     "splitvl_cache_store_integrity_failures_total",
     "Entries or aliases read from the shared store and refused (never served), by reason.",
     ["reason"],
-)  # reason = mac (tag mismatch) | key (another key's entry) | digest (a field) | format
-for _reason in ("mac", "key", "digest", "format"):
+)  # reason = mac (header does not open) | key_id (another secret) | key (another key's
+# entry) | field (a body field does not open: tampered or torn) | format
+for _reason in ("mac", "key_id", "key", "field", "format"):
     STORE_INTEGRITY_FAILURES.labels(reason=_reason)
 STORE_DROPPED = Counter(
     "splitvl_cache_store_dropped_total",

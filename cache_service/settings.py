@@ -1,5 +1,6 @@
 """Cache service settings (environment prefix ``CACHE_``)."""
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -7,6 +8,7 @@ from pydantic_settings import SettingsConfigDict
 
 from cache_service.index import IndexParams
 from cache_service.store_conn import parse_store_url
+from vlcommon.errors import ConfigError
 from vlcommon.imaging import DESCRIPTOR_DIM
 from vlcommon.settings import HoldingSettings
 
@@ -89,12 +91,46 @@ class CacheSettings(HoldingSettings):
     store_sync_interval_s: float = Field(
         30.0, gt=0, description="Seconds between two scans of the store by each replica."
     )
+    # Entries are sealed (AES-256-GCM) and named under keys derived from this secret, so the
+    # store holds nothing in the clear and nobody without it can plant an entry
+    # (docs/security.md, "The shared store"). A store without one does not start.
+    store_secret: SecretStr = Field(
+        SecretStr(""),
+        description="Secret entries in the store are sealed under; empty = "
+        "store_secret_file, else internal_token.",
+    )
+    store_secret_file: str = Field(
+        "", description="File holding store_secret (splitvl up writes one, mode 0600)."
+    )
+    store_allow_no_secret: bool = Field(
+        False,
+        description="Development only: a store with no secret (entries sealed under a "
+        "public key: readable and forgeable by whoever reaches the store).",
+    )
 
     @field_validator("store")
     @classmethod
     def _store_url(cls, value: str) -> str:
         parse_store_url(value)  # raises ValueError with the reason
         return value.strip()
+
+    def secret(self) -> str:
+        """The store secret: ``store_secret``, else ``store_secret_file``'s content (one
+        line, surrounding whitespace dropped), else ``internal_token``; "" for none.
+
+        Raises:
+            ConfigError: ``store_secret_file`` cannot be read.
+        """
+        if self.store_secret.get_secret_value():
+            return self.store_secret.get_secret_value()
+        if self.store_secret_file:
+            try:
+                return Path(self.store_secret_file).read_text().strip()
+            except OSError as err:
+                raise ConfigError(
+                    f"CACHE_STORE_SECRET_FILE {self.store_secret_file}: {err.strerror or err}"
+                ) from None
+        return self.internal_token.get_secret_value()
 
     def index_params(self) -> IndexParams:
         """The FAISS index parameters these settings name (service and cache-bench alike)."""

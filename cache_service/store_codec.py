@@ -1,60 +1,85 @@
-"""Entries in a shared store: canonical encoding, HMAC-SHA256 tags, and the checks on read.
+"""Entries in a shared store, sealed: AES-256-GCM under keys derived from the store secret.
 
-One entry is a Redis hash at ``<prefix>e:<h>``, where ``<h>`` is the first 32 hex digits of
-SHA-256 over the UTF-8 key (keys are up to 256 characters of any text; a fixed-length,
-brace-free name keeps Redis Cluster's hash tags out of the caller's hands). Its fields:
+The store (a Redis that may be managed or shared by someone else) is trusted with nothing:
+it holds no image, embedding, descriptor or key in the clear, and an entry it returns is
+served only when it opens under this cluster's secret as the entry asked for.
 
-* ``h``: the header followed by its 32-byte tag. The header is a canonical, length-prefixed
-  encoding (:func:`seal`) of the key, the model revision, ``image_grid_thw``, the
-  embeddings' dtype (``DataType`` value) and shape, the write time (Unix ms), and the length
-  and SHA-256 of each other field. The tag is HMAC-SHA256 over the header (RFC 2104) under
-  a key derived from the cluster's internal token (:func:`derive_mac_key`).
-* ``d``: the L2-normalised similarity descriptor, float32 little-endian ``[dim]``, or empty.
-* ``v``: the verification image (:func:`encode_verification`), or empty.
-* ``p``: the embeddings, raw row-major bytes of ``shape`` in ``dtype``.
+Names. An entry is a Redis hash at ``<prefix>e:<n>``, an alias a string at ``<prefix>a:<n>``,
+where ``<n>`` is 32 hex digits of HMAC-SHA256 of the key under a name key derived from the
+secret: a fixed-length, brace-free name (Redis Cluster hash tags stay out of the caller's
+hands) from which nobody without the secret can tell which image it holds, nor test
+whether a given image is cached.
 
-So one tag covers every field (the others through their digests in the header), and any
-subset can be read and checked on its own: a replica following the log reads ``h`` and
-``d`` (a few KiB), a similarity candidate ``h`` and ``v``, a hit ``h`` and ``p``. A read is
-refused (:class:`IntegrityError`) when the tag does not match (tampered, or written under
-another secret: ``mac``), the header names another key than the one looked up (a key
-collision, or an entry copied under another name: ``key``), a field does not match its
-digest (tampered, or a torn read across two writes of the key: ``digest``), or the bytes do
+Keys (RFC 5869 HKDF-SHA256 of the secret, :class:`StoreCodec`): a master key, from which
+come the name key, the alias key, a 4-byte key id, and one key per written entry,
+HMAC-SHA256(master, ``entry`` + write id) where the write id is 16 random bytes chosen at
+each Put. Every encryption under an entry key has its own fixed nonce (header 0, then
+``d``, ``v``, ``p``): keys are never reused across writes, so fixed nonces are safe
+(NIST SP 800-38D, 8.2: a nonce must not repeat under one key).
+
+An entry's fields:
+
+* ``h``: version (1 byte), key id (4), write id (16), then the sealed header: a canonical,
+  length-prefixed encoding (:func:`encode_header`) of the key, the model revision,
+  ``image_grid_thw``, the embeddings' dtype (``DataType`` value) and shape, the write time
+  (Unix ms) and the plaintext length of each body field, encrypted with the magic, the
+  version, key id and write id as associated data.
+* ``d``: the L2-normalised similarity descriptor (float32 little-endian ``[dim]``), sealed.
+* ``v``: the verification image (:func:`encode_verification`), sealed.
+* ``p``: the embeddings (raw row-major bytes of ``shape`` in ``dtype``), sealed.
+
+Each body field is sealed under its entry's key with its field name as associated data,
+so any subset can be read and checked on its own (a replica following the log reads ``h``
+and ``d``, a similarity candidate ``h`` and ``v``, a hit ``h`` and ``p``) and a field of
+another write (a torn read, a field copied across entries) fails to open. A read is
+refused (:class:`IntegrityError`) when the header does not open (tampered, or forged by
+someone without the secret: ``mac``), it was written under another secret (``key_id``:
+a rotation; it reads as a miss and is replaced by the next Put), it names another key
+(``key``), a body field does not open or has another length (``field``), or the bytes do
 not parse (``format``).
 
-An alias (another key for the same image, ``PutEntry.alias_key``) is a string at
-``<prefix>a:<h(alias)>``: a canonical record of (alias, key) and its tag. Tags of entries
-and aliases are computed over different magic prefixes, so neither passes for the other.
+Rotation: a new secret gives new names, so a cluster on a new secret simply misses the old
+entries, which Redis expires (their TTL) or evicts; nothing is read under two secrets.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from vlcommon.verification import JpegLuma, VerificationImage, chroma_shape
 
-ENTRY_MAGIC = b"splitvl.cache.entry.v1\0"
-ALIAS_MAGIC = b"splitvl.cache.alias.v1\0"
-TAG_BYTES = 32
-# Body fields of an entry, in the order their lengths and digests appear in the header.
+VERSION = 2
+ENTRY_MAGIC = b"splitvl.cache.entry\0"
+ALIAS_MAGIC = b"splitvl.cache.alias\0"
+KEY_ID_BYTES = 4
+WRITE_ID_BYTES = 16
+NONCE_BYTES = 12
+TAG_BYTES = 16
+# version, key id, write id: the clear prefix of a sealed header.
+PREFIX_BYTES = 1 + KEY_ID_BYTES + WRITE_ID_BYTES
+# Body fields of an entry, in the order their lengths appear in the header; each one's
+# nonce under its entry's key (the header's is 0).
 BODY_FIELDS = ("d", "v", "p")
-# RFC 5869 (HKDF-SHA256) salt and info: the MAC key is derived from the internal token, so
-# the token itself (sent as metadata on every internal call) never keys the MAC directly.
+_NONCES = {name: (i + 1).to_bytes(NONCE_BYTES, "big") for i, name in enumerate(BODY_FIELDS)}
+_HEADER_NONCE = bytes(NONCE_BYTES)
+# RFC 5869 salt: the secret (also sent as a token on internal calls when it is the
+# internal token) never keys anything directly.
 HKDF_SALT = b"splitvl cache store"
-HKDF_INFO = b"entry and alias tags, v1"
 
 
 class IntegrityError(ValueError):
     """A stored entry or alias that must not be served.
 
     Attributes:
-        reason: ``mac`` (tag mismatch), ``key`` (another key's entry), ``digest`` (a field
-            does not match its digest) or ``format`` (unparseable).
+        reason: ``mac``, ``key_id``, ``key``, ``field`` or ``format`` (module docstring).
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -62,41 +87,10 @@ class IntegrityError(ValueError):
         self.reason = reason
 
 
-def derive_mac_key(secret: str) -> bytes:
-    """HKDF-SHA256 (RFC 5869, one output block) of the internal token: the 32-byte key of
-    entry and alias tags. An empty token gives a fixed, public key: tags still catch torn
-    and mixed-up entries, but not forgeries by whoever can write to the store."""
-    prk = hmac.new(HKDF_SALT, secret.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
-    return hmac.new(prk, HKDF_INFO + b"\x01", hashlib.sha256).digest()
-
-
-def key_digest(key: str) -> str:
-    """The 32 hex digits naming ``key`` in the store (SHA-256 of its UTF-8 bytes)."""
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class StoreKeys:
-    """Redis key names under one ``prefix`` (several clusters may share one Redis)."""
-
-    prefix: str = "splitvl:"
-
-    def entry(self, key: str) -> str:
-        return f"{self.prefix}e:{key_digest(key)}"
-
-    def alias(self, alias: str) -> str:
-        return f"{self.prefix}a:{key_digest(alias)}"
-
-    @property
-    def log(self) -> str:
-        """The Redis Stream every replica appends its puts to."""
-        return f"{self.prefix}log"
-
-    @property
-    def entry_pattern(self) -> str:
-        """A SCAN ``MATCH`` pattern for every entry (the prefix's glob characters escaped)."""
-        escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix)
-        return f"{escaped}e:*"
+def _hkdf(secret: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869) of ``secret``, one 32-byte output block."""
+    prk = hmac.new(HKDF_SALT, secret, hashlib.sha256).digest()
+    return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)
@@ -110,8 +104,9 @@ class Header:
         dtype: ``DataType`` value of the embeddings.
         shape: ``[tokens, width]``.
         written_ms: Unix time of the write, ms (informational).
-        lengths: Bytes of each body field (``d``, ``v``, ``p``).
-        digests: SHA-256 of each body field.
+        lengths: Plaintext bytes of each body field (``d``, ``v``, ``p``).
+        write_id: The write's 16 random bytes: two entries of one key with the same
+            write id hold the same bytes.
     """
 
     key: str
@@ -121,30 +116,30 @@ class Header:
     shape: tuple[int, ...]
     written_ms: int
     lengths: dict[str, int]
-    digests: dict[str, bytes]
+    write_id: bytes = b""
+    cipher: AESGCM | None = field(default=None, compare=False, repr=False)
 
 
 def _lp(data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + data
 
 
-def _tag(mac_key: bytes, magic: bytes, body: bytes) -> bytes:
-    return hmac.new(mac_key, magic + body, hashlib.sha256).digest()
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
 
 
 def encode_header(header: Header) -> bytes:
-    """The canonical bytes of ``header`` (without the magic and the tag)."""
+    """The canonical bytes of ``header`` (what is sealed)."""
     out = [
-        _lp(header.key.encode("utf-8", "surrogatepass")),
-        _lp(header.revision.encode("utf-8", "surrogatepass")),
+        _lp(_utf8(header.key)),
+        _lp(_utf8(header.revision)),
         struct.pack(">3I", *header.grid),
         struct.pack(">I", header.dtype),
         struct.pack(">I", len(header.shape)),
         struct.pack(f">{len(header.shape)}Q", *header.shape),
         struct.pack(">Q", header.written_ms),
     ]
-    for name in BODY_FIELDS:
-        out.append(struct.pack(">Q", header.lengths[name]) + header.digests[name])
+    out += [struct.pack(">Q", header.lengths[name]) for name in BODY_FIELDS]
     return b"".join(out)
 
 
@@ -190,95 +185,200 @@ def decode_header(body: bytes) -> Header:
         raise IntegrityError("format", f"a stored shape has {ndim} dimensions")
     shape = r.unpack(f">{ndim}Q")
     (written_ms,) = r.unpack(">Q")
-    lengths, digests = {}, {}
-    for name in BODY_FIELDS:
-        (lengths[name],) = r.unpack(">Q")
-        digests[name] = r.take(32)
+    lengths = {name: r.unpack(">Q")[0] for name in BODY_FIELDS}
     r.end()
-    return Header(key, revision, (t, h, w), dtype, tuple(shape), written_ms, lengths, digests)
+    return Header(key, revision, (t, h, w), dtype, tuple(shape), written_ms, lengths)
 
 
-def seal(
-    mac_key: bytes,
-    *,
-    key: str,
-    revision: str,
-    grid: tuple[int, int, int],
-    dtype: int,
-    shape: tuple[int, ...],
-    payload: bytes,
-    descriptor: np.ndarray | None,
-    verification: VerificationImage | None,
-    written_ms: int,
-) -> tuple[Header, dict[str, bytes]]:
-    """An entry's header and its hash fields ``h`` (header + tag), ``d``, ``v``, ``p``.
+class StoreCodec:
+    """Names and seals entries and aliases under one secret and one key prefix.
 
     Args:
-        descriptor: L2-normalised float32 ``[dim]``, or None (never a similarity hit).
-        verification: The verification image, or None.
-        payload: The embeddings' raw bytes.
+        secret: The store secret (``CACHE_STORE_SECRET``, else the internal token). Empty
+            only with the development opt-in: a public key then, which catches torn and
+            mixed-up entries but neither forgeries nor readers (docs/security.md).
+        prefix: Prefix of every Redis key (several clusters may share one Redis).
     """
-    body = {
-        "d": b"" if descriptor is None else np.asarray(descriptor, "<f4").tobytes(),
-        "v": b"" if verification is None else encode_verification(verification),
-        "p": payload,
-    }
-    header = Header(
-        key,
-        revision,
-        grid,
-        dtype,
-        tuple(int(n) for n in shape),
-        written_ms,
-        {n: len(v) for n, v in body.items()},
-        {n: hashlib.sha256(v).digest() for n, v in body.items()},
-    )
-    encoded = encode_header(header)
-    return header, {"h": encoded + _tag(mac_key, ENTRY_MAGIC, encoded), **body}
 
+    def __init__(self, secret: str, prefix: str = "splitvl:") -> None:
+        raw = _utf8(secret)
+        self.prefix = prefix
+        self._master = _hkdf(raw, b"splitvl cache store master v2")
+        self._names = _hkdf(raw, b"splitvl cache store names v2")
+        self.key_id = hmac.new(self._master, b"key id", hashlib.sha256).digest()[:KEY_ID_BYTES]
+        self._alias = AESGCM(hmac.new(self._master, b"alias", hashlib.sha256).digest())
 
-def open_header(mac_key: bytes, sealed: bytes, key: str | None) -> Header:
-    """Check and decode a stored ``h`` field; ``key``: the key looked up (None: any, as a
-    scan reads entries by their store name; the caller then checks the name).
+    # -- names ---------------------------------------------------------------------------
+    def _name(self, kind: bytes, key: str) -> str:
+        # ``kind`` is one byte: entry, alias and claim names never collide.
+        return hmac.new(self._names, kind + _utf8(key), hashlib.sha256).hexdigest()[:32]
 
-    Raises:
-        IntegrityError: ``mac``, ``format`` or ``key`` (see the module docstring).
-    """
-    if len(sealed) <= TAG_BYTES:
-        raise IntegrityError("format", "a stored header is too short")
-    body, tag = sealed[:-TAG_BYTES], sealed[-TAG_BYTES:]
-    if not hmac.compare_digest(tag, _tag(mac_key, ENTRY_MAGIC, body)):
-        raise IntegrityError("mac", "a stored header's tag does not match")
-    header = decode_header(body)
-    if key is not None and header.key != key:
-        raise IntegrityError("key", "the entry stored under this key's name is another key's")
-    return header
+    def entry(self, key: str) -> str:
+        """The Redis key of ``key``'s entry."""
+        return f"{self.prefix}e:{self._name(b'e', key)}"
 
+    def alias(self, alias: str) -> str:
+        """The Redis key of ``alias``'s record."""
+        return f"{self.prefix}a:{self._name(b'a', alias)}"
 
-def check_field(header: Header, name: str, data: bytes | None) -> bytes:
-    """``data`` when it is the body field ``name`` the header describes.
+    def claim(self, key: str) -> str:
+        """The Redis key a gateway's claim on encoding ``key`` lives at."""
+        return f"{self.prefix}c:{self._name(b'c', key)}"
 
-    Raises:
-        IntegrityError: ``digest`` when its length or SHA-256 differ (or it is missing).
-    """
-    if data is None or len(data) != header.lengths[name]:
-        raise IntegrityError("digest", f"stored field {name!r} has another length")
-    if not hmac.compare_digest(hashlib.sha256(data).digest(), header.digests[name]):
-        raise IntegrityError("digest", f"stored field {name!r} does not match its digest")
-    return data
+    @property
+    def log(self) -> str:
+        """The Redis Stream every replica appends the names of its puts to."""
+        return f"{self.prefix}log"
 
+    @property
+    def entry_pattern(self) -> str:
+        """A SCAN ``MATCH`` pattern for every entry (the prefix's glob characters escaped)."""
+        escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix)
+        return f"{escaped}e:*"
 
-def descriptor_of(header: Header, data: bytes | None, dim: int) -> np.ndarray | None:
-    """The checked descriptor, float32 ``[dim]``; None when the entry has none or its
-    length is not ``dim`` (a replica configured with another descriptor length).
+    # -- entries -------------------------------------------------------------------------
+    def _entry_cipher(self, write_id: bytes) -> AESGCM:
+        return AESGCM(hmac.new(self._master, b"entry" + write_id, hashlib.sha256).digest())
 
-    Raises:
-        IntegrityError: as :func:`check_field`.
-    """
-    raw = check_field(header, "d", data)
-    if len(raw) != 4 * dim:
-        return None
-    return np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    def seal(
+        self,
+        *,
+        key: str,
+        revision: str,
+        grid: tuple[int, int, int],
+        dtype: int,
+        shape: tuple[int, ...],
+        payload: bytes,
+        descriptor: np.ndarray | None,
+        verification: VerificationImage | None,
+        written_ms: int,
+    ) -> tuple[Header, dict[str, bytes]]:
+        """An entry's header and its sealed hash fields ``h``, ``d``, ``v``, ``p``.
+
+        Args:
+            descriptor: L2-normalised float32 ``[dim]``, or None (never a similarity hit).
+            verification: The verification image, or None.
+            payload: The embeddings' raw bytes.
+        """
+        body = {
+            "d": b"" if descriptor is None else np.asarray(descriptor, "<f4").tobytes(),
+            "v": b"" if verification is None else encode_verification(verification),
+            "p": payload,
+        }
+        write_id = os.urandom(WRITE_ID_BYTES)
+        cipher = self._entry_cipher(write_id)
+        header = Header(
+            key,
+            revision,
+            grid,
+            dtype,
+            tuple(int(n) for n in shape),
+            written_ms,
+            {n: len(v) for n, v in body.items()},
+            write_id,
+            cipher,
+        )
+        prefix = bytes([VERSION]) + self.key_id + write_id
+        fields = {
+            "h": prefix + cipher.encrypt(_HEADER_NONCE, encode_header(header), ENTRY_MAGIC + prefix)
+        }
+        for name, data in body.items():
+            fields[name] = cipher.encrypt(_NONCES[name], data, ENTRY_MAGIC + name.encode())
+        return header, fields
+
+    def open_header(self, sealed: bytes, key: str | None) -> Header:
+        """Open a stored ``h`` field; ``key``: the key looked up (None: any, as a scan
+        reads entries by their store name; the caller then checks the name).
+
+        Raises:
+            IntegrityError: ``format``, ``key_id``, ``mac`` or ``key`` (module docstring).
+        """
+        if len(sealed) < PREFIX_BYTES + TAG_BYTES or sealed[0] != VERSION:
+            raise IntegrityError("format", "a stored header is too short or of another version")
+        prefix = sealed[:PREFIX_BYTES]
+        if prefix[1 : 1 + KEY_ID_BYTES] != self.key_id:
+            raise IntegrityError("key_id", "a stored entry was sealed under another secret")
+        write_id = prefix[1 + KEY_ID_BYTES :]
+        cipher = self._entry_cipher(write_id)
+        try:
+            body = cipher.decrypt(_HEADER_NONCE, sealed[PREFIX_BYTES:], ENTRY_MAGIC + prefix)
+        except InvalidTag:
+            raise IntegrityError("mac", "a stored header does not open under this secret") from None
+        h = decode_header(body)
+        if key is not None and h.key != key:
+            raise IntegrityError("key", "the entry stored under this key's name is another key's")
+        return Header(
+            h.key, h.revision, h.grid, h.dtype, h.shape, h.written_ms, h.lengths, write_id, cipher
+        )
+
+    def open_field(self, header: Header, name: str, data: bytes | None) -> bytes:
+        """The plaintext of body field ``name`` of the entry ``header`` opened.
+
+        Raises:
+            IntegrityError: ``field`` when it is missing, does not open under this write's
+                key (tampered, or a torn read across two writes) or has another length.
+        """
+        assert header.cipher is not None, "a header from open_header or seal"
+        if data is None or len(data) != header.lengths[name] + TAG_BYTES:
+            raise IntegrityError("field", f"stored field {name!r} is missing or has another length")
+        try:
+            return header.cipher.decrypt(_NONCES[name], data, ENTRY_MAGIC + name.encode())
+        except InvalidTag:
+            raise IntegrityError("field", f"stored field {name!r} does not open") from None
+
+    def descriptor(self, header: Header, data: bytes | None, dim: int) -> np.ndarray | None:
+        """The opened descriptor, float32 ``[dim]``; None when the entry has none or its
+        length is not ``dim`` (a replica configured with another descriptor length).
+
+        Raises:
+            IntegrityError: as :meth:`open_field`.
+        """
+        raw = self.open_field(header, "d", data)
+        if len(raw) != 4 * dim:
+            return None
+        return np.frombuffer(raw, dtype="<f4").astype(np.float32)
+
+    def verification(self, header: Header, data: bytes | None) -> VerificationImage | None:
+        """The opened verification image; None when the entry has none.
+
+        Raises:
+            IntegrityError: as :meth:`open_field`; ``format`` when it does not parse.
+        """
+        raw = self.open_field(header, "v", data)
+        return decode_verification(raw) if raw else None
+
+    # -- aliases -------------------------------------------------------------------------
+    def seal_alias(self, alias: str, key: str) -> bytes:
+        """The stored record saying that ``alias`` finds the entry of ``key``, sealed."""
+        nonce = os.urandom(NONCE_BYTES)
+        prefix = bytes([VERSION]) + self.key_id + nonce
+        body = _lp(_utf8(alias)) + _lp(_utf8(key))
+        return prefix + self._alias.encrypt(nonce, body, ALIAS_MAGIC + prefix)
+
+    def open_alias(self, sealed: bytes, alias: str) -> str:
+        """The key an alias record stored under ``alias``'s name points to.
+
+        Raises:
+            IntegrityError: ``format``, ``key_id``, ``mac``, or ``key`` when it is another
+                alias's record.
+        """
+        size = 1 + KEY_ID_BYTES + NONCE_BYTES
+        if len(sealed) < size + TAG_BYTES or sealed[0] != VERSION:
+            raise IntegrityError("format", "a stored alias record is too short")
+        prefix = sealed[:size]
+        if prefix[1 : 1 + KEY_ID_BYTES] != self.key_id:
+            raise IntegrityError("key_id", "a stored alias was sealed under another secret")
+        try:
+            nonce = prefix[1 + KEY_ID_BYTES :]
+            body = self._alias.decrypt(nonce, sealed[size:], ALIAS_MAGIC + prefix)
+        except InvalidTag:
+            raise IntegrityError("mac", "a stored alias record does not open") from None
+        r = _Reader(body)
+        stored_alias, key = r.lp(), r.lp()
+        r.end()
+        if stored_alias != alias:
+            raise IntegrityError("key", "the alias record stored under this name is another's")
+        return key
 
 
 def encode_verification(image: VerificationImage) -> bytes:
@@ -305,15 +405,12 @@ def encode_verification(image: VerificationImage) -> bytes:
     return b"".join(parts)
 
 
-def verification_of(header: Header, data: bytes | None) -> VerificationImage | None:
-    """The checked verification image; None when the entry has none.
+def decode_verification(raw: bytes) -> VerificationImage:
+    """The inverse of :func:`encode_verification`.
 
     Raises:
-        IntegrityError: as :func:`check_field`; ``format`` when it does not parse.
+        IntegrityError: ``format`` when ``raw`` does not parse.
     """
-    raw = check_field(header, "v", data)
-    if not raw:
-        return None
     r = _Reader(raw)
     h, w = r.unpack(">II")
     luma = np.frombuffer(r.take(h * w), np.uint8).reshape(h, w).copy()
@@ -328,28 +425,3 @@ def verification_of(header: Header, data: bytes | None) -> VerificationImage | N
         jpeg = JpegLuma(quantization, index, clipped)
     r.end()
     return VerificationImage(luma, chroma, jpeg)
-
-
-def seal_alias(mac_key: bytes, alias: str, key: str) -> bytes:
-    """The stored record saying that ``alias`` finds the entry of ``key``, with its tag."""
-    body = _lp(alias.encode("utf-8", "surrogatepass")) + _lp(key.encode("utf-8", "surrogatepass"))
-    return body + _tag(mac_key, ALIAS_MAGIC, body)
-
-
-def open_alias(mac_key: bytes, sealed: bytes, alias: str) -> str:
-    """The key an alias record stored under ``alias``'s name points to.
-
-    Raises:
-        IntegrityError: ``mac``, ``format``, or ``key`` when it is another alias's record.
-    """
-    if len(sealed) <= TAG_BYTES:
-        raise IntegrityError("format", "a stored alias record is too short")
-    body, tag = sealed[:-TAG_BYTES], sealed[-TAG_BYTES:]
-    if not hmac.compare_digest(tag, _tag(mac_key, ALIAS_MAGIC, body)):
-        raise IntegrityError("mac", "a stored alias record's tag does not match")
-    r = _Reader(body)
-    stored_alias, key = r.lp(), r.lp()
-    r.end()
-    if stored_alias != alias:
-        raise IntegrityError("key", "the alias record stored under this name is another's")
-    return key

@@ -15,12 +15,25 @@ already runs every store call on a worker thread (a similarity candidate's verif
 costs up to ~90 ms of CPU, which must not hold the event loop), so a blocking client there
 needs no hop back to the loop, and its connection pool is thread-safe.
 
-Failures: every command has a bounded socket timeout (``CACHE_STORE_TIMEOUT_S``), a
-refused or reset connection is retried once (a pooled connection that died with a
-restarted server), a timeout is not retried. :class:`StoreHealth` then skips the store
-for ``STORE_RETRY_S`` (a lookup is a miss at once instead of one more timeout each), logs
-at most one line per operation every ``LOG_EVERY_S`` and counts every failure and skip in
-``splitvl_cache_store_errors_total{op}``; the first success closes it again.
+Failures are told apart by what they mean (:func:`classify`):
+
+* the store is unreachable (connection refused or reset, a timeout, a cluster that is down
+  or moving its slots): :class:`StoreHealth` skips it for ``STORE_RETRY_S`` (a lookup is a
+  miss at once instead of one more timeout each); when the window ends one caller probes
+  it while the others keep skipping, and the probe's success closes it again;
+* the store refuses a command (``OOM`` on a full Redis, ``READONLY`` on a replica,
+  ``NOPERM`` from an ACL, ``WRONGTYPE`` when another program owns the key): the Put is
+  dropped and counted by reason in ``splitvl_cache_store_refused_total``, and nothing is
+  skipped: reads go on. The replica keeps the refused entry as a local copy it serves;
+* a wrong password, ACL user or certificate: the service refuses to start
+  (:func:`is_config_error`).
+
+Every command has a bounded socket timeout (``CACHE_STORE_TIMEOUT_S``); a refused or reset
+connection is retried twice with jittered exponential backoff (a pooled connection that died
+with a restarted server, or that a NAT dropped: ``socket_keepalive`` and
+``health_check_interval`` find those before a lookup does); a timeout is not retried.
+Failures are logged at most once per operation every ``LOG_EVERY_S`` and counted in
+``splitvl_cache_store_errors_total{op}``.
 """
 
 from __future__ import annotations
@@ -34,9 +47,19 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import AuthenticationError, RedisClusterException
+from redis.exceptions import (
+    AuthenticationError,
+    ClusterError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from cache_service import metrics
@@ -55,6 +78,26 @@ SCHEMES = {
 STORE_RETRY_S = 1.0
 # At most one log line per operation this often while the store keeps failing.
 LOG_EVERY_S = 10.0
+# A pooled connection idle this long is checked with a PING before it is used (one a NAT
+# or a load balancer dropped silently would otherwise time out a lookup), seconds.
+HEALTH_CHECK_INTERVAL_S = 30
+# The TTL a volatile-* maxmemory-policy needs to evict entries at all, applied when
+# CACHE_TTL_S is 0 (no TTL): one day, seconds.
+VOLATILE_DEFAULT_TTL_S = 86_400.0
+# Refusals counted by their reply's first word; any other is "other".
+REFUSALS = ("OOM", "READONLY", "NOPERM", "WRONGTYPE", "NOSCRIPT", "BUSY")
+_SCRIPT_REFUSALS = (
+    ("can't run this command", "noperm"),
+    ("used memory > 'maxmemory'", "oom"),
+    ("READONLY", "readonly"),
+    ("WRONGTYPE", "wrongtype"),
+)
+_REFUSAL_CLASSES = (
+    (OutOfMemoryError, "oom"),
+    (ReadOnlyError, "readonly"),
+    (NoPermissionError, "noperm"),
+    (NoScriptError, "noscript"),
+)
 
 RedisClient = redis.Redis | RedisCluster
 # What a failing store raises: redis-py's errors, and its cluster client's own (not a
@@ -144,8 +187,14 @@ class StoreAccess:
         kwargs: dict[str, Any] = {
             "socket_timeout": self.timeout_s + blocking_s,
             "socket_connect_timeout": self.timeout_s,
-            "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            "retry": Retry(
+                ExponentialWithJitterBackoff(base=0.005, cap=0.05),
+                2,
+                supported_errors=(redis.ConnectionError,),
+            ),
             "client_name": "splitvl-cache",
+            "socket_keepalive": True,
+            "health_check_interval": HEALTH_CHECK_INTERVAL_S,
         }
         if self.password and not urlsplit(self.url.url).password:
             kwargs["password"] = self.password
@@ -167,40 +216,82 @@ def is_config_error(err: Exception) -> bool:
     return any(marker in text for marker in CONFIG_FAILURES)
 
 
-def eviction_warnings(client: RedisClient, ttl_s: float) -> list[str]:
-    """Warnings about the store's own byte budget (``maxmemory``, ``maxmemory-policy``),
-    one line each; none when they are sound or cannot be read (a managed Redis that
-    refuses CONFIG). Sound: a ``maxmemory`` with an ``allkeys-*`` policy, or a
-    ``volatile-*`` one while entries carry a TTL (``ttl_s`` > 0)."""
+def classify(err: BaseException) -> tuple[str, str]:
+    """What a store failure means (module docstring): ``("config", reason)``,
+    ``("refused", reason)`` (a command the store answered with an error) or
+    ``("unavailable", reason)``; the reason is a short lower-case word for metrics."""
+    if isinstance(err, Exception) and is_config_error(err):
+        return "config", "auth"
+    if isinstance(err, (ClusterError, TryAgainError, RedisClusterException)):
+        return "unavailable", "cluster"
+    if isinstance(err, ResponseError):
+        # redis-py strips the first word of the replies it has a class for.
+        for cls, reason in _REFUSAL_CLASSES:
+            if isinstance(err, cls):
+                return "refused", reason
+        text = str(err)
+        word = text.split(" ", 1)[0].upper()
+        if word in REFUSALS:
+            return "refused", word.lower()
+        # A command a Lua script runs is refused with ERR and the reason in words.
+        for phrase, reason in _SCRIPT_REFUSALS:
+            if phrase in text:
+                return "refused", reason
+        return "refused", "other"
+    if isinstance(err, redis.TimeoutError):
+        return "unavailable", "timeout"
+    return "unavailable", "connection"
+
+
+def eviction_policy(client: RedisClient, ttl_s: float, shown: str) -> tuple[float, list[str]]:
+    """Check the store's byte budget on every primary through ``INFO memory`` (which
+    managed services answer; ``CONFIG`` they refuse).
+
+    Sound: a ``maxmemory`` with an ``allkeys-*`` policy, or a ``volatile-*`` one while
+    entries carry a TTL. A ``volatile-*`` policy with ``ttl_s`` 0 would never evict an
+    entry (a full store then refuses every Put): entries get
+    :data:`VOLATILE_DEFAULT_TTL_S` instead, and a warning says so.
+
+    Returns:
+        ``(the TTL entries get, seconds, warnings)``.
+
+    Raises:
+        ConfigError: ``maxmemory`` with ``noeviction``: once full, the store refuses every
+            Put for good; the message names the setting to change.
+    """
     try:
-        raw = client.config_get("maxmemory*")
+        raw: Any = client.info("memory", **_primaries(client))
     except redis.RedisError as err:
-        log.info("could not read the store's maxmemory settings (%s); not checked", err)
-        return []
-    values = list(raw.values()) if raw else []
-    nodes = values if values and isinstance(values[0], dict) else [raw]
-    warnings = set()
+        return ttl_s, [f"could not read INFO memory ({err}); the eviction policy is not checked"]
+    nodes = list(raw.values()) if raw and isinstance(next(iter(raw.values())), dict) else [raw]
+    warnings: set[str] = set()
     for node in nodes:
-        conf = {_text(k): _text(v) for k, v in node.items()}
-        policy = conf.get("maxmemory-policy", "")
-        if conf.get("maxmemory", "0") == "0":
+        policy = _text(node.get("maxmemory_policy", ""))
+        maxmemory = int(node.get("maxmemory", 0) or 0)
+        if maxmemory == 0:
             warnings.add(
                 "the store has no maxmemory: it grows until its host runs out of memory; "
                 "set maxmemory and maxmemory-policy allkeys-lru"
             )
         elif policy == "noeviction":
-            warnings.add(
-                "the store's maxmemory-policy is noeviction: once it is full every put "
-                'fails (dropped, counted in splitvl_cache_store_errors_total{op="put"}); '
-                "use allkeys-lru"
+            raise ConfigError(
+                f"the cache store {shown} has maxmemory-policy noeviction: once full it "
+                "refuses every Put for good; set maxmemory-policy allkeys-lru (or "
+                "volatile-lru with CACHE_TTL_S)"
             )
         elif policy.startswith("volatile-") and ttl_s <= 0:
             warnings.add(
                 f"the store's maxmemory-policy is {policy}, which evicts only keys with a "
-                "TTL, but with CACHE_TTL_S=0 entries have none: once full every put fails; "
-                "use allkeys-lru or set CACHE_TTL_S"
+                f"TTL, and CACHE_TTL_S is 0: entries get a TTL of {VOLATILE_DEFAULT_TTL_S:.0f} s "
+                "so they can be evicted (set CACHE_TTL_S, or use allkeys-lru)"
             )
-    return sorted(warnings)
+            ttl_s = VOLATILE_DEFAULT_TTL_S
+    return ttl_s, sorted(warnings)
+
+
+def _primaries(client: RedisClient) -> dict[str, Any]:
+    """``target_nodes`` for a command every primary of a cluster must answer."""
+    return {"target_nodes": RedisCluster.PRIMARIES} if isinstance(client, RedisCluster) else {}
 
 
 def as_bytes(value: object) -> bytes | None:
@@ -246,16 +337,36 @@ class StoreHealth:
         return self._down
 
     def allow(self, op: str) -> bool:
-        """True to try the store; False (counted as an error of ``op``) while it is skipped."""
-        if self.clock() >= self._skip_until:
+        """True to try the store; False (counted as an error of ``op``) while it is
+        skipped. When a skip window ends, one caller (the probe) gets True and the others
+        keep skipping until the probe's answer, or for another window if it never comes."""
+        if not self._down:
             return True
+        with self._lock:
+            now = self.clock()
+            if now >= self._skip_until:
+                self._skip_until = now + self.retry_s  # the probe's own window
+                return True
         metrics.STORE_ERRORS.labels(op=op).inc()
         return False
 
-    def failed(self, op: str, err: BaseException, *, skip: bool = True) -> None:
-        """Count, log (rate-limited) and (``skip``) skip the store for ``retry_s``. The log
-        follower's failures do not skip: a late blocking read on a loaded host says less
-        about the store than a lookup's own failure."""
+    def failed(self, op: str, err: BaseException, *, skip: bool = True) -> str:
+        """Count and log (rate-limited) a failure of ``op``; returns what it meant
+        (:func:`classify`: ``unavailable``, ``refused`` or ``config``).
+
+        Unavailable: the store is skipped for ``retry_s`` (``skip``; the log follower's
+        failures do not skip: a late blocking read on a loaded host says less about the
+        store than a lookup's own failure). Refused: counted by reason in
+        ``splitvl_cache_store_refused_total``, nothing skipped."""
+        kind, reason = classify(err)
+        if kind == "refused":
+            metrics.STORE_REFUSED.labels(op=op, reason=reason).inc()
+            self._log(
+                f"refused:{op}:{reason}",
+                f"cache store refused {op} ({err}); dropped, counted in "
+                f'splitvl_cache_store_refused_total{{reason="{reason}"}}; reads go on',
+            )
+            return kind
         metrics.STORE_ERRORS.labels(op=op).inc()
         metrics.STORE_UP.set(0)
         with self._lock:
@@ -266,7 +377,7 @@ class StoreHealth:
             self._down = True
             if now - self._logged.get(op, -1e18) < self.log_every_s:
                 self._quiet[op] = self._quiet.get(op, 0) + 1
-                return
+                return kind
             self._logged[op] = now
             quiet = self._quiet.pop(op, 0)
         log.warning(
@@ -277,6 +388,7 @@ class StoreHealth:
             f" and {quiet} more since the last report" if quiet else "",
             "lookups answer misses and puts are dropped until it answers",
         )
+        return kind
 
     def ok(self) -> None:
         """The store answered: use it again."""
@@ -295,6 +407,9 @@ class StoreHealth:
     def warn(self, what: str, message: str) -> None:
         """A log line about ``what`` (an integrity failure), at most one every
         ``log_every_s`` per ``what``."""
+        self._log(what, message)
+
+    def _log(self, what: str, message: str) -> None:
         with self._lock:
             now = self.clock()
             if now - self._logged.get(what, -1e18) < self.log_every_s:

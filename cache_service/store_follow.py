@@ -1,16 +1,20 @@
 """How a replica's similarity index follows the shared store: the log and the scan.
 
-* The log: every Put appends its key to a Redis Stream (``<prefix>log``, trimmed to about
-  ``CACHE_STORE_LOG_MAXLEN`` entries). :class:`Follower` reads it in a thread with a
-  blocking ``XREAD`` of at most ``BLOCK_MS``, reads the new entries' headers and
-  descriptors (``HMGET h d``, one pipelined round trip per batch), checks them and adds
+* The log: every first write of a key appends the entry's store name (never the key: the
+  store learns nothing of which image it is) to a Redis Stream (``<prefix>log``, trimmed
+  to about ``CACHE_STORE_LOG_MAXLEN`` entries). :class:`Follower` reads it in a thread
+  with a blocking ``XREAD`` of at most ``BLOCK_MS``, reads the new entries' headers and
+  descriptors (``HMGET h d``, one pipelined round trip per batch), opens them and adds
   them to the index: an entry put through another replica is found by similarity here
   within about ``BLOCK_MS`` plus a round trip.
 * The scan (:meth:`Follower.sync`): ``SCAN`` over every entry key (on every primary of a
   cluster). At start, before the service reports SERVING, it rebuilds the index from the
   store itself, not from the trimmed log; then every ``sync_interval_s`` and after the log
   could not be read, it adds what the log missed and removes entries the store no longer
-  holds (expired or evicted), so the index tracks the store within one interval.
+  holds (expired or evicted), so the index tracks the store within one interval. Each
+  scan first moves the follower to the log's tail: a log trimmed past the last message
+  read, or replaced by an empty one whose ids start lower (a store restarted empty), is
+  never waited on.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cache_service.store import EmbeddingStore
-from cache_service.store_codec import Header, IntegrityError, StoreKeys, descriptor_of, open_header
+from cache_service.store_codec import Header, IntegrityError, StoreCodec
 from cache_service.store_conn import STORE_FAILURES, RedisClient, StoreHealth, as_bytes
 
 log = logging.getLogger("cache_service.store")
@@ -55,8 +59,7 @@ class FollowedStore(Protocol):
     """What the follower uses of its replica's store
     (:class:`cache_service.store_redis.RedisStore`)."""
 
-    keys: StoreKeys
-    mac_key: bytes
+    codec: StoreCodec
     dim: int
     catalog: EmbeddingStore
     health: StoreHealth
@@ -104,7 +107,7 @@ class Follower:
     def log_tail(self, client: RedisClient) -> str:
         """The id of the log's newest message ("0-0" when empty): following from it skips
         what a scan made now already sees."""
-        newest: Any = client.xrevrange(self.store.keys.log, count=1)
+        newest: Any = client.xrevrange(self.store.codec.log, count=1)
         return _text(newest[0][0]) if newest else "0-0"
 
     def _run(self) -> None:
@@ -128,73 +131,64 @@ class Follower:
     def follow_once(self, client: RedisClient, block_ms: int = BLOCK_MS) -> int:
         """Read the log after ``last_id`` (waiting up to ``block_ms``) and index the entries
         it names; returns how many were added."""
-        got: Any = client.xread({self.store.keys.log: self.last_id}, count=BATCH, block=block_ms)
-        keys = []
+        got: Any = client.xread({self.store.codec.log: self.last_id}, count=BATCH, block=block_ms)
+        names = []
         for _stream, messages in got or []:
             for message_id, fields in messages:
                 self.last_id = _text(message_id)
-                key = fields.get(b"k")
-                if key is not None:
-                    keys.append(_text(key))
-        return self.index_keys(client, keys, "log") if keys else 0
+                name = fields.get(b"n")
+                if name is not None:
+                    names.append(_text(name))
+        return self.index_names(client, names, "log") if names else 0
 
-    def index_keys(self, client: RedisClient, keys: list[str], source: str) -> int:
-        """Read, check and index the entries of ``keys`` not indexed yet; returns how many
-        were added (an entry gone already, or refused, is skipped)."""
-        store = self.store
-        new = [k for k in dict.fromkeys(keys) if k not in store.catalog]
+    def index_names(self, client: RedisClient, names: list[str], source: str) -> int:
+        """Read, open and index the entries stored under ``names`` (one pipelined
+        ``HMGET h d`` per batch); returns how many were added (an entry gone already,
+        indexed already, or refused is skipped)."""
         added = 0
-        for batch in _batches(new, BATCH):
+        for batch in _batches(dict.fromkeys(names), BATCH):
             pipe = client.pipeline(transaction=False)
-            for key in batch:
-                pipe.hmget(store.keys.entry(key), ["h", "d"])
-            for key, (sealed, raw) in zip(batch, pipe.execute(), strict=True):
-                added += self._index_one(as_bytes(sealed), as_bytes(raw), key, None, source)
+            for name in batch:
+                pipe.hmget(name, ["h", "d"])
+            for name, (sealed, raw) in zip(batch, pipe.execute(), strict=True):
+                added += self._index_one(as_bytes(sealed), as_bytes(raw), name, source)
         return added
 
-    def _index_one(
-        self,
-        sealed: bytes | None,
-        raw: bytes | None,
-        key: str | None,
-        name: str | None,
-        source: str,
-    ) -> int:
-        """Index one entry read as (``h``, ``d``), expected to be ``key``'s or (from a scan)
-        stored under ``name``; 1 when added."""
+    def _index_one(self, sealed: bytes | None, raw: bytes | None, name: str, source: str) -> int:
+        """Index one entry read as (``h``, ``d``) from store name ``name``; 1 when added."""
+        store = self.store
         if sealed is None:
             return 0
-        store = self.store
         try:
-            header = open_header(store.mac_key, sealed, key)
-            if name is not None and store.keys.entry(header.key) != name:
+            header = store.codec.open_header(sealed, None)
+            if store.codec.entry(header.key) != name:
                 raise IntegrityError("key", "an entry is stored under another key's name")
-            vector = descriptor_of(header, raw, store.dim)
+            if header.key in store.catalog:
+                return 0
+            vector = store.codec.descriptor(header, raw, store.dim)
         except IntegrityError as err:
-            store.refused(err, key or "")
+            if err.reason != "key_id":  # another secret's entry (a rotation): not ours
+                store.refused(err, "")
             return 0
         store.index(header, vector, source)
         return 1
 
     def sync(self, client: RedisClient) -> int:
-        """Scan the store: index every entry this replica has not indexed, and remove the
-        indexed ones it no longer holds (known before the scan began and not seen by it:
-        SCAN returns every key present for the whole scan). Returns entries added."""
+        """Move to the log's tail, then scan the store: index every entry this replica has
+        not indexed, and remove the indexed ones it no longer holds (known before the scan
+        began and not seen by it: SCAN returns every key present for the whole scan).
+        Returns entries added."""
         store = self.store
-        known = {store.keys.entry(k): k for k in store.catalog.keys()}
+        self.last_id = self.log_tail(client)  # what the log held until now, the scan sees
+        known = {store.codec.entry(k): k for k in store.catalog.keys()}
         seen: set[str] = set()
         added = 0
-        pattern = store.keys.entry_pattern
+        pattern = store.codec.entry_pattern
         for batch in _batches(client.scan_iter(match=pattern, count=SCAN_COUNT), BATCH):
             seen.update(batch)
             new = [name for name in batch if name not in known]
-            if not new:
-                continue
-            pipe = client.pipeline(transaction=False)
-            for name in new:
-                pipe.hmget(name, ["h", "d"])
-            for name, (sealed, raw) in zip(new, pipe.execute(), strict=True):
-                added += self._index_one(as_bytes(sealed), as_bytes(raw), None, name, "scan")
+            if new:
+                added += self.index_names(client, new, "scan")
         for name, key in known.items():
             if name not in seen:
                 store.forget(key, "sync")

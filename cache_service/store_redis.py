@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,18 +47,7 @@ from cache_service.entries import (
 )
 from cache_service.index import IndexParams
 from cache_service.store import EmbeddingStore
-from cache_service.store_codec import (
-    Header,
-    IntegrityError,
-    StoreKeys,
-    check_field,
-    derive_mac_key,
-    open_alias,
-    open_header,
-    seal,
-    seal_alias,
-    verification_of,
-)
+from cache_service.store_codec import Header, IntegrityError, StoreCodec
 from cache_service.store_conn import (
     STORE_FAILURES,
     RedisClient,
@@ -66,12 +55,13 @@ from cache_service.store_conn import (
     StoreHealth,
     as_bytes,
     config_error,
-    eviction_warnings,
+    eviction_policy,
     is_config_error,
     log,
     parse_store_url,
 )
 from cache_service.store_follow import Follower
+from vlcommon.errors import ConfigError
 from vlcommon.verification import VerificationImage, verify
 
 if TYPE_CHECKING:
@@ -79,6 +69,24 @@ if TYPE_CHECKING:
 
 # The index of the store's entries holds no payloads: its byte budget never binds.
 UNBOUNDED_BYTES = 2**62
+# First write wins (docs/scaling.md, "Store"): the entry is written only when its ``h``
+# field is still what the writer read (absent, or an entry that did not open), in one
+# step, so no reader sees two writes' fields and a key's bytes never change while it lives.
+# KEYS[1] the entry; ARGV: the ``h`` read ("" for none), h, d, v, p, TTL in ms (0: none).
+# A reader that finds a body field that does not open (twice) drops the entry, if it is
+# still the one it read, so that the next Put writes it again instead of refreshing it.
+DELETE_IF_UNCHANGED = """
+if (redis.call('HGET', KEYS[1], 'h') or '') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+WRITE_IF_UNCHANGED = """
+local current = redis.call('HGET', KEYS[1], 'h') or ''
+if current ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'h', ARGV[2], 'd', ARGV[3], 'v', ARGV[4], 'p', ARGV[5])
+if tonumber(ARGV[6]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[6]) end
+return 1
+"""
 
 
 class RedisStore:
@@ -86,8 +94,11 @@ class RedisStore:
 
     Args:
         access: The store's URL, credentials, TLS files and timeout.
-        secret: The cluster's internal token (``CACHE_INTERNAL_TOKEN``); entry tags are
-            keyed with a key derived from it (:func:`store_codec.derive_mac_key`).
+        secret: The store secret (``CACHE_STORE_SECRET``, else ``CACHE_INTERNAL_TOKEN``):
+            entries are sealed and named under keys derived from it
+            (:class:`cache_service.store_codec.StoreCodec`).
+        allow_no_secret: Development only: start with an empty secret (a public key,
+            which keeps neither readers nor forgers out).
         descriptor_dim: Length of similarity descriptors.
         capacity_bytes: This replica's budget for its local copies, bytes; also the
             largest entry it takes (ENTRY_TOO_LARGE above it).
@@ -107,6 +118,7 @@ class RedisStore:
         access: StoreAccess,
         *,
         secret: str,
+        allow_no_secret: bool = False,
         descriptor_dim: int,
         capacity_bytes: int,
         threshold: float = 0.85,
@@ -126,11 +138,20 @@ class RedisStore:
         self.capacity_bytes = capacity_bytes
         self.threshold = threshold
         self.ttl_s = ttl_s
-        self.keys = StoreKeys(prefix)
+        if not secret.strip() and not allow_no_secret:
+            raise ConfigError(
+                "a shared cache store needs a secret: set CACHE_STORE_SECRET (or "
+                "CACHE_STORE_SECRET_FILE, or CACHE_INTERNAL_TOKEN); entries are sealed "
+                "under it, and without one anyone who can reach the store reads every image "
+                "and can forge embeddings (CACHE_STORE_ALLOW_NO_SECRET=true: development only)"
+            )
+        self.codec = StoreCodec(secret, prefix)
         self.log_maxlen = log_maxlen
-        self.mac_key = derive_mac_key(secret)
-        self.secret_set = bool(secret)
+        self.secret_set = bool(secret.strip())
         self.health = StoreHealth()
+        # Local copies: key -> the write id of the store's entry they are a copy of (b"": a
+        # copy the store refused to take, served while the store has no entry of its own).
+        self._copies: dict[str, bytes] = {}
         self.local = EmbeddingStore(
             descriptor_dim=descriptor_dim,
             capacity_bytes=capacity_bytes,
@@ -154,6 +175,7 @@ class RedisStore:
         self._client: RedisClient | None = None
         self._follow_client: RedisClient | None = None
         self._client_lock = threading.Lock()
+        self._write_script: object | None = None
 
     @classmethod
     def from_settings(cls, settings: CacheSettings, *, use_gpu: bool | None = None) -> RedisStore:
@@ -170,7 +192,8 @@ class RedisStore:
         )
         return cls(
             access,
-            secret=settings.internal_token.get_secret_value(),
+            secret=settings.secret(),
+            allow_no_secret=settings.store_allow_no_secret,
             descriptor_dim=settings.descriptor_dim,
             capacity_bytes=settings.capacity_bytes,
             threshold=settings.threshold,
@@ -215,22 +238,23 @@ class RedisStore:
         the index stays empty until the follower's first successful scan.
 
         Raises:
-            ConfigError: the store refused the password, user or certificate.
+            ConfigError: the store refused the password, user or certificate, or its
+                maxmemory-policy can never make room (:func:`store_conn.eviction_policy`).
         """
         shown = self.access.url.shown
         if not self.secret_set:
             log.warning(
-                "CACHE_INTERNAL_TOKEN is empty: the store's entry tags are keyed with a "
-                "public constant, so they catch torn and mixed-up entries but not entries "
-                "forged by whoever can write to %s (docs/scaling.md)",
+                "CACHE_STORE_ALLOW_NO_SECRET: entries in %s are sealed under a public key: "
+                "whoever can reach the store reads every image and can forge embeddings "
+                "(development only; docs/security.md)",
                 shown,
             )
         try:
             client = self.client()
             client.ping()
-            for line in eviction_warnings(client, self.ttl_s):
+            self.ttl_s, warnings = eviction_policy(client, self.ttl_s, shown)
+            for line in warnings:
                 log.warning("cache store %s: %s", shown, line)
-            self.follower.last_id = self.follower.log_tail(client)
             t0 = time.perf_counter()
             found = self.follower.sync(client)
             log.info(
@@ -273,50 +297,60 @@ class RedisStore:
     ) -> Match:
         """As :meth:`EmbeddingStore.lookup`, answered from the store (module docstring).
 
-        Never raises for the store: down, slow (``timeout_s`` per command) or refusing, the
-        query is a miss, counted in ``splitvl_cache_store_errors_total{op="lookup"}``.
+        Never raises for the store: down or slow (``timeout_s`` per command), the query is
+        answered from this replica's local copies alone (an exact hit or a miss), counted
+        in ``splitvl_cache_store_errors_total{op="lookup"}``.
         """
         if not self.health.allow("lookup"):
-            return Match("miss", 0.0, None)
+            return self._local_only(key, grid, lease)
         try:
             client = self.client()
             exact = self._exact(client, key, grid, lease, alias)
-            if exact is not None:
-                self.health.ok()
-                return exact
-            if not similar:
-                self.health.ok()
-                return Match("miss", 0.0, None)
-            match = self._similar(client, descriptor, grid, lease, revision, verification, reusable)
+            if exact is None and similar:
+                exact = self._similar(
+                    client, descriptor, grid, lease, revision, verification, reusable
+                )
             self.health.ok()
-            return match
+            return exact if exact is not None else Match("miss", 0.0, None)
         except STORE_FAILURES as err:
-            self.health.failed("lookup", err)
-            return Match("miss", 0.0, None)
+            if self.health.failed("lookup", err) == "refused":
+                return Match("miss", 0.0, None)
+            return self._local_only(key, grid, lease)
+
+    def _local_only(self, key: str, grid: tuple[int, int, int], lease: bool) -> Match:
+        """The answer while the store cannot be asked: this replica's own copy of ``key``
+        (its bytes are the ones it put or served; no other replica is asked)."""
+        held = self.local.lookup(key, None, grid, similar=False, lease=lease)
+        return held if held.entry is not None else Match("miss", 0.0, None)
 
     def _exact(
         self, client: RedisClient, key: str, grid: tuple[int, int, int], lease: bool, alias: str
     ) -> Match | None:
         """The exact hit; a final miss (the key held with another grid, or refused); None
         when the key is not in the store (the similarity tier may answer)."""
+        codec = self.codec
         pipe = client.pipeline(transaction=False)
-        pipe.hget(self.keys.entry(key), "h")
-        pipe.get(self.keys.alias(key))
+        pipe.hget(codec.entry(key), "h")
+        pipe.get(codec.alias(key))
         sealed, alias_record = (as_bytes(x) for x in pipe.execute())
         target = key
         if sealed is None and alias_record is not None:
             try:
-                target = open_alias(self.mac_key, alias_record, key)
+                target = codec.open_alias(alias_record, key)
             except IntegrityError as err:
                 self.refused(err, key)
                 return None
-            sealed = as_bytes(client.hget(self.keys.entry(target), "h"))
+            sealed = as_bytes(client.hget(codec.entry(target), "h"))
         if sealed is None:
-            if target in self.catalog:
+            if self._copies.get(target) == b"":  # the store refused it: this copy is all
+                held = self.local.lookup(target, None, grid, similar=False, lease=lease)
+                if held.entry is not None:
+                    return Match("exact", 1.0, held.entry)
+            if target in self.catalog or target in self._copies:
                 self.forget(target, "read")  # expired or evicted in the store
             return None
         try:
-            header = open_header(self.mac_key, sealed, target)
+            header = codec.open_header(sealed, target)
         except IntegrityError as err:
             self.refused(err, target)
             return Match("miss", 0.0, None)
@@ -339,22 +373,23 @@ class RedisStore:
         verification: VerificationImage | None,
         reusable: Collection[tuple[int, int, int]],
     ) -> Match:
-        """The best candidate of the index whose stored header and verification image pass
-        their checks and whose verification image passes against the query's."""
+        """The best candidate of the index whose stored header and verification image open
+        and whose verification image passes against the query's."""
         found, candidates = self.catalog.candidates(
             descriptor, grid, revision=revision, reusable=reusable
         )
         rejected = found.rejected
         for score, cand in candidates:
-            sealed, raw = (as_bytes(x) for x in client.hmget(self.keys.entry(cand.key), ["h", "v"]))
+            name = self.codec.entry(cand.key)
+            sealed, raw = (as_bytes(x) for x in client.hmget(name, ["h", "v"]))
             if sealed is None:
                 self.forget(cand.key, "read")
                 continue
             try:
-                header = open_header(self.mac_key, sealed, cand.key)
-                image = verification_of(header, raw)
+                header = self.codec.open_header(sealed, cand.key)
+                image = self.codec.verification(header, raw)
             except IntegrityError as err:
-                self.refused(err, cand.key)
+                self.refused(err, cand.key, client, sealed)
                 continue
             metrics.STORE_BYTES.labels(direction="read").inc(len(sealed) + len(raw or b""))
             if header.grid != cand.grid or header.revision != cand.revision:
@@ -370,27 +405,34 @@ class RedisStore:
         return Match("miss", found.similarity, None, consulted_similar=consulted, rejected=rejected)
 
     def _payload(self, client: RedisClient, header: Header, lease: bool) -> Entry | None:
-        """The entry ``header`` describes, with its embeddings: the local copy when it
-        matches the header, else read from the store, checked, and kept as a local copy
-        (leased when ``lease``). None when the store no longer holds it or it is refused."""
-        held = self.local.lookup(header.key, None, header.grid, similar=False, lease=lease)
-        if held.entry is not None:
-            if _matches(held.entry, header):
+        """The entry ``header`` describes, with its embeddings: the local copy when it is a
+        copy of this very write, else header and payload read together (one ``HMGET``),
+        opened, and kept as a local copy (leased when ``lease``). A payload that does not
+        open is read once more (a Put may have replaced an entry that did not open)
+        before it counts as an integrity failure. None when the store no longer holds it
+        or it is refused."""
+        key = header.key
+        if self._copies.get(key) == header.write_id:
+            held = self.local.lookup(key, None, header.grid, similar=False, lease=lease)
+            if held.entry is not None:
                 return held.entry
-            if lease:
-                self.local.release(held.entry)
-            self.local.discard(header.key)
-        data = as_bytes(client.hget(self.keys.entry(header.key), "p"))
-        if data is None:
-            self.forget(header.key, "read")
-            return None
-        try:
-            check_field(header, "p", data)
-        except IntegrityError as err:
-            self.refused(err, header.key)
-            return None
-        metrics.STORE_BYTES.labels(direction="read").inc(len(data))
-        return self._keep(header, data, lease)
+        name = self.codec.entry(key)
+        for attempt in range(2):
+            sealed, data = (as_bytes(x) for x in client.hmget(name, ["h", "p"]))
+            if sealed is None or data is None:
+                self.forget(key, "read")
+                return None
+            try:
+                header = self.codec.open_header(sealed, key)
+                payload = self.codec.open_field(header, "p", data)
+            except IntegrityError as err:
+                if attempt == 0 and err.reason == "field":
+                    continue
+                self.refused(err, key, client, sealed)
+                return None
+            metrics.STORE_BYTES.labels(direction="read").inc(len(sealed) + len(data))
+            return self._keep(header, payload, lease)
+        return None  # pragma: no cover - the loop returns
 
     def _keep(self, header: Header, data: bytes, lease: bool) -> Entry:
         """A local copy of an entry (or, when leased copies hold the whole budget, an entry
@@ -414,23 +456,35 @@ class RedisStore:
         )
 
     def _put_local(self, header: Header, data: bytes) -> int:
-        """Keep a local copy; returns local copies evicted for it.
+        """Keep a local copy of the write ``header`` names (``write_id`` b"": one the store
+        refused); returns local copies evicted for it.
 
         Raises:
             CacheFullError: leased copies hold the budget.
         """
-        for _ in range(2):
-            try:
-                return self.local.put(
-                    header.key, None, header.grid, header.dtype, header.shape, data,
-                    revision=header.revision,
-                )  # fmt: skip
-            except KeyGridConflictError:
-                self.local.discard(header.key)  # a stale copy; the store's header wins
-        return 0
+        if not self.local.discard(header.key) and header.key in self.local:
+            # A copy of another write, leased: its readers keep it; this one is not kept.
+            self._copies.pop(header.key, None)
+            raise CacheFullError(len(data), len(data), self.capacity_bytes)
+        evicted = self.local.put(
+            header.key, None, header.grid, header.dtype, header.shape, data,
+            revision=header.revision,
+        )  # fmt: skip
+        self._copies[header.key] = header.write_id
+        if len(self._copies) > 2 * len(self.local) + 1024:  # copies the LRU evicted
+            self._copies = {k: w for k, w in self._copies.items() if k in self.local}
+        return evicted
 
-    def refused(self, err: IntegrityError, key: str) -> None:
-        """Count and log an entry that failed its checks; it leaves the index."""
+    def refused(
+        self,
+        err: IntegrityError,
+        key: str,
+        client: RedisClient | None = None,
+        sealed: bytes = b"",
+    ) -> None:
+        """Count and log an entry that failed its checks; it leaves the index. One whose
+        header opened but a body field did not (``client`` and the ``sealed`` header
+        given) is deleted from the store if still the same, so a Put writes it again."""
         metrics.STORE_INTEGRITY_FAILURES.labels(reason=err.reason).inc()
         self.health.warn(
             f"integrity:{err.reason}",
@@ -438,6 +492,10 @@ class RedisStore:
         )
         self.catalog.discard(key)
         self.local.discard(key)
+        self._copies.pop(key, None)
+        if client is not None and sealed and err.reason == "field":
+            drop: Any = client.register_script(DELETE_IF_UNCHANGED)
+            drop(keys=[self.codec.entry(key)], args=[sealed], client=client)
 
     def forget(self, key: str, found: str) -> None:
         """The store no longer holds ``key``: it leaves the index and the local copies."""
@@ -445,6 +503,7 @@ class RedisStore:
             self.dropped += 1
             metrics.STORE_DROPPED.labels(found=found).inc()
         self.local.discard(key)
+        self._copies.pop(key, None)
 
     def index(self, header: Header, vector: np.ndarray | None, source: str = "") -> None:
         """Add an entry to the similarity index (a key already there is left as it is)."""
@@ -477,13 +536,17 @@ class RedisStore:
         """Write an entry to the store (with its TTL), log it for the other replicas, index
         it and keep a local copy. Returns local copies evicted for it.
 
-        A key the store holds with the same grid is written again (the key is a digest of
-        the content and revision, so this refreshes its TTL, and repairs a refused entry).
+        The first write of a key wins: when the store already holds an entry of the key
+        that opens, with the same grid, this Put only refreshes its TTL (``PEXPIRE``) and
+        keeps no copy of its own bytes (a re-encode differs in the last bits; readers get
+        the first write's). A command the store refuses (``OOM``, ``READONLY``,
+        ``NOPERM``, ...) keeps the entry as this replica's local copy, which it serves
+        while the store has none; counted in ``splitvl_cache_store_refused_total``.
 
         Raises:
             KeyGridConflictError: the store holds the key with another grid (INVALID_ARGUMENT).
             EntryTooLargeError: larger than ``capacity_bytes`` (RESOURCE_EXHAUSTED).
-            StoreUnavailableError: the store failed or is skipped; nothing was kept.
+            StoreUnavailableError: the store is unreachable or skipped; nothing was kept.
         """
         size = len(data) + (0 if verification is None else int(verification.nbytes))
         if size > self.capacity_bytes:
@@ -495,8 +558,7 @@ class RedisStore:
             vec = None
         if not self.health.allow("put"):
             raise StoreUnavailableError("the cache store is down; the entry was dropped")
-        header, fields = seal(
-            self.mac_key,
+        header, fields = self.codec.seal(
             key=key,
             revision=revision,
             grid=grid,
@@ -508,12 +570,15 @@ class RedisStore:
             written_ms=int(time.time() * 1000),
         )
         try:
-            self._write(self.client(), header, fields, alias)
+            written = self._write(self.client(), header, fields, alias)
             self.health.ok()
         except STORE_FAILURES as err:
-            self.health.failed("put", err)
-            raise StoreUnavailableError(f"the cache store failed: {err}") from err
+            if self.health.failed("put", err) != "refused":
+                raise StoreUnavailableError(f"the cache store failed: {err}") from err
+            written, header = True, _unshared(header)
         self.index(header, vec)
+        if not written:
+            return 0  # the first write's bytes are the store's; read them when asked
         try:
             return self._put_local(header, data)
         except CacheFullError:
@@ -521,33 +586,40 @@ class RedisStore:
 
     def _write(
         self, client: RedisClient, header: Header, fields: dict[str, bytes], alias: str
-    ) -> None:
-        """The store's side of :meth:`put` (raises KeyGridConflictError, redis errors)."""
-        name = self.keys.entry(header.key)
-        fresh = True
-        sealed = as_bytes(client.hget(name, "h"))
-        if sealed is not None:
-            try:
-                old = open_header(self.mac_key, sealed, header.key)
-            except IntegrityError as err:
-                self.refused(err, header.key)  # written again below
-            else:
-                if old.grid != header.grid:
-                    raise KeyGridConflictError(old.grid)
-                fresh = False
-        # One transaction (same key, so one Redis Cluster slot): no reader sees a hash
-        # with some fields of this write and some of an earlier one, or without its TTL.
-        pipe = client.pipeline(transaction=True)
-        pipe.delete(name)
-        pipe.hset(name, mapping=fields)  # type: ignore[arg-type]
-        if self.ttl_s > 0:
-            pipe.pexpire(name, max(1, round(self.ttl_s * 1000)))
-        pipe.execute()
+    ) -> bool:
+        """The store's side of :meth:`put`: True when this write is the key's entry now,
+        False when an entry of the key was there first (its TTL refreshed). Raises
+        KeyGridConflictError and redis errors."""
+        name = self.codec.entry(header.key)
+        ttl_ms = max(1, round(self.ttl_s * 1000)) if self.ttl_s > 0 else 0
+        for _ in range(2):
+            sealed = as_bytes(client.hget(name, "h")) or b""
+            if sealed:
+                try:
+                    old = self.codec.open_header(sealed, header.key)
+                except IntegrityError as err:
+                    self.refused(err, header.key)  # replaced below, if still the same
+                else:
+                    if old.grid != header.grid:
+                        raise KeyGridConflictError(old.grid)
+                    if ttl_ms:
+                        client.pexpire(name, ttl_ms)
+                    if alias:
+                        self.add_alias(client, alias, header.key)
+                    return False
+            if self._write_script is None:
+                self._write_script = client.register_script(WRITE_IF_UNCHANGED)
+            script: Any = self._write_script
+            values = [sealed, fields["h"], fields["d"], fields["v"], fields["p"], ttl_ms]
+            if script(keys=[name], args=values, client=client):
+                break
+        else:
+            return False  # two other writes raced this one: the store holds one of them
         metrics.STORE_BYTES.labels(direction="write").inc(sum(len(v) for v in fields.values()))
         if alias:
             self.add_alias(client, alias, header.key)
-        if fresh:
-            client.xadd(self.keys.log, {"k": header.key}, maxlen=self.log_maxlen, approximate=True)
+        client.xadd(self.codec.log, {"n": name}, maxlen=self.log_maxlen, approximate=True)
+        return True
 
     def add_alias(self, client: RedisClient, alias: str, key: str) -> None:
         """Make ``alias`` find ``key``'s entry (with the entry's TTL). A failure is counted
@@ -556,7 +628,7 @@ class RedisStore:
             return
         try:
             ttl = max(1, round(self.ttl_s * 1000)) if self.ttl_s > 0 else None
-            client.set(self.keys.alias(alias), seal_alias(self.mac_key, alias, key), px=ttl)
+            client.set(self.codec.alias(alias), self.codec.seal_alias(alias, key), px=ttl)
         except STORE_FAILURES as err:
             self.health.failed("alias", err)
 
@@ -586,14 +658,9 @@ class RedisStore:
         self.catalog.check_invariants()
 
 
-def _matches(entry: Entry, header: Header) -> bool:
-    """A local copy answers for the store's entry: same grid, dtype, shape, revision and
-    length (the key is a digest of the content and revision, so the embeddings are those
-    of the same image, as with the in-process store)."""
-    return (
-        entry.grid == header.grid
-        and entry.dtype == header.dtype
-        and entry.shape == header.shape
-        and entry.revision == header.revision
-        and len(entry.data) == header.lengths["p"]
-    )
+def _unshared(header: Header) -> Header:
+    """``header`` as the header of a local copy the store refused (write id b"")."""
+    return Header(
+        header.key, header.revision, header.grid, header.dtype, header.shape,
+        header.written_ms, header.lengths,
+    )  # fmt: skip

@@ -59,7 +59,7 @@ from splitvl.ports import free_ports as free_ports
 from splitvl.ports import port_owner as port_owner
 from splitvl.ports import service_of
 from splitvl.redis_server import RedisServer
-from splitvl.replicas import replica_env
+from splitvl.replicas import replica_env, store_secret_env
 from splitvl.supervisor import Supervisor as Supervisor
 from vlcommon.cpus import available_cpus, format_cpu_list, split_cpus
 from vlcommon.lifeline import LAUNCHER_PID_ENV
@@ -272,6 +272,9 @@ class Cluster:
             # Its share of the cores, the caches' CACHE_STORE (splitvl/replicas.py).
             **replica_env(name, self.ports, cpu_placement(env), store, env),
             **service_env(service, env),  # SPLITVL_TLS_* / SPLITVL_INTERNAL_TOKEN per service
+            # A shared store's entries are sealed under a secret: one made here unless the
+            # environment gives one (splitvl/replicas.py, store_secret_env).
+            **(store_secret_env(store, env, self.log_dir) if service == "cache" else {}),
             # The child's watchdog ends its process group when this process is gone.
             LAUNCHER_PID_ENV: str(os.getpid()),
         }

@@ -30,16 +30,19 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from splitvl.errors import LaunchConfigError, ServiceStartError
 from splitvl.ports import free_ports
+from splitvl.private_file import write_private
 
 #: ``maxmemory`` of the local server unless ``--redis-maxmemory`` says otherwise.
 DEFAULT_MAXMEMORY = "1gb"
@@ -77,54 +80,6 @@ def redis_binary() -> str:
         "--store redis starts a local redis-server, and none is installed: "
         "apt-get install redis-server, or give --store redis://HOST:PORT/DB"
     )
-
-
-def _encode(args: Sequence[str]) -> bytes:
-    parts = [f"*{len(args)}\r\n".encode()]
-    for arg in args:
-        data = arg.encode()
-        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(parts)
-
-
-def _reply(stream: IO[bytes]) -> str | int | list[object] | None:
-    """One RESP2 reply from a file-like socket reader: simple strings as ``+OK``, errors as
-    ``-ERR ...`` (kept as strings, so a caller can compare), integers, bulk strings,
-    arrays."""
-    line = stream.readline()
-    if not line:
-        raise ConnectionError("redis closed the connection")
-    kind, rest = line[:1], line[1:].rstrip(b"\r\n")
-    if kind in (b"+", b"-"):
-        return (kind + rest).decode()
-    if kind == b":":
-        return int(rest)
-    if kind == b"$":
-        n = int(rest)
-        if n < 0:
-            return None
-        return stream.read(n + 2)[:n].decode(errors="replace")
-    if kind == b"*":
-        n = int(rest)
-        return None if n < 0 else [_reply(stream) for _ in range(n)]
-    raise ConnectionError(f"not a RESP reply: {line[:40]!r}")
-
-
-def redis_call(
-    port: int, *commands: Sequence[str], host: str = "127.0.0.1", timeout_s: float = 2.0
-) -> list[object]:
-    """Send ``commands`` on one connection and return one reply each, in order.
-
-    A minimal RESP2 client, so that the launcher needs no ``redis`` package (the cache's
-    dependency, not the launcher's). Error replies come back as ``"-ERR ..."`` strings.
-
-    Raises:
-        OSError: the server cannot be reached, or closed the connection.
-    """
-    with socket.create_connection((host, port), timeout=timeout_s) as sock:
-        sock.sendall(b"".join(_encode(c) for c in commands))
-        with sock.makefile("rb") as reader:
-            return [_reply(reader) for _ in commands]
 
 
 @dataclass
@@ -193,12 +148,6 @@ class RedisServer:
             ]
         )
 
-    def _write_private(self, path: Path, text: str) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
-
     def start(self, timeout_s: float = 15.0) -> None:
         """Start the server (appending to its log) and wait until it answers PING.
 
@@ -210,8 +159,8 @@ class RedisServer:
         binary = redis_binary()
         try:
             (self.run_dir / "data").mkdir(parents=True, exist_ok=True)
-            self._write_private(self.run_dir / "redis.conf", self.config())
-            self._write_private(self.url_path, self.url + "\n")
+            write_private(self.run_dir / "redis.conf", self.config())
+            write_private(self.url_path, self.url + "\n")
             log = self.log_path.open("ab")
         except OSError as err:
             raise LaunchConfigError(f"--log-dir {self.run_dir}: {err.strerror or err}") from None
@@ -242,13 +191,26 @@ class RedisServer:
                 raise ServiceStartError("redis-server", self.log_path, what, self.log_tail())
             time.sleep(0.05)
 
+    def client(self, timeout_s: float = 2.0) -> redis.Redis:
+        """A redis-py client of this server with its password (no retries)."""
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            password=self.password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+
     def ping(self, timeout_s: float = 1.0) -> bool:
-        """Whether AUTH with the password and PING answer ``+OK``, ``+PONG``."""
+        """Whether PING, with the password, answers PONG."""
+        client = self.client(timeout_s)
         try:
-            replies = redis_call(self.port, ["AUTH", self.password], ["PING"], timeout_s=timeout_s)
-        except OSError:
+            return bool(client.ping())
+        except redis.RedisError:
             return False
-        return replies == ["+OK", "+PONG"]
+        finally:
+            client.close()
 
     def poll(self) -> int | None:
         """Its exit code, or None while it runs (or was never started)."""

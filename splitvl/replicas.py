@@ -21,6 +21,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from splitvl import private_file
 from splitvl.errors import LaunchConfigError
 from splitvl.ports import REPLICATED, SERVICES, Ports, service_of
 from splitvl.redis_server import DEFAULT_MAXMEMORY, RedisServer, redis_binary
@@ -162,6 +163,32 @@ def replica_env(
     if service == "gateway" and replicated and not named:
         out["GATEWAY_CLIENT_TLS_SERVER_NAME"] = "127.0.0.1"
     return out
+
+
+#: Variables that give the caches a store secret (SPLITVL_INTERNAL_TOKEN becomes theirs).
+STORE_SECRET_VARS = (
+    "CACHE_STORE_SECRET",
+    "CACHE_STORE_SECRET_FILE",
+    "CACHE_INTERNAL_TOKEN",
+    "SPLITVL_INTERNAL_TOKEN",
+    "CACHE_STORE_ALLOW_NO_SECRET",
+)
+
+
+def store_secret_env(store: str | None, env: Mapping[str, str], log_dir: Path) -> dict[str, str]:
+    """``CACHE_STORE_SECRET_FILE`` for the caches when their store is shared (``store``,
+    else ``$CACHE_STORE``, is not ``memory``) and the environment gives no secret: the
+    file :func:`splitvl.private_file.store_secret` keeps in the log folder (256 bits, mode
+    0600, made once and reused, never on a command line). A cache on a shared store
+    without a secret refuses to start (cache_service/store_redis.py).
+
+    Raises:
+        LaunchConfigError: the secret file is unusable.
+    """
+    chosen = store or env.get("CACHE_STORE") or STORE_MEMORY
+    if chosen == STORE_MEMORY or any(env.get(v, "").strip() for v in STORE_SECRET_VARS):
+        return {}
+    return {"CACHE_STORE_SECRET_FILE": str(private_file.store_secret(log_dir))}
 
 
 def layout_lines(

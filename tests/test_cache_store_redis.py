@@ -3,10 +3,13 @@
 A real ``redis-server`` (Debian's) on a free loopback port with a password and a temporary
 directory, no mocks: entries round-trip with their bytes, dtype, shape and grid; a byte
 changed in Redis, an entry copied under another key's name, or one written under another
-secret is a miss and a metric, never served; Redis's TTL and its maxmemory eviction make
-misses and the vector leaves the index; a store that is down or hung answers misses within
-its timeouts, a Put through the servicer is dropped without an error, and caching resumes
-when the store returns. tests/test_cache_store_redis_replicas.py covers several replicas.
+secret is a miss and a metric, never served; Redis holds no image, embedding or key in the
+clear; a store needs a secret; Redis's TTL and its maxmemory eviction make misses and the
+vector leaves the index; the eviction policy is read from INFO (noeviction refused), and a
+full store's refused Puts are dropped while reads go on; a store that is down or hung
+answers from the replica's own copies within its timeouts, a Put through the servicer is
+dropped without an error, and caching resumes when the store returns.
+tests/test_cache_store_redis_replicas.py covers several replicas.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from qwenvl.common.v1 import tensor_pb2
 
 from cache_service.entries import KeyGridConflictError, StoreUnavailableError
 from cache_service.settings import CacheSettings
-from cache_service.store_codec import StoreKeys, derive_mac_key, open_header
-from cache_service.store_conn import StoreAccess, parse_store_url
+from cache_service.store_codec import VERSION, StoreCodec
+from cache_service.store_conn import VOLATILE_DEFAULT_TTL_S, StoreAccess, parse_store_url
 from cache_service.store_redis import RedisStore
 from vlcommon.errors import ConfigError
 from vlcommon.verification import VerificationImage
@@ -252,7 +255,7 @@ def test_a_fresh_replica_serves_exact_alias_and_similar_hits_from_the_store(
 
 def tamper(server: RedisServer, prefix: str, key: str, field: str, at: int = -1) -> None:
     """Flip one byte of an entry's field in Redis."""
-    client, name = server.client(), StoreKeys(prefix).entry(key)
+    client, name = server.client(), StoreCodec(SECRET, prefix).entry(key)
     value = bytearray(client.hget(name, field))  # type: ignore[arg-type]
     value[at] ^= 0x01
     client.hset(name, field, bytes(value))
@@ -261,10 +264,11 @@ def tamper(server: RedisServer, prefix: str, key: str, field: str, at: int = -1)
 @pytest.mark.parametrize(
     ("field", "at", "reason", "tier", "counted"),
     [
-        ("p", -1, "digest", "exact", 1),  # the embeddings: refused at the hit
-        ("h", 20, "mac", "exact", 2),  # the header (its grid): by the scan, then the hit
-        ("v", -1, "digest", "similar", 1),  # the verification image: at the candidate
-        ("d", 0, "digest", "scan", 1),  # the descriptor: by the scan
+        ("p", -1, "field", "exact", 1),  # the embeddings: refused at the hit (read twice)
+        ("h", 30, "mac", "exact", 2),  # the header: by the scan, then the hit
+        ("h", 9, "mac", "exact", 2),  # the write id in its clear prefix: the same
+        ("v", -1, "field", "similar", 1),  # the verification image: at the candidate
+        ("d", 0, "field", "scan", 1),  # the descriptor: by the scan
     ],
 )
 def test_one_tampered_byte_is_a_miss_and_a_metric_never_served(
@@ -293,7 +297,7 @@ def test_an_entry_under_another_keys_name_is_a_key_collision_and_a_miss(
 ) -> None:
     a = replica(server, prefix, follow=False)
     put(a, 1, alias="alias-1")
-    client, keys = server.client(), StoreKeys(prefix)
+    client, keys = server.client(), StoreCodec(SECRET, prefix)
     # What a collision of two keys' store names, or an attacker moving entries, looks like.
     client.hset(keys.entry("k2"), mapping=client.hgetall(keys.entry("k1")))  # type: ignore[arg-type]
     client.set(keys.alias("alias-2"), client.get(keys.alias("alias-1")))  # type: ignore[arg-type]
@@ -306,25 +310,67 @@ def test_an_entry_under_another_keys_name_is_a_key_collision_and_a_miss(
     assert exact(c, "k1") == payload(1) and exact(c, "alias-1") == payload(1)
 
 
-def test_entries_are_tagged_under_a_key_derived_from_the_internal_token(
+def test_redis_holds_no_image_embedding_or_key_in_the_clear_and_forgeries_are_misses(
     server: RedisServer, prefix: str
 ) -> None:
-    import hashlib
-    import hmac
-
     a = replica(server, prefix, follow=False)
-    put(a, 1)
-    sealed: bytes = server.client().hget(StoreKeys(prefix).entry("k1"), "h")  # type: ignore[assignment]
-    body, tag = sealed[:-32], sealed[-32:]
-    mac_key = derive_mac_key(SECRET)
-    assert mac_key != SECRET.encode() and len(mac_key) == 32
-    raw = hmac.new(SECRET.encode(), b"splitvl.cache.entry.v1\0" + body, hashlib.sha256).digest()
-    assert tag != raw  # the token itself is not the MAC key
-    assert open_header(mac_key, sealed, "k1").key == "k1"
+    rng = np.random.default_rng(7)
+    luma = rng.integers(0, 256, (32, 48), dtype=np.uint8)
+    image = VerificationImage(luma, rng.integers(0, 256, (16, 24, 2), dtype=np.uint8))
+    data = rng.standard_normal((4, 4)).astype(np.float32).tobytes()
+    key = "0f" * 32
+    a.put(key, unit(1), GRID, FP32, (4, 4), data, verification=image, alias="alias-of-" + key)
+    client = server.client()
+    names = [n for n in client.keys(f"{prefix}*")]  # type: ignore[union-attr]
+    assert len(names) == 3  # the entry, the alias, the log
+    dump = b"".join(client.dump(n) or b"" for n in names)  # type: ignore[misc]
+    for n in names:
+        if client.type(n) == b"hash":
+            dump += b"".join(k + v for k, v in client.hgetall(n).items())  # type: ignore[union-attr]
+    for secret_bytes in (data, data[:16], luma.tobytes()[:16], unit(1).tobytes()[:16]):
+        assert secret_bytes not in dump
+    assert key.encode() not in dump and b"alias-of" not in dump
+    codec = StoreCodec(SECRET, prefix)
+    sealed: bytes = client.hget(codec.entry(key), "h")  # type: ignore[assignment]
+    assert sealed[0] == VERSION and sealed[1:5] == codec.key_id
+    assert codec.open_header(sealed, key).grid == GRID
+    # Whoever holds the Redis password but not the secret: another key id, other names.
+    forger = StoreCodec("a guess at the secret", prefix)
+    assert forger.entry(key) != codec.entry(key) and forger.key_id != codec.key_id
+    _, fields = forger.seal(
+        key="k9", revision="", grid=GRID, dtype=FP32, shape=(4, 4), payload=payload(9),
+        descriptor=unit(9), verification=V, written_ms=0,
+    )  # fmt: skip
+    client.hset(codec.entry("k9"), mapping=fields)  # planted under the name it would need
+    forged_kid = bytes([VERSION]) + codec.key_id + fields["h"][5:]  # the right key id
+    client.hset(codec.entry("k8"), mapping={**fields, "h": forged_kid})
     before = integrity("mac")
-    other = replica(server, prefix, follow=False, secret="another cluster's token")
-    assert len(other.catalog) == 0 and exact(other, "k1") is None and similar(other, 1) is None
-    assert integrity("mac") >= before + 2
+    c = replica(server, prefix, follow=False)
+    assert len(c.catalog) == 1  # the scan indexed only the real entry
+    assert exact(c, "k9") is None and exact(c, "k8") is None
+    assert similar(c, 9) is None
+    assert integrity("mac") >= before + 2  # k8 (scan, then lookup); k9 is another key id
+    other = replica(server, prefix, follow=False, secret="another cluster's secret")
+    assert len(other.catalog) == 0 and exact(other, key) is None and similar(other, 1) is None
+    assert exact(c, key) == data
+
+
+def test_a_store_needs_a_secret_unless_the_development_opt_in(
+    server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    for secret in ("", "  "):
+        with pytest.raises(ConfigError, match="CACHE_STORE_SECRET"):
+            replica(server, prefix, follow=False, secret=secret)
+    open_store = replica(server, prefix, follow=False, secret="", allow_no_secret=True)
+    put(open_store, 1)
+    assert exact(open_store, "k1") == payload(1)
+    path = tmp_path / "secret"
+    path.write_text("from-a-file\n")
+    settings = CacheSettings(store=server.url, store_secret_file=str(path), internal_token="t")
+    assert settings.secret() == "from-a-file"
+    assert CacheSettings(store=server.url, internal_token="t").secret() == "t"
+    with pytest.raises(ConfigError, match="CACHE_STORE_SECRET_FILE"):
+        CacheSettings(store=server.url, store_secret_file=str(tmp_path / "none")).secret()
 
 
 def test_ttl_expiry_is_a_miss_and_the_vector_leaves_the_index(
@@ -333,8 +379,8 @@ def test_ttl_expiry_is_a_miss_and_the_vector_leaves_the_index(
     a = replica(server, prefix, follow=False, ttl_s=0.4)
     put(a, 1, alias="alias-1")
     client = server.client()
-    assert 0 < client.pttl(StoreKeys(prefix).entry("k1")) <= 400  # type: ignore[operator]
-    assert 0 < client.pttl(StoreKeys(prefix).alias("alias-1")) <= 400  # type: ignore[operator]
+    assert 0 < client.pttl(StoreCodec(SECRET, prefix).entry("k1")) <= 400  # type: ignore[operator]
+    assert 0 < client.pttl(StoreCodec(SECRET, prefix).alias("alias-1")) <= 400  # type: ignore[operator]
     assert exact(a, "k1") == payload(1) and similar(a, 1) == "k1"
     time.sleep(0.5)
     dropped = metric("splitvl_cache_store_dropped_total", found="read")
@@ -352,7 +398,7 @@ def test_entries_redis_evicts_become_misses_and_leave_the_index(tmp_path: Path) 
         rows, n = 8192, 24  # 128 KiB entries: 3 MiB in all, over what 4 MiB leaves
         for i in range(n):
             a.put(f"k{i}", unit(i), GRID, FP32, (rows, 4), payload(i, rows), verification=V)
-        held = [i for i in range(n) if s.client().exists(StoreKeys("ev:").entry(f"k{i}"))]
+        held = [i for i in range(n) if s.client().exists(StoreCodec(SECRET, "ev:").entry(f"k{i}"))]
         assert 0 < len(held) < n, held  # Redis evicted some
         c = replica(s, "ev:", follow=False)  # a replica that has no local copies
         for i in range(n):  # every lookup is a hit with the right bytes or a miss
@@ -385,7 +431,7 @@ def test_a_wrong_password_refuses_to_start(server: RedisServer, prefix: str) -> 
         replica(server, prefix, url=url)
 
 
-def test_noeviction_and_no_maxmemory_are_warned_about_at_start(
+def test_the_eviction_policy_is_read_from_info_and_noeviction_refused(
     server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="cache_service.store")
@@ -394,16 +440,53 @@ def test_noeviction_and_no_maxmemory_are_warned_about_at_start(
     client = server.client()
     client.config_set("maxmemory", "512mb")
     try:
+        with pytest.raises(ConfigError, match="maxmemory-policy noeviction"):
+            replica(server, prefix, follow=False)
+        client.config_set("maxmemory-policy", "volatile-lru")
         caplog.clear()
-        replica(server, prefix, follow=False)
-        assert "noeviction" in caplog.text
+        store = replica(server, prefix, follow=False)
+        assert "volatile-lru" in caplog.text and store.ttl_s == VOLATILE_DEFAULT_TTL_S
+        put(store, 1)
+        assert 0 < client.pttl(StoreCodec(SECRET, prefix).entry("k1")) / 1000 <= store.ttl_s  # type: ignore[operator]
+        assert replica(server, prefix, follow=False, ttl_s=60.0).ttl_s == 60.0
         client.config_set("maxmemory-policy", "allkeys-lru")
         caplog.clear()
-        replica(server, prefix, follow=False)
+        assert replica(server, prefix, follow=False).ttl_s == 0
         assert "maxmemory" not in caplog.text
     finally:
         client.config_set("maxmemory", "0")
         client.config_set("maxmemory-policy", "noeviction")
+
+
+def test_a_full_managed_redis_refuses_puts_and_repeats_still_hit(tmp_path: Path) -> None:
+    """A managed Redis: volatile-lru, a small maxmemory, CONFIG renamed away, filled past its
+    limit by another tenant's keys (no TTL: never evicted). Every Put is refused with OOM:
+    dropped and counted, reads go on, and each replica serves the copies it kept."""
+    args = ("--maxmemory", "4mb", "--maxmemory-policy", "volatile-lru")
+    with redis_server(tmp_path, *args, "--rename-command", "CONFIG", '""') as s:
+        client = s.client()
+        with pytest.raises(redis.ResponseError):
+            client.config_get("maxmemory")
+        a = replica(s, "full:", follow=False)
+        assert a.ttl_s == VOLATILE_DEFAULT_TTL_S  # read from INFO memory, not CONFIG
+        put(a, 1)
+        assert exact(replica(s, "full:", follow=False), "k1") == payload(1)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for i in range(10_000):  # another tenant, without TTLs
+                client.set(f"tenant:{i}", b"x" * 4096)
+        oom = metric("splitvl_cache_store_refused_total", op="put", reason="oom")
+        errors = metric("splitvl_cache_store_errors_total", op="lookup")
+        rows = 4096
+        for i in range(2, 6):
+            a.put(f"k{i}", unit(i), GRID, FP32, (rows, 4), payload(i, rows), verification=V)
+        assert metric("splitvl_cache_store_refused_total", op="put", reason="oom") >= oom + 3
+        assert not a.health.down
+        for i in range(2, 6):  # the repeats: exact hits from the copies a kept
+            assert exact(a, f"k{i}") == payload(i, rows), i
+        b = replica(s, "full:", follow=False)  # a replica without those copies: misses
+        assert exact(b, "k2") is None and not b.health.down
+        assert metric("splitvl_cache_store_errors_total", op="lookup") == errors
+        a.check_invariants()
 
 
 def test_a_store_down_or_hung_is_misses_then_caching_resumes(tmp_path: Path) -> None:
@@ -413,13 +496,14 @@ def test_a_store_down_or_hung_is_misses_then_caching_resumes(tmp_path: Path) -> 
         put(a, 1)
         errors = metric("splitvl_cache_store_errors_total", op="lookup")
         s.stop()
-        for i in range(3):  # misses, each within the 0.3 s timeout (then skipped at once)
-            t0 = time.perf_counter()
-            assert exact(a, "k1") is None and similar(a, 1) is None
+        for i in range(3):  # within the 0.3 s timeout (then skipped at once): the copy
+            t0 = time.perf_counter()  # this replica put is served, nothing else
+            assert exact(a, "k1") == payload(1) and similar(a, 1) is None
+            assert exact(a, "k9") is None
             assert time.perf_counter() - t0 < 0.7, i
         with pytest.raises(StoreUnavailableError):
             put(a, 2)
-        assert metric("splitvl_cache_store_errors_total", op="lookup") >= errors + 6
+        assert metric("splitvl_cache_store_errors_total", op="lookup") >= errors + 9
         assert metric("splitvl_cache_store_up") == 0
         s.start()  # the same port, empty (no persistence): caching resumes, no restart
         deadline = time.monotonic() + 10
@@ -436,9 +520,39 @@ def test_a_store_down_or_hung_is_misses_then_caching_resumes(tmp_path: Path) -> 
         os.kill(s.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]  # hung, not dead
         try:
             t0 = time.perf_counter()
-            assert exact(a, "k2") is None
+            assert exact(a, "k3") is None
             assert time.perf_counter() - t0 < 1.0
         finally:
             os.kill(s.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
     finally:
         s.stop()
+
+
+def test_the_minimal_acl_user_of_docs_security_is_enough(server: RedisServer, prefix: str) -> None:
+    """docs/security.md's ACL user: every store operation works with those commands on the
+    prefix's keys, and a command it lacks is a refusal counted, never a stopped read."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    rule = re.search(r"`ACL SETUSER splitvl on >PASSWORD (.*?)`", text, re.S)
+    assert rule is not None
+    rules = rule.group(1).split()
+    rules = [r.replace("~splitvl:*", f"~{prefix}*") for r in rules]
+    client = server.client()
+    client.execute_command("ACL", "SETUSER", "splitvl", "reset", "on", ">acl-pass", *rules)
+    url = f"redis://splitvl:acl-pass@127.0.0.1:{server.port}/0"
+    a, b = replica(server, prefix, url=url), replica(server, prefix, url=url)
+    put(a, 1, alias="alias-1")
+    put(b, 1)  # the second write of a key: a refresh
+    assert exact(b, "k1") == payload(1) and exact(b, "alias-1") == payload(1)
+    deadline = time.monotonic() + 5
+    while similar(b, 1) != "k1":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert replica(server, prefix, url=url, follow=False).catalog.keys() == ["k1"]
+    client.execute_command("ACL", "SETUSER", "splitvl", "-hset")  # one command less
+    refused = metric("splitvl_cache_store_refused_total", op="put", reason="noperm")
+    put(a, 2)
+    assert metric("splitvl_cache_store_refused_total", op="put", reason="noperm") == refused + 1
+    assert exact(a, "k2") == payload(2) and exact(b, "k1") == payload(1)
+    assert not a.health.down

@@ -30,7 +30,7 @@ from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service.servicer import CacheServicer
-from cache_service.store_codec import StoreKeys, seal
+from cache_service.store_codec import StoreCodec
 from cache_service.store_redis import RedisStore
 from tests.conftest import in_process_server
 from tests.test_cache_store_redis import (
@@ -43,6 +43,7 @@ from tests.test_cache_store_redis import (
     V,
     exact,
     free_port,
+    integrity,
     near,
     payload,
     put,
@@ -91,6 +92,61 @@ def test_two_replicas_find_each_others_puts(server: RedisServer) -> None:
     assert exact(a, "k2") == payload(2)
     wait_similar(a, 2)
     assert b.follower.last_id != "0-0" and len(a.catalog) == len(b.catalog) == 2
+
+
+def test_racing_puts_of_one_key_keep_the_first_write_for_every_reader(
+    server: RedisServer,
+) -> None:
+    """Two encoders miss one new image at once; their payloads differ in the last bits
+    (GEMM results depend on the batch). The store keeps one of them for the key's life:
+    readers on two replicas, racing the Puts, only ever get that one, and none counts an
+    integrity failure (the old store rewrote the hash and a reader between its two reads
+    refused the entry)."""
+    import threading
+
+    rows = 4096  # 64 KiB: a Put takes long enough for readers to land inside it
+    first, second = payload(1, rows), bytearray(payload(1, rows))
+    second[-1] ^= 1  # the last bit of the last value
+    before = {r: integrity(r) for r in ("mac", "field", "key", "format")}
+    for round_ in range(6):
+        key = f"race-{round_}"
+        writers = [replica(server, "race:", follow=False) for _ in range(2)]
+        readers = [replica(server, "race:", follow=False) for _ in range(2)]
+        seen: list[bytes] = []
+        go = threading.Event()
+
+        def write(store: RedisStore, data: bytes, key: str = key, go: threading.Event = go) -> None:
+            go.wait()
+            store.put(key, unit(1), GRID, FP32, (rows, 4), data, verification=V)
+
+        def read(
+            store: RedisStore,
+            key: str = key,
+            go: threading.Event = go,
+            seen: list[bytes] = seen,
+        ) -> None:
+            go.wait()
+            for _ in range(60):
+                m = store.lookup(key, None, GRID, similar=False)
+                if m.entry is not None:
+                    seen.append(bytes(m.entry.data))
+
+        threads = [
+            threading.Thread(target=write, args=(writers[0], first)),
+            threading.Thread(target=write, args=(writers[1], bytes(second))),
+            *(threading.Thread(target=read, args=(r,)) for r in readers),
+        ]
+        for t in threads:
+            t.start()
+        go.set()
+        for t in threads:
+            t.join(30)
+        stored = exact(replica(server, "race:", follow=False), key)
+        assert stored in (first, bytes(second))
+        for store in (*writers, *readers):  # every replica answers the first write
+            assert exact(store, key) == stored, round_
+        assert all(data == stored for data in seen), round_
+    assert {r: integrity(r) for r in before} == before
 
 
 def servicer(store: RedisStore, tmp_path: Path) -> CacheServicer:
@@ -205,16 +261,14 @@ async def test_a_store_down_behind_the_servicer_is_a_miss_and_a_dropped_put(
 
 def write_entries(server: RedisServer, prefix: str, n: int) -> None:
     """``n`` entries (keys k0..), sealed and written in one pipeline, as replicas would."""
-    from cache_service.store_codec import derive_mac_key
-
-    mac_key, keys = derive_mac_key(SECRET), StoreKeys(prefix)
+    codec = StoreCodec(SECRET, prefix)
     pipe = server.client().pipeline(transaction=False)
     for i in range(n):
-        _, fields = seal(
-            mac_key, key=f"k{i}", revision="", grid=GRID, dtype=FP32, shape=(4, 4),
+        _, fields = codec.seal(
+            key=f"k{i}", revision="", grid=GRID, dtype=FP32, shape=(4, 4),
             payload=payload(i), descriptor=unit(i), verification=V, written_ms=0,
         )  # fmt: skip
-        pipe.hset(keys.entry(f"k{i}"), mapping=fields)  # type: ignore[arg-type]
+        pipe.hset(codec.entry(f"k{i}"), mapping=fields)  # type: ignore[arg-type]
     pipe.execute()
 
 
@@ -234,7 +288,7 @@ def test_a_restarted_cache_rebuilds_its_index_from_the_store_before_serving(
     """The log is deleted first, so only a scan of the store can find the entries."""
     n, prefix = 3000, "restart:"
     write_entries(server, prefix, n)
-    server.client().delete(StoreKeys(prefix).log)
+    server.client().delete(StoreCodec(SECRET, prefix).log)
     port = free_port()
     env = {
         **os.environ,

@@ -20,17 +20,21 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 
 from splitvl.cli import main
 from splitvl.errors import LaunchConfigError, ServiceStartError
 from splitvl.launcher import Cluster, Ports, Supervisor, free_base, health_status
-from splitvl.redis_server import RedisServer, redis_call
+from splitvl.private_file import write_private
+from splitvl.redis_server import RedisServer
 from splitvl.replicas import (
+    STORE_SECRET_VARS,
     decoder_cores,
     layout_lines,
     parse_replicas,
     plan_store,
     replica_env,
+    store_secret_env,
 )
 
 REPLICAS = {"decoder": 2, "cache": 2, "encoder": 2}
@@ -178,6 +182,47 @@ def _refused(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def test_a_shared_store_gets_a_generated_secret_file_unless_one_is_given(tmp_path: Path) -> None:
+    url = "redis://:p@h:1/0"
+    env = store_secret_env(url, {}, tmp_path)
+    path = tmp_path / "store-secret"
+    assert env == {"CACHE_STORE_SECRET_FILE": str(path)}
+    secret = path.read_text().strip()
+    assert len(secret) == 43 and path.stat().st_mode & 0o777 == 0o600  # 256 bits
+    assert store_secret_env(None, {"CACHE_STORE": url}, tmp_path) == env
+    assert path.read_text().strip() == secret  # kept: a restart reads the old entries
+    for given in STORE_SECRET_VARS:
+        assert store_secret_env(url, {given: "x"}, tmp_path) == {}, given
+    assert store_secret_env("memory", {}, tmp_path / "m") == {}
+    assert store_secret_env(None, {}, tmp_path / "m") == {}
+    assert not (tmp_path / "m").exists()
+    # A file others can read, or a symlink planted at its name, is refused, not used.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "store-secret").write_text("readable\n")
+    (other / "store-secret").chmod(0o644)
+    with pytest.raises(LaunchConfigError, match="chmod 600"):
+        store_secret_env(url, {}, other)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "store-secret").symlink_to(other / "store-secret")
+    with pytest.raises(LaunchConfigError, match="symlink"):
+        store_secret_env(url, {}, linked)
+    # Written files replace a symlink at their name instead of writing through it.
+    (linked / "url").symlink_to(other / "target")
+    write_private(linked / "url", "secret")
+    assert not (other / "target").exists() and not (linked / "url").is_symlink()
+    assert (linked / "url").stat().st_mode & 0o777 == 0o600
+
+
+def assert_needs_password(port: int) -> None:
+    """The server on ``port`` refuses PING without its password, and a wrong one."""
+    with pytest.raises(redis.AuthenticationError, match="authenticated|Authentication required"):
+        redis.Redis(port=port).ping()
+    with pytest.raises(redis.AuthenticationError, match="invalid username-password"):
+        redis.Redis(port=port, password="wrong").ping()
+
+
 def test_the_local_redis_server_needs_its_password_and_leaves_nothing_when_stopped(
     tmp_path: Path,
 ) -> None:
@@ -186,25 +231,16 @@ def test_the_local_redis_server_needs_its_password_and_leaves_nothing_when_stopp
     assert server.proc is not None
     pid = server.proc.pid
     try:
-        assert redis_call(server.port, ["AUTH", server.password], ["PING"]) == ["+OK", "+PONG"]
-        assert redis_call(server.port, ["PING"]) == ["-NOAUTH Authentication required."]
-        assert redis_call(server.port, ["AUTH", "wrong"])[0].startswith("-WRONGPASS")
-        replies = redis_call(
-            server.port,
-            ["AUTH", server.password],
-            ["CONFIG", "GET", "maxmemory"],
-            ["CONFIG", "GET", "maxmemory-policy"],
-            ["CONFIG", "GET", "bind"],
-            ["CONFIG", "GET", "save"],
-            ["CONFIG", "GET", "appendonly"],
-        )
-        assert replies[1:] == [
-            ["maxmemory", str(64 * 2**20)],
-            ["maxmemory-policy", "allkeys-lru"],
-            ["bind", "127.0.0.1"],
-            ["save", ""],
-            ["appendonly", "no"],
-        ]
+        assert server.client().ping() is True
+        assert_needs_password(server.port)
+        config = server.client(timeout_s=2).config_get("*")
+        assert {k: config[k] for k in ("maxmemory", "maxmemory-policy", "bind", "save")} == {
+            "maxmemory": str(64 * 2**20),
+            "maxmemory-policy": "allkeys-lru",
+            "bind": "127.0.0.1",
+            "save": "",
+        }
+        assert config["appendonly"] == "no"
         # The password is in 0600 files, never on the command line (ps shows those).
         assert server.password not in " ".join(psutil.Process(pid).cmdline())
         for name in ("redis.conf", "url"):
@@ -373,7 +409,7 @@ def test_supervision_restarts_a_dead_redis_server_on_its_port_with_its_password(
             time.sleep(0.05)
         assert supervisor.restarts == {"redis": 1}
         assert lines[0].startswith("splitvl: redis exited with code -9; restarting it in 0 s")
-        assert redis_call(server.port, ["AUTH", server.password], ["PING"]) == ["+OK", "+PONG"]
+        assert server.ping()
     finally:
         cluster.stop()
 
@@ -538,13 +574,21 @@ def test_up_with_two_decoders_and_two_caches_on_redis_serves_and_stops_everythin
         url = (log_dir / "redis" / "url").read_text().strip()
         assert url.startswith("redis://:") and url.endswith(f"@127.0.0.1:{redis_port}/0")
         password = url.removeprefix("redis://:").rpartition("@")[0]
-        assert redis_call(redis_port, ["AUTH", password], ["PING"]) == ["+OK", "+PONG"]
-        assert redis_call(redis_port, ["PING"]) == ["-NOAUTH Authentication required."]
+        assert redis.Redis(port=redis_port, password=password).ping() is True
+        assert_needs_password(redis_port)
         tree = _descendants(proc.pid)
         commands = {p.pid: " ".join(p.cmdline()) for p in tree}
         assert any(f"redis-server 127.0.0.1:{redis_port}" in c for c in commands.values())
         caches = [p for p in tree if "cache_service" in p.cmdline()]
         assert [p.environ().get("CACHE_STORE") for p in caches] == [url, url]
+        # One generated store secret, shared by both caches through a 0600 file.
+        secret_file = log_dir / "store-secret"
+        assert [p.environ().get("CACHE_STORE_SECRET_FILE") for p in caches] == [
+            str(secret_file)
+        ] * 2
+        assert secret_file.stat().st_mode & 0o777 == 0o600
+        secret = secret_file.read_text().strip()
+        assert len(secret) >= 43 and all(secret not in " ".join(p.cmdline()) for p in tree)
         for image in ("astronaut.png", "coffee.png"):  # round robin: one per cache replica
             request = build_request([photo(image)], "Describe.", max_tokens=4, ignore_eos=True)
             assert len(generate(f"127.0.0.1:{base}", request, timeout_s=120).token_ids) == 4
