@@ -14,6 +14,7 @@ import logging
 import faiss
 from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
 
+from cache_service.claims import MemoryClaims
 from cache_service.entries import Store
 from cache_service.index import gpu_count
 from cache_service.servicer import POLICIES, CacheServicer
@@ -75,8 +76,9 @@ def build_store(settings: CacheSettings) -> Store:
 
 
 def build_servicer(settings: CacheSettings) -> CacheServicer:
+    store = build_store(settings)
     return CacheServicer(
-        build_store(settings),
+        store,
         default_policy=POLICIES[settings.default_policy],
         max_queries=settings.max_queries,
         spatial_merge_size=settings.spatial_merge_size,
@@ -85,6 +87,10 @@ def build_servicer(settings: CacheSettings) -> CacheServicer:
         reader=handoff.Reader(
             ClientSecurity.from_settings(settings), max_message_bytes=settings.max_message_bytes
         ),
+        # A shared store's claims are fleet-wide (cache_service/claims.py).
+        claims=store.claims
+        if isinstance(store, RedisStore)
+        else MemoryClaims(settings.claim_ttl_s),
     )
 
 

@@ -60,8 +60,8 @@ STORE_ERRORS = Counter(
     "Shared-store operations that failed, or were skipped while it was down; a lookup then "
     "answers a miss and a put is dropped.",
     ["op"],
-)  # op = lookup | put | alias | follow | sync | start
-for _op in ("lookup", "put", "alias", "follow", "sync", "start"):
+)  # op = lookup | put | alias | follow | sync | start | claim
+for _op in ("lookup", "put", "alias", "follow", "sync", "start", "claim"):
     STORE_ERRORS.labels(op=_op)
 STORE_REFUSED = Counter(
     "splitvl_cache_store_refused_total",

@@ -17,6 +17,7 @@ from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service import metrics
+from cache_service.claims import POLL_S, Claims, MemoryClaims
 from cache_service.entries import (
     CacheFullError,
     Entry,
@@ -42,6 +43,9 @@ from vlcommon.verification import (
 
 tracer = trace.get_tracer("splitvl.cache")
 TIERS = CACHE_TIERS
+OFF = generation_pb2.CACHE_POLICY_OFF
+# A Lookup that waits on others' claims answers this long before its caller's deadline.
+CLAIM_WAIT_MARGIN_S = 0.05
 POLICIES = CACHE_POLICIES
 
 
@@ -343,8 +347,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         max_response_bytes: int = 256 * 1024 * 1024,
         holder: Holder | None = None,
         reader: Reader | None = None,
+        claims: Claims | None = None,
     ) -> None:
         self.store = store
+        # Claims on missed keys (LookupRequest.claim; cache_service/claims.py): the shared
+        # store's, fleet-wide, or (the default) this process's.
+        self.claims: Claims = claims or MemoryClaims(ttl_s=5.0)
         # Hits handed out by reference (LookupRequest.transport) are held here; entries
         # put by reference (PutEntry.embedding.ref) are read with the reader.
         self.holder = holder
@@ -441,6 +449,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 leases,
                 request.bytes_keys,
             )
+            claimed = [0] * len(matches)
+            if request.claim and not request.bytes_keys and policy != OFF:
+                videos = [q.video for q in request.queries]
+                claimed = await self._settle_claims(
+                    queries, matches, videos, policy, request, leases, context
+                )
             refs: list[tensor_pb2.EmbeddingRef | None] = []
             if by_ref:
                 # No hold outlives a call cancelled while it is made (by its client, or
@@ -454,7 +468,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             response = pb.LookupResponse()
             for i, match in enumerate(matches):
                 self._count(match, counted_miss=not request.bytes_keys)
-                result = response.results.add(tier=TIERS[match.tier], similarity=match.similarity)
+                result = response.results.add(
+                    tier=TIERS[match.tier], similarity=match.similarity, claim=claimed[i]
+                )
                 if match.entry is not None:
                     result.matched_key = match.entry.key
                     if by_ref:
@@ -471,6 +487,54 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             return response
         finally:
             metrics.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
+
+    async def _settle_claims(
+        self,
+        queries: list[_Query],
+        matches: list[Match],
+        videos: list[bool],
+        policy: int,
+        request: pb.LookupRequest,
+        leases: _Leases,
+        context: grpc.aio.ServicerContext,
+    ) -> list[int]:
+        """Claim each missed image's key (cache_service/claims.py); with
+        ``wait_claimed_ms``, wait for the keys others claimed: ``matches`` take the hits
+        that land meanwhile. Returns each query's ``ClaimState``."""
+        states = [pb.CLAIM_STATE_UNSPECIFIED] * len(matches)
+        lease = request.include_embeddings
+
+        def claim(i: int) -> None:
+            owned = self.claims.claim(queries[i].key)
+            states[i] = pb.CLAIM_STATE_OWNED if owned else pb.CLAIM_STATE_ELSEWHERE
+
+        def poll(waiting: list[int]) -> list[int]:
+            still = []
+            for i in waiting:
+                exact = generation_pb2.CACHE_POLICY_EXACT_ONLY
+                match = self._match_all([queries[i]], exact, lease, leases)[0]
+                if match.entry is None and not self.claims.held(queries[i].key):
+                    match = self._match_all([queries[i]], policy, lease, leases)[0]
+                    if match.entry is None:
+                        claim(i)  # the claimant is gone: this caller's turn
+                if match.entry is not None:
+                    matches[i], states[i] = match, pb.CLAIM_STATE_UNSPECIFIED
+                elif states[i] == pb.CLAIM_STATE_ELSEWHERE:
+                    still.append(i)
+            return still
+
+        missed = [i for i, m in enumerate(matches) if m.entry is None and not videos[i]]
+        if missed:
+            await asyncio.to_thread(lambda: list(map(claim, missed)))
+        waiting = [i for i in missed if states[i] == pb.CLAIM_STATE_ELSEWHERE]
+        end = time.monotonic() + request.wait_claimed_ms / 1000
+        remaining = context.time_remaining()
+        if remaining is not None:  # answer before the caller's deadline
+            end = min(end, time.monotonic() + remaining - CLAIM_WAIT_MARGIN_S)
+        while waiting and time.monotonic() + POLL_S < end and not leases.done.is_set():
+            await asyncio.sleep(POLL_S)
+            waiting = await asyncio.to_thread(poll, waiting)
+        return states
 
     def _hold_all(
         self, matches: list[Match], transport: int
@@ -744,6 +808,19 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 (key, descriptor, grid, emb, data, verification, entry.revision, alias_key)
             )
         stored = evicted = dropped = 0
+        try:
+            stored, evicted, dropped = self._store_all(checked)
+        finally:
+            # Stored, dropped or refused, nobody is encoding these any more: waiters on
+            # their claims look again (and encode, if still missing).
+            self.claims.end([c[0] for c in checked])
+        if dropped:
+            trace.get_current_span().set_attribute("splitvl.cache.dropped_entries", dropped)
+        return pb.PutResponse(stored=stored, evicted=evicted)
+
+    def _store_all(self, checked: list[tuple]) -> tuple[int, int, int]:  # type: ignore[type-arg]
+        """Store checked entries in order; (stored, evicted, dropped)."""
+        stored = evicted = dropped = 0
         for i, checked_entry in enumerate(checked):
             key, descriptor, grid, emb, data, verification, revision, alias_key = checked_entry
             try:
@@ -783,9 +860,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 ) from err
             stored += 1
             metrics.PUTS.inc()
-        if dropped:
-            trace.get_current_span().set_attribute("splitvl.cache.dropped_entries", dropped)
-        return pb.PutResponse(stored=stored, evicted=evicted)
+        return stored, evicted, dropped
 
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext

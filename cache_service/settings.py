@@ -1,6 +1,7 @@
 """Cache service settings (environment prefix ``CACHE_``)."""
 
-from pathlib import Path
+import os
+import stat
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -91,6 +92,11 @@ class CacheSettings(HoldingSettings):
     store_sync_interval_s: float = Field(
         30.0, gt=0, description="Seconds between two scans of the store by each replica."
     )
+    # Each new image encoded once (cache_service/claims.py): a claim lives this long unless
+    # the claimant's Put ends it; a claimant that died costs its waiters at most this.
+    claim_ttl_s: float = Field(
+        5.0, gt=0, le=600, description="Seconds a claim on a missed key lives without a Put."
+    )
     # Entries are sealed (AES-256-GCM) and named under keys derived from this secret, so the
     # store holds nothing in the clear and nobody without it can plant an entry
     # (docs/security.md, "The shared store"). A store without one does not start.
@@ -115,22 +121,28 @@ class CacheSettings(HoldingSettings):
         return value.strip()
 
     def secret(self) -> str:
-        """The store secret: ``store_secret``, else ``store_secret_file``'s content (one
-        line, surrounding whitespace dropped), else ``internal_token``; "" for none.
+        """The store secret: ``store_secret``, else ``store_secret_file``'s content, else
+        ``internal_token``, surrounding whitespace dropped; "" for none.
 
         Raises:
-            ConfigError: ``store_secret_file`` cannot be read.
+            ConfigError: ``store_secret_file`` cannot be read as UTF-8 text (a FIFO or a
+                folder is refused, not waited on).
         """
-        if self.store_secret.get_secret_value():
-            return self.store_secret.get_secret_value()
+        if self.store_secret.get_secret_value().strip():
+            return self.store_secret.get_secret_value().strip()
         if self.store_secret_file:
+            path = self.store_secret_file
             try:
-                return Path(self.store_secret_file).read_text().strip()
-            except OSError as err:
-                raise ConfigError(
-                    f"CACHE_STORE_SECRET_FILE {self.store_secret_file}: {err.strerror or err}"
-                ) from None
-        return self.internal_token.get_secret_value()
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise ConfigError(f"CACHE_STORE_SECRET_FILE {path} is not a file")
+                with os.fdopen(fd, "rb") as f:
+                    return f.read().decode().strip()
+            except (OSError, UnicodeDecodeError) as err:
+                why = getattr(err, "strerror", None) or "not UTF-8 text"
+                raise ConfigError(f"CACHE_STORE_SECRET_FILE {path}: {why}") from None
+        return self.internal_token.get_secret_value().strip()
 
     def index_params(self) -> IndexParams:
         """The FAISS index parameters these settings name (service and cache-bench alike)."""

@@ -4,18 +4,21 @@ The store (a Redis that may be managed or shared by someone else) is trusted wit
 it holds no image, embedding, descriptor or key in the clear, and an entry it returns is
 served only when it opens under this cluster's secret as the entry asked for.
 
-Names. An entry is a Redis hash at ``<prefix>e:<n>``, an alias a string at ``<prefix>a:<n>``,
-where ``<n>`` is 32 hex digits of HMAC-SHA256 of the key under a name key derived from the
-secret: a fixed-length, brace-free name (Redis Cluster hash tags stay out of the caller's
-hands) from which nobody without the secret can tell which image it holds, nor test
-whether a given image is cached.
+Names. An entry is a Redis hash at ``<prefix>e:<kid>:<n>``, an alias a string at
+``<prefix>a:<kid>:<n>``, where ``<kid>`` is the secret's key id (8 hex digits) and ``<n>``
+32 hex digits of HMAC-SHA256 of the key under a name key derived from the secret: a
+fixed-length, brace-free name (Redis Cluster hash tags stay out of the caller's hands) from
+which nobody without the secret can tell which image it holds, nor test whether a given
+image is cached. A scan matches only its own secret's entries, so entries of another
+secret (a rotation) or of an older format are never read, only left to expire.
 
-Keys (RFC 5869 HKDF-SHA256 of the secret, :class:`StoreCodec`): a master key, from which
-come the name key, the alias key, a 4-byte key id, and one key per written entry,
-HMAC-SHA256(master, ``entry`` + write id) where the write id is 16 random bytes chosen at
-each Put. Every encryption under an entry key has its own fixed nonce (header 0, then
-``d``, ``v``, ``p``): keys are never reused across writes, so fixed nonces are safe
-(NIST SP 800-38D, 8.2: a nonce must not repeat under one key).
+Keys (RFC 5869 HKDF-SHA256 of the secret, :class:`StoreCodec`): a name key and a master
+key, from which come a 4-byte key id, one key per alias (HMAC-SHA256(master, ``alias`` +
+alias); a record sealed with a random nonce, written once per alias) and one key per
+written entry, HMAC-SHA256(master, ``entry`` + write id) where the write id is 16 random
+bytes chosen at each Put. Every encryption under an entry key has its own fixed nonce
+(header 0, then ``d``, ``v``, ``p``): keys are never reused across writes, so fixed nonces
+are safe (NIST SP 800-38D, 8.2: a nonce must not repeat under one key).
 
 An entry's fields:
 
@@ -206,24 +209,24 @@ class StoreCodec:
         self._master = _hkdf(raw, b"splitvl cache store master v2")
         self._names = _hkdf(raw, b"splitvl cache store names v2")
         self.key_id = hmac.new(self._master, b"key id", hashlib.sha256).digest()[:KEY_ID_BYTES]
-        self._alias = AESGCM(hmac.new(self._master, b"alias", hashlib.sha256).digest())
 
     # -- names ---------------------------------------------------------------------------
-    def _name(self, kind: bytes, key: str) -> str:
-        # ``kind`` is one byte: entry, alias and claim names never collide.
-        return hmac.new(self._names, kind + _utf8(key), hashlib.sha256).hexdigest()[:32]
+    def _name(self, kind: str, key: str) -> str:
+        # ``kind`` is one letter: entry, alias and claim names never collide.
+        digest = hmac.new(self._names, kind.encode() + _utf8(key), hashlib.sha256).hexdigest()
+        return f"{self.prefix}{kind}:{self.key_id.hex()}:{digest[:32]}"
 
     def entry(self, key: str) -> str:
         """The Redis key of ``key``'s entry."""
-        return f"{self.prefix}e:{self._name(b'e', key)}"
+        return self._name("e", key)
 
     def alias(self, alias: str) -> str:
         """The Redis key of ``alias``'s record."""
-        return f"{self.prefix}a:{self._name(b'a', alias)}"
+        return self._name("a", alias)
 
     def claim(self, key: str) -> str:
         """The Redis key a gateway's claim on encoding ``key`` lives at."""
-        return f"{self.prefix}c:{self._name(b'c', key)}"
+        return self._name("c", key)
 
     @property
     def log(self) -> str:
@@ -232,9 +235,10 @@ class StoreCodec:
 
     @property
     def entry_pattern(self) -> str:
-        """A SCAN ``MATCH`` pattern for every entry (the prefix's glob characters escaped)."""
+        """A SCAN ``MATCH`` pattern for every entry of this secret (the prefix's glob
+        characters escaped)."""
         escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix)
-        return f"{escaped}e:*"
+        return f"{escaped}e:{self.key_id.hex()}:*"
 
     # -- entries -------------------------------------------------------------------------
     def _entry_cipher(self, write_id: bytes) -> AESGCM:
@@ -348,19 +352,24 @@ class StoreCodec:
         return decode_verification(raw) if raw else None
 
     # -- aliases -------------------------------------------------------------------------
+    def _alias_cipher(self, alias: str) -> AESGCM:
+        # A key per alias: a record is written once per alias (SET NX), so its random
+        # nonce meets its key a handful of times, never 2^32.
+        return AESGCM(hmac.new(self._master, b"alias" + _utf8(alias), hashlib.sha256).digest())
+
     def seal_alias(self, alias: str, key: str) -> bytes:
         """The stored record saying that ``alias`` finds the entry of ``key``, sealed."""
         nonce = os.urandom(NONCE_BYTES)
         prefix = bytes([VERSION]) + self.key_id + nonce
         body = _lp(_utf8(alias)) + _lp(_utf8(key))
-        return prefix + self._alias.encrypt(nonce, body, ALIAS_MAGIC + prefix)
+        return prefix + self._alias_cipher(alias).encrypt(nonce, body, ALIAS_MAGIC + prefix)
 
     def open_alias(self, sealed: bytes, alias: str) -> str:
         """The key an alias record stored under ``alias``'s name points to.
 
         Raises:
-            IntegrityError: ``format``, ``key_id``, ``mac``, or ``key`` when it is another
-                alias's record.
+            IntegrityError: ``format``, ``key_id``, or ``mac`` (tampered, or another alias's
+                record: each alias has its own key).
         """
         size = 1 + KEY_ID_BYTES + NONCE_BYTES
         if len(sealed) < size + TAG_BYTES or sealed[0] != VERSION:
@@ -370,7 +379,7 @@ class StoreCodec:
             raise IntegrityError("key_id", "a stored alias was sealed under another secret")
         try:
             nonce = prefix[1 + KEY_ID_BYTES :]
-            body = self._alias.decrypt(nonce, sealed[size:], ALIAS_MAGIC + prefix)
+            body = self._alias_cipher(alias).decrypt(nonce, sealed[size:], ALIAS_MAGIC + prefix)
         except InvalidTag:
             raise IntegrityError("mac", "a stored alias record does not open") from None
         r = _Reader(body)

@@ -354,9 +354,10 @@ class StoreHealth:
         """Count and log (rate-limited) a failure of ``op``; returns what it meant
         (:func:`classify`: ``unavailable``, ``refused`` or ``config``).
 
-        Unavailable: the store is skipped for ``retry_s`` (``skip``; the log follower's
-        failures do not skip: a late blocking read on a loaded host says less about the
-        store than a lookup's own failure). Refused: counted by reason in
+        Unavailable: the store is skipped for ``retry_s``, unless ``skip`` is False (the
+        log follower's failures: a late blocking read on a loaded host says less about the
+        store than a lookup's own failure; they are counted and logged only). Refused:
+        the store answered, so it is up; counted by reason in
         ``splitvl_cache_store_refused_total``, nothing skipped."""
         kind, reason = classify(err)
         if kind == "refused":
@@ -366,28 +367,34 @@ class StoreHealth:
                 f"cache store refused {op} ({err}); dropped, counted in "
                 f'splitvl_cache_store_refused_total{{reason="{reason}"}}; reads go on',
             )
+            self.ok()
             return kind
         metrics.STORE_ERRORS.labels(op=op).inc()
-        metrics.STORE_UP.set(0)
         with self._lock:
             now = self.clock()
             self.failures += 1
             if skip:
                 self._skip_until = now + self.retry_s
-            self._down = True
+                self._down = True
             if now - self._logged.get(op, -1e18) < self.log_every_s:
                 self._quiet[op] = self._quiet.get(op, 0) + 1
-                return kind
-            self._logged[op] = now
-            quiet = self._quiet.pop(op, 0)
-        log.warning(
-            "cache store %s failed (%s: %s)%s; %s",
-            op,
-            type(err).__name__,
-            err,
-            f" and {quiet} more since the last report" if quiet else "",
-            "lookups answer misses and puts are dropped until it answers",
-        )
+                quiet = -1
+            else:
+                self._logged[op] = now
+                quiet = self._quiet.pop(op, 0)
+        if skip:
+            metrics.STORE_UP.set(0)
+        if quiet >= 0:
+            log.warning(
+                "cache store %s failed (%s: %s)%s; %s",
+                op,
+                type(err).__name__,
+                err,
+                f" and {quiet} more since the last report" if quiet else "",
+                "lookups answer misses and puts are dropped until it answers"
+                if skip
+                else "following resumes when it answers",
+            )
         return kind
 
     def ok(self) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 from cache_service.store import EmbeddingStore
 from cache_service.store_codec import Header, IntegrityError, StoreCodec
 from cache_service.store_conn import STORE_FAILURES, RedisClient, StoreHealth, as_bytes
+from vlcommon.errors import ConfigError
 
 log = logging.getLogger("cache_service.store")
 
@@ -43,6 +44,9 @@ BATCH = 256
 SCAN_COUNT = 1000
 # Pause after the log could not be read, seconds (the store is down or restarting).
 RETRY_S = 0.5
+# Pause after the store refused a read of the log (an ACL without XREAD, a log key of
+# another type): no resync, which would fail alike, seconds.
+REFUSED_RETRY_S = 5.0
 
 
 def _text(value: object) -> str:
@@ -61,10 +65,13 @@ class FollowedStore(Protocol):
 
     codec: StoreCodec
     dim: int
+    policy_checked: bool
     catalog: EmbeddingStore
     health: StoreHealth
 
     def follow_client(self, blocking_s: float) -> RedisClient: ...
+
+    def check_policy(self, client: RedisClient) -> None: ...
 
     def index(self, header: Header, vector: np.ndarray | None, source: str = "") -> None: ...
 
@@ -114,19 +121,31 @@ class Follower:
         while not self._stop.is_set():
             try:
                 client = self.store.follow_client(BLOCK_MS / 1000)
+                self._check_policy(client)
                 if self.resync_due or time.monotonic() >= self._next_sync:
                     self.sync(client)
                     self.resync_due = False
                     self._next_sync = time.monotonic() + self.sync_interval_s
                 self.follow_once(client)
-                self.store.health.ok()
             except STORE_FAILURES as err:
-                self.store.health.failed("follow", err, skip=False)
+                if self.store.health.failed("follow", err, skip=False) == "refused":
+                    self._stop.wait(REFUSED_RETRY_S)  # an ACL or a key that is not ours
+                    continue
                 self.resync_due = True
                 self._stop.wait(RETRY_S)
             except Exception:  # a bug here must not end following for good
                 log.exception("following the cache store's log failed; retrying")
                 self._stop.wait(RETRY_S)
+
+    def _check_policy(self, client: RedisClient) -> None:
+        """The store's eviction policy, read once (the store was down at start)."""
+        if self.store.policy_checked:
+            return
+        try:
+            self.store.check_policy(client)
+        except ConfigError as err:
+            self.store.policy_checked = True
+            log.error("%s (found after start: serving on, fix it)", err)
 
     def follow_once(self, client: RedisClient, block_ms: int = BLOCK_MS) -> int:
         """Read the log after ``last_id`` (waiting up to ``block_ms``) and index the entries
@@ -137,8 +156,8 @@ class Follower:
             for message_id, fields in messages:
                 self.last_id = _text(message_id)
                 name = fields.get(b"n")
-                if name is not None:
-                    names.append(_text(name))
+                if isinstance(name, bytes) and name.isascii():  # else not a replica's
+                    names.append(name.decode())
         return self.index_names(client, names, "log") if names else 0
 
     def index_names(self, client: RedisClient, names: list[str], source: str) -> int:
@@ -150,7 +169,11 @@ class Follower:
             pipe = client.pipeline(transaction=False)
             for name in batch:
                 pipe.hmget(name, ["h", "d"])
-            for name, (sealed, raw) in zip(batch, pipe.execute(), strict=True):
+            # A key of another type under an entry's name (WRONGTYPE) is skipped alone.
+            for name, reply in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(reply, Exception):
+                    continue
+                sealed, raw = reply
                 added += self._index_one(as_bytes(sealed), as_bytes(raw), name, source)
         return added
 

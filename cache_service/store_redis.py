@@ -35,8 +35,11 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import redis
+from redis.exceptions import ReadOnlyError
 
 from cache_service import metrics
+from cache_service.claims import RedisClaims
 from cache_service.entries import (
     CacheFullError,
     Entry,
@@ -54,6 +57,7 @@ from cache_service.store_conn import (
     StoreAccess,
     StoreHealth,
     as_bytes,
+    classify,
     config_error,
     eviction_policy,
     is_config_error,
@@ -67,25 +71,36 @@ from vlcommon.verification import VerificationImage, verify
 if TYPE_CHECKING:
     from cache_service.settings import CacheSettings
 
+# The shortest store secret taken: keys come from it by HKDF, which does not stretch, so a
+# guessable secret could be found offline from a dump (splitvl up makes 43 characters).
+MIN_SECRET_CHARS = 16
 # The index of the store's entries holds no payloads: its byte budget never binds.
 UNBOUNDED_BYTES = 2**62
 # First write wins (docs/scaling.md, "Store"): the entry is written only when its ``h``
 # field is still what the writer read (absent, or an entry that did not open), in one
 # step, so no reader sees two writes' fields and a key's bytes never change while it lives.
 # KEYS[1] the entry; ARGV: the ``h`` read ("" for none), h, d, v, p, TTL in ms (0: none).
-# A reader that finds a body field that does not open (twice) drops the entry, if it is
-# still the one it read, so that the next Put writes it again instead of refreshing it.
-DELETE_IF_UNCHANGED = """
-if (redis.call('HGET', KEYS[1], 'h') or '') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+# HSET is the script's first write: Redis checks maxmemory before a script's first
+# write only, so a full store refuses the script with OOM (a DEL first would not be
+# checked, and the HSET after it would grow the store past maxmemory). All four fields
+# are set, so nothing of an earlier write survives.
 WRITE_IF_UNCHANGED = """
 local current = redis.call('HGET', KEYS[1], 'h') or ''
 if current ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'h', ARGV[2], 'd', ARGV[3], 'v', ARGV[4], 'p', ARGV[5])
-if tonumber(ARGV[6]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[6]) end
+if tonumber(ARGV[6]) > 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[6])
+else
+  redis.call('PERSIST', KEYS[1])
+end
 return 1
+"""
+# A reader that finds an entry whose header opens but whose payload does not (or is
+# missing) drops it, if it is still the one it read, so the next Put writes it again
+# instead of refreshing it.
+DELETE_IF_UNCHANGED = """
+if (redis.call('HGET', KEYS[1], 'h') or '') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -111,6 +126,8 @@ class RedisStore:
         sync_interval_s: Seconds between two scans of the store (entries other replicas
             put while this one missed the log; entries Redis dropped).
         background_rebuild: Rebuild the index in a thread (the service) or inline.
+        claim_ttl_s: Seconds a claim on a missed key lives unless a Put ends it
+            (:mod:`cache_service.claims`).
     """
 
     def __init__(
@@ -132,15 +149,17 @@ class RedisStore:
         log_maxlen: int = 100_000,
         sync_interval_s: float = 30.0,
         background_rebuild: bool = False,
+        claim_ttl_s: float = 5.0,
     ) -> None:
         self.access = access
         self.dim = descriptor_dim
         self.capacity_bytes = capacity_bytes
         self.threshold = threshold
         self.ttl_s = ttl_s
-        if not secret.strip() and not allow_no_secret:
+        if len(secret.strip()) < MIN_SECRET_CHARS and not allow_no_secret:
             raise ConfigError(
-                "a shared cache store needs a secret: set CACHE_STORE_SECRET (or "
+                "a shared cache store needs a secret of at least "
+                f"{MIN_SECRET_CHARS} random characters: set CACHE_STORE_SECRET (or "
                 "CACHE_STORE_SECRET_FILE, or CACHE_INTERNAL_TOKEN); entries are sealed "
                 "under it, and without one anyone who can reach the store reads every image "
                 "and can forge embeddings (CACHE_STORE_ALLOW_NO_SECRET=true: development only)"
@@ -152,6 +171,10 @@ class RedisStore:
         # Local copies: key -> the write id of the store's entry they are a copy of (b"": a
         # copy the store refused to take, served while the store has no entry of its own).
         self._copies: dict[str, bytes] = {}
+        # Guards _copies with the local copies they describe (lookups, puts and the
+        # follower run on several threads).
+        self._copies_lock = threading.RLock()
+        self.policy_checked = False
         self.local = EmbeddingStore(
             descriptor_dim=descriptor_dim,
             capacity_bytes=capacity_bytes,
@@ -171,6 +194,7 @@ class RedisStore:
             publish="index",
         )
         self.follower = Follower(self, sync_interval_s=sync_interval_s)
+        self.claims = RedisClaims(self, claim_ttl_s)
         self.dropped = 0
         self._client: RedisClient | None = None
         self._follow_client: RedisClient | None = None
@@ -207,6 +231,7 @@ class RedisStore:
             log_maxlen=settings.store_log_maxlen,
             sync_interval_s=settings.store_sync_interval_s,
             background_rebuild=True,
+            claim_ttl_s=settings.claim_ttl_s,
         )
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -252,9 +277,7 @@ class RedisStore:
         try:
             client = self.client()
             client.ping()
-            self.ttl_s, warnings = eviction_policy(client, self.ttl_s, shown)
-            for line in warnings:
-                log.warning("cache store %s: %s", shown, line)
+            self.check_policy(client)
             t0 = time.perf_counter()
             found = self.follower.sync(client)
             log.info(
@@ -264,13 +287,30 @@ class RedisStore:
                 time.perf_counter() - t0,
             )
         except STORE_FAILURES as err:
-            if is_config_error(err):
+            # A command refused at start (an ACL without it) is a setting to fix too.
+            if is_config_error(err) or classify(err)[0] == "refused":
                 raise config_error(err, shown) from err
             self.health.failed("start", err)
             self.follower.resync_due = True
             log.warning("cache store %s unreachable at start: SERVING with an empty index", shown)
         if follow:
             self.follower.start()
+
+    def check_policy(self, client: RedisClient) -> None:
+        """Read the store's eviction policy (:func:`store_conn.eviction_policy`), once: at
+        start, or at the follower's first scan when the store was down at start (then a
+        policy that can never make room is logged as an error instead of refused).
+
+        Raises:
+            ConfigError: at start, a policy that can never make room.
+        """
+        if self.policy_checked:
+            return
+        shown = self.access.url.shown
+        self.ttl_s, warnings = eviction_policy(client, self.ttl_s, shown)
+        self.policy_checked = True
+        for line in warnings:
+            log.warning("cache store %s: %s", shown, line)
 
     def close(self) -> None:
         """Stop following the log and close the connections."""
@@ -332,9 +372,12 @@ class RedisStore:
         pipe = client.pipeline(transaction=False)
         pipe.hget(codec.entry(key), "h")
         pipe.get(codec.alias(key))
-        sealed, alias_record = (as_bytes(x) for x in pipe.execute())
+        # An alias the store refuses to read (WRONGTYPE, an ACL without GET) is no alias.
+        sealed, alias_record = (_reply(x) for x in pipe.execute(raise_on_error=False))
+        if isinstance(sealed, Exception):
+            raise sealed
         target = key
-        if sealed is None and alias_record is not None:
+        if sealed is None and isinstance(alias_record, bytes):
             try:
                 target = codec.open_alias(alias_record, key)
             except IntegrityError as err:
@@ -342,18 +385,19 @@ class RedisStore:
                 return None
             sealed = as_bytes(client.hget(codec.entry(target), "h"))
         if sealed is None:
-            if self._copies.get(target) == b"":  # the store refused it: this copy is all
-                held = self.local.lookup(target, None, grid, similar=False, lease=lease)
-                if held.entry is not None:
-                    return Match("exact", 1.0, held.entry)
+            held = self._unshared_copy(target, grid, lease)
+            if held is not None:
+                return Match("exact", 1.0, held)
             if target in self.catalog or target in self._copies:
                 self.forget(target, "read")  # expired or evicted in the store
             return None
+        assert isinstance(sealed, bytes)
         try:
             header = codec.open_header(sealed, target)
         except IntegrityError as err:
             self.refused(err, target)
-            return Match("miss", 0.0, None)
+            held = self._unshared_copy(target, grid, lease)  # what the store would not take
+            return Match("miss", 0.0, None) if held is None else Match("exact", 1.0, held)
         if header.grid != grid:  # not this image's plan: never answer with another grid
             return Match("miss", 0.0, None)
         entry = self._payload(client, header, lease)
@@ -362,6 +406,14 @@ class RedisStore:
         if alias and target == key:
             self.add_alias(client, alias, key)
         return Match("exact", 1.0, entry)
+
+    def _unshared_copy(self, key: str, grid: tuple[int, int, int], lease: bool) -> Entry | None:
+        """This replica's copy of an entry the store refused to take (served while the
+        store has no entry of its own for the key)."""
+        with self._copies_lock:
+            if self._copies.get(key) != b"":
+                return None
+            return self.local.lookup(key, None, grid, similar=False, lease=lease).entry
 
     def _similar(
         self,
@@ -405,46 +457,47 @@ class RedisStore:
         return Match("miss", found.similarity, None, consulted_similar=consulted, rejected=rejected)
 
     def _payload(self, client: RedisClient, header: Header, lease: bool) -> Entry | None:
-        """The entry ``header`` describes, with its embeddings: the local copy when it is a
-        copy of this very write, else header and payload read together (one ``HMGET``),
-        opened, and kept as a local copy (leased when ``lease``). A payload that does not
-        open is read once more (a Put may have replaced an entry that did not open)
-        before it counts as an integrity failure. None when the store no longer holds it
-        or it is refused."""
+        """The embeddings of the write ``header`` describes (already checked against the
+        query): the local copy when it is a copy of that very write, else header and
+        payload read together (one ``HMGET``: the write script sets all fields in one
+        step, so the two are never of two writes), opened, and kept as a local copy
+        (leased when ``lease``). None (a miss) when the store no longer holds it, when it
+        was replaced by another write since ``header`` was read (that write was not
+        checked against the query), or when its payload is missing or does not open (then
+        it is counted, and deleted if unchanged so that a Put writes it again)."""
         key = header.key
-        if self._copies.get(key) == header.write_id:
-            held = self.local.lookup(key, None, header.grid, similar=False, lease=lease)
-            if held.entry is not None:
-                return held.entry
-        name = self.codec.entry(key)
-        for attempt in range(2):
-            sealed, data = (as_bytes(x) for x in client.hmget(name, ["h", "p"]))
-            if sealed is None or data is None:
-                self.forget(key, "read")
-                return None
-            try:
-                header = self.codec.open_header(sealed, key)
-                payload = self.codec.open_field(header, "p", data)
-            except IntegrityError as err:
-                if attempt == 0 and err.reason == "field":
-                    continue
-                self.refused(err, key, client, sealed)
-                return None
-            metrics.STORE_BYTES.labels(direction="read").inc(len(sealed) + len(data))
-            return self._keep(header, payload, lease)
-        return None  # pragma: no cover - the loop returns
+        with self._copies_lock:
+            if self._copies.get(key) == header.write_id:
+                held = self.local.lookup(key, None, header.grid, similar=False, lease=lease)
+                if held.entry is not None:
+                    return held.entry
+        sealed, data = (as_bytes(x) for x in client.hmget(self.codec.entry(key), ["h", "p"]))
+        if sealed is None:
+            self.forget(key, "read")
+            return None
+        try:
+            now = self.codec.open_header(sealed, key)
+            if now.write_id != header.write_id:
+                return None  # replaced meanwhile: the next lookup checks the new one
+            payload = self.codec.open_field(now, "p", data)
+        except IntegrityError as err:
+            self.refused(err, key, client, sealed)
+            return None
+        metrics.STORE_BYTES.labels(direction="read").inc(len(sealed) + len(data or b""))
+        return self._keep(now, payload, lease)
 
     def _keep(self, header: Header, data: bytes, lease: bool) -> Entry:
         """A local copy of an entry (or, when leased copies hold the whole budget, an entry
         held by nobody but its caller)."""
-        try:
-            self._put_local(header, data)
-        except CacheFullError:
-            pass
-        else:
-            held = self.local.lookup(header.key, None, header.grid, similar=False, lease=lease)
-            if held.entry is not None:
-                return held.entry
+        with self._copies_lock:
+            try:
+                self._put_local(header, data)
+            except CacheFullError:
+                pass
+            else:
+                held = self.local.lookup(header.key, None, header.grid, similar=False, lease=lease)
+                if held.entry is not None:
+                    return held.entry
         return Entry(
             header.key,
             header.grid,
@@ -457,13 +510,13 @@ class RedisStore:
 
     def _put_local(self, header: Header, data: bytes) -> int:
         """Keep a local copy of the write ``header`` names (``write_id`` b"": one the store
-        refused); returns local copies evicted for it.
+        refused); returns local copies evicted for it. The caller holds _copies_lock.
 
         Raises:
-            CacheFullError: leased copies hold the budget.
+            CacheFullError: leased copies hold the budget, or a leased copy of another
+                write of the key is still read (its readers keep it; this one is not kept).
         """
         if not self.local.discard(header.key) and header.key in self.local:
-            # A copy of another write, leased: its readers keep it; this one is not kept.
             self._copies.pop(header.key, None)
             raise CacheFullError(len(data), len(data), self.capacity_bytes)
         evicted = self.local.put(
@@ -491,19 +544,25 @@ class RedisStore:
             f"cache store entry refused ({err.reason}: {err}); served as a miss",
         )
         self.catalog.discard(key)
-        self.local.discard(key)
-        self._copies.pop(key, None)
+        with self._copies_lock:
+            if self._copies.get(key) != b"":  # a copy the store refused is not its entry's
+                self.local.discard(key)
+                self._copies.pop(key, None)
         if client is not None and sealed and err.reason == "field":
             drop: Any = client.register_script(DELETE_IF_UNCHANGED)
             drop(keys=[self.codec.entry(key)], args=[sealed], client=client)
 
     def forget(self, key: str, found: str) -> None:
-        """The store no longer holds ``key``: it leaves the index and the local copies."""
+        """The store no longer holds ``key``: it leaves the index and the local copies
+        (except a copy the store refused to take, which it never held)."""
         if self.catalog.discard(key):
             self.dropped += 1
             metrics.STORE_DROPPED.labels(found=found).inc()
-        self.local.discard(key)
-        self._copies.pop(key, None)
+        with self._copies_lock:
+            if self._copies.get(key) == b"":
+                return
+            self.local.discard(key)
+            self._copies.pop(key, None)
 
     def index(self, header: Header, vector: np.ndarray | None, source: str = "") -> None:
         """Add an entry to the similarity index (a key already there is left as it is)."""
@@ -541,7 +600,8 @@ class RedisStore:
         keeps no copy of its own bytes (a re-encode differs in the last bits; readers get
         the first write's). A command the store refuses (``OOM``, ``READONLY``,
         ``NOPERM``, ...) keeps the entry as this replica's local copy, which it serves
-        while the store has none; counted in ``splitvl_cache_store_refused_total``.
+        (exact tier) while the store has no entry of its own; counted in
+        ``splitvl_cache_store_refused_total``.
 
         Raises:
             KeyGridConflictError: the store holds the key with another grid (INVALID_ARGUMENT).
@@ -575,14 +635,21 @@ class RedisStore:
         except STORE_FAILURES as err:
             if self.health.failed("put", err) != "refused":
                 raise StoreUnavailableError(f"the cache store failed: {err}") from err
-            written, header = True, _unshared(header)
+            if isinstance(err, ReadOnlyError):  # a failed-over primary: reconnect
+                _disconnect(self._client)
+            with self._copies_lock:
+                try:
+                    return self._put_local(_unshared(header), data)
+                except CacheFullError:
+                    return 0
         self.index(header, vec)
         if not written:
             return 0  # the first write's bytes are the store's; read them when asked
-        try:
-            return self._put_local(header, data)
-        except CacheFullError:
-            return 0  # the store has it; this replica reads it back when asked
+        with self._copies_lock:
+            try:
+                return self._put_local(header, data)
+            except CacheFullError:
+                return 0  # the store has it; this replica reads it back when asked
 
     def _write(
         self, client: RedisClient, header: Header, fields: dict[str, bytes], alias: str
@@ -592,8 +659,13 @@ class RedisStore:
         KeyGridConflictError and redis errors."""
         name = self.codec.entry(header.key)
         ttl_ms = max(1, round(self.ttl_s * 1000)) if self.ttl_s > 0 else 0
-        for _ in range(2):
+        if self._write_script is None:
+            self._write_script = client.register_script(WRITE_IF_UNCHANGED)
+        script: Any = self._write_script
+        for _ in range(3):
             sealed = as_bytes(client.hget(name, "h")) or b""
+            if sealed == fields["h"]:
+                break  # this write, whose reply a dropped connection lost (then retried)
             if sealed:
                 try:
                     old = self.codec.open_header(sealed, header.key)
@@ -602,19 +674,16 @@ class RedisStore:
                 else:
                     if old.grid != header.grid:
                         raise KeyGridConflictError(old.grid)
-                    if ttl_ms:
-                        client.pexpire(name, ttl_ms)
+                    if ttl_ms and not client.pexpire(name, ttl_ms):
+                        continue  # it expired since: write this one
                     if alias:
                         self.add_alias(client, alias, header.key)
                     return False
-            if self._write_script is None:
-                self._write_script = client.register_script(WRITE_IF_UNCHANGED)
-            script: Any = self._write_script
             values = [sealed, fields["h"], fields["d"], fields["v"], fields["p"], ttl_ms]
             if script(keys=[name], args=values, client=client):
                 break
         else:
-            return False  # two other writes raced this one: the store holds one of them
+            return False  # other writes raced this one: the store holds one of them
         metrics.STORE_BYTES.labels(direction="write").inc(sum(len(v) for v in fields.values()))
         if alias:
             self.add_alias(client, alias, header.key)
@@ -622,13 +691,16 @@ class RedisStore:
         return True
 
     def add_alias(self, client: RedisClient, alias: str, key: str) -> None:
-        """Make ``alias`` find ``key``'s entry (with the entry's TTL). A failure is counted
+        """Make ``alias`` find ``key``'s entry (with the entry's TTL): written once
+        (``SET NX``; a Put of the key refreshes its TTL). A failure is counted
         (``op="alias"``) and otherwise ignored: the alias only saves a later lookup."""
         if alias == key:
             return
         try:
+            name = self.codec.alias(alias)
             ttl = max(1, round(self.ttl_s * 1000)) if self.ttl_s > 0 else None
-            client.set(self.codec.alias(alias), self.codec.seal_alias(alias, key), px=ttl)
+            if not client.set(name, self.codec.seal_alias(alias, key), px=ttl, nx=True) and ttl:
+                client.pexpire(name, ttl)
         except STORE_FAILURES as err:
             self.health.failed("alias", err)
 
@@ -656,6 +728,18 @@ class RedisStore:
         """Raise AssertionError when the local copies' or the index's bookkeeping is off."""
         self.local.check_invariants()
         self.catalog.check_invariants()
+
+
+def _reply(value: object) -> bytes | Exception | None:
+    """A pipelined reply read with ``raise_on_error=False``: bytes, None, or the error."""
+    return value if isinstance(value, Exception) else as_bytes(value)
+
+
+def _disconnect(client: RedisClient | None) -> None:
+    """Drop a standalone client's pooled connections (after READONLY: a managed Redis's
+    endpoint now names another node, which new connections reach)."""
+    if isinstance(client, redis.Redis):
+        client.connection_pool.disconnect()
 
 
 def _unshared(header: Header) -> Header:

@@ -45,16 +45,27 @@ def channel(address: str, security: ClientSecurity | None = None) -> grpc.aio.Ch
 
 def connect(
     settings: GatewaySettings,
-) -> tuple[Downstream, list[grpc.aio.Channel], DecoderEndpoints]:
-    """The downstream services: one channel to the encoders and one to the caches (round
-    robin over their replicas), one per decoder replica behind the affinity router (its
+) -> tuple[Downstream, list[grpc.aio.Channel], list[DecoderEndpoints]]:
+    """The downstream services: one channel to the encoders (round robin over their
+    replicas), one per cache and per decoder replica behind their affinity routers (their
     endpoints open at :meth:`DecoderEndpoints.start`)."""
     security = ClientSecurity.from_settings(settings)
     channels = [channel(settings.encoder_address, security)]
-    cache_stub = None
+    endpoints = []
+    caches = None
     if settings.cache_address:
-        channels.append(channel(settings.cache_address, security))
-        cache_stub = cache_service_pb2_grpc.CacheServiceStub(channels[1])
+        caches = DecoderRouter(epsilon=settings.affinity_epsilon)
+        endpoints.append(
+            DecoderEndpoints(
+                settings.cache_address,
+                lambda address, name: channel(address, security.named(name)),
+                caches,
+                proxy=settings.cache_routing == "proxy",
+                resolve_s=settings.decoder_resolve_s,
+                stub=cache_service_pb2_grpc.CacheServiceStub,
+                what="cache",
+            )
+        )
     router = DecoderRouter(epsilon=settings.affinity_epsilon)
     decoders = DecoderEndpoints(
         settings.decoder_address,
@@ -63,15 +74,16 @@ def connect(
         proxy=settings.decoder_routing == "proxy",
         resolve_s=settings.decoder_resolve_s,
     )
+    endpoints.append(decoders)
     downstream = Downstream(
         encoder=encoder_service_pb2_grpc.EncoderServiceStub(channels[0]),
         decoder=router,
-        cache=cache_stub,
+        cache=caches,
         # Releases held embeddings that no reader will read (a request that failed before
         # the decoder took them over), at their holders, with the internal channels' TLS.
         releaser=handoff.Reader(security),
     )
-    return downstream, channels, decoders
+    return downstream, channels, endpoints
 
 
 async def main_async(settings: GatewaySettings) -> None:
@@ -82,7 +94,7 @@ async def main_async(settings: GatewaySettings) -> None:
     spec = load_vision_spec(model_dir)
     revision = settings.model_revision or model_revision(model_dir)
     telemetry.setup_tracing("splitvl-gateway")
-    downstream, channels, decoders = connect(settings)
+    downstream, channels, endpoints = connect(settings)
     pipeline = Pipeline(settings, spec, revision, forbidden_tokens(model_dir), downstream)
     servicer = GatewayServicer(pipeline)
     log.info("model %s revision %s", model_dir, revision)
@@ -118,7 +130,8 @@ async def main_async(settings: GatewaySettings) -> None:
         )
 
     async def startup() -> None:
-        await decoders.start()
+        for e in endpoints:
+            await e.start()
         # No cold first request: the preprocess threads, codecs and resize run once first.
         await pipeline.warm_up()
         if http is not None:
@@ -129,7 +142,8 @@ async def main_async(settings: GatewaySettings) -> None:
             await http.stop()
         for ch in channels:
             await ch.close()
-        await decoders.close()
+        for e in endpoints:
+            await e.close()
         assert downstream.releaser is not None
         await downstream.releaser.close()
         pipeline.close()

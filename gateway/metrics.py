@@ -64,6 +64,14 @@ VIDEO_DECODE_SECONDS = Histogram(
     "Wall time to demux, decode the kept frames of, and resize one video.",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+CLAIM_WAITS = Counter(
+    "splitvl_gateway_claim_waits_total",
+    "Images another gateway was encoding (its claim in the cache) that this one waited "
+    "for: hit (its Put landed in time) or miss (encoded here after all).",
+    ["outcome"],
+)
+for _outcome in ("hit", "miss"):
+    CLAIM_WAITS.labels(outcome=_outcome)
 REENCODED = Counter(
     "splitvl_gateway_reencoded_requests_total",
     "Requests whose held embeddings the decoder could not read (holder restarted, entry "

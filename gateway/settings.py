@@ -40,6 +40,17 @@ class GatewaySettings(ServerSettings):
     cache_timeout_s: float = Field(
         1.0, gt=0, description="Lookup deadline; past it the request encodes instead."
     )
+    # affinity: each Lookup and Put goes to the cache replica its first image's key hashes
+    # to (the same bounded-load ring as the decoders), the one most likely to hold the
+    # entry as a local copy; proxy: one channel, round robin over the address's replicas.
+    cache_routing: Literal["affinity", "proxy"] = Field("affinity")
+    # Each new image encoded once across gateways (cache_service/claims.py): the first
+    # gateway to miss an image claims its key; the others wait for its Put, at most this
+    # long (and half the request's remaining time), then encode it themselves.
+    cache_claims: bool = Field(True, description="Claim missed images' keys in the cache.")
+    cache_claim_wait_s: float = Field(
+        5.0, ge=0, description="Longest wait for another gateway's encode of an image, seconds."
+    )
     # Scheduling priority (gateway.priority, docs/api.md "Priority"): lower = sooner, as
     # vLLM's; the decoder runs vLLM with --scheduling-policy priority.
     priority_policy: Literal["fcfs", "short-first"] = Field(

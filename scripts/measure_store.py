@@ -7,13 +7,15 @@ Usage::
     .venv/bin/python scripts/measure_store.py --mooncake    # also Mooncake Store (TCP)
 
 One 16 MiB entry (Qwen3-VL-2B, one 1,024-token image: 1,024 x 8,192 bf16 bytes, main +
-deepstack), medians of ``--runs`` runs, every kind interleaved in each run:
+deepstack), medians of ``--runs`` runs, every kind interleaved in each run, and the ratios
+that issue 42 bounds, taken run by run (median, min, max): ``store_put`` / ``redis_set``
+and ``store_hit_read`` / ``redis_get`` (at most 1.3 each):
 
 * ``redis_set`` / ``redis_get``: redis-py (hiredis) SET and GET of the raw bytes;
-* ``store_put``: ``RedisStore.put`` (seal with SHA-256 digests and the HMAC tag, the
-  transaction, the log);
-* ``store_hit_read``: an exact hit on a replica without a local copy (header, embeddings,
-  digest check, local copy kept);
+* ``store_put``: ``RedisStore.put`` of a new key (the header read, AES-256-GCM sealing,
+  the write script, the log);
+* ``store_hit_read``: an exact hit on a replica without a local copy (the header, then
+  header and embeddings in one ``HMGET``, opened, local copy kept);
 * ``store_hit_local``: the same hit again (the header only: the local copy answers);
 * ``store_miss``: a key that is not there (one round trip);
 * ``memory_hit``: the in-process store's exact hit, for reference;
@@ -138,7 +140,16 @@ class Timer:
         return out
 
     def summary(self) -> dict[str, Any]:
+        ratios = {}
+        for name, over in (("store_put", "redis_set"), ("store_hit_read", "redis_get")):
+            per_run = [a / b for a, b in zip(self.times[name], self.times[over], strict=True)]
+            ratios[f"{name}/{over}"] = {
+                "median": round(statistics.median(per_run), 3),
+                "min": round(min(per_run), 3),
+                "max": round(max(per_run), 3),
+            }
         return {
+            "ratios": ratios,
             "median_ms": {k: round(statistics.median(v), 3) for k, v in self.times.items()},
             "p90_ms": {
                 k: round(sorted(v)[int(0.9 * (len(v) - 1))], 3) for k, v in self.times.items()
@@ -183,7 +194,9 @@ def measure(runs: int, use_mooncake: bool) -> dict[str, Any]:
         access = StoreAccess(parse_store_url(url), timeout_s=5.0)  # type: ignore[arg-type]
         replicas = []
         for _ in range(2):
-            store = RedisStore(access, secret="measure", descriptor_dim=DIM, capacity_bytes=1 << 30)
+            store = RedisStore(
+                access, secret="measure-store-secret", descriptor_dim=DIM, capacity_bytes=1 << 30
+            )
             store.start(follow=False)
             replicas.append(store)
         memory = EmbeddingStore(descriptor_dim=DIM, capacity_bytes=1 << 30)
@@ -218,6 +231,8 @@ def main() -> None:
         return
     for name, ms in result["median_ms"].items():
         print(f"{name:18s} {ms:9.3f} ms (median)   {result['p90_ms'][name]:9.3f} ms (p90)")
+    for name, r in result["ratios"].items():
+        print(f"{name:26s} {r['median']:.3f} (median of runs; {r['min']:.3f}-{r['max']:.3f})")
 
 
 if __name__ == "__main__":

@@ -41,19 +41,23 @@ def read_private(path: Path) -> str | None:
     Raises:
         LaunchConfigError: it is a symlink, not a regular file, or readable by others.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # O_NONBLOCK: a FIFO planted there is refused below, not waited on
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as err:
         raise LaunchConfigError(f"{path}: {err.strerror or err} (a symlink is refused)") from None
-    with os.fdopen(fd) as f:
-        mode = os.fstat(f.fileno()).st_mode
-        if not stat.S_ISREG(mode) or mode & 0o077:
-            raise LaunchConfigError(
-                f"{path} must be a regular file only its owner can read (chmod 600 {path})"
-            )
-        return f.read()
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode) or mode & 0o077:
+        os.close(fd)
+        raise LaunchConfigError(
+            f"{path} must be a regular file only its owner can read (chmod 600 {path})"
+        )
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read().decode()
+        except UnicodeDecodeError:
+            raise LaunchConfigError(f"{path} is not UTF-8 text") from None
 
 
 def store_secret(folder: Path) -> Path:
@@ -70,7 +74,22 @@ def store_secret(folder: Path) -> Path:
         return path
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        write_private(path, secrets.token_urlsafe(32) + "\n")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".store-secret.")
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        try:
+            # link() never replaces: of two launchers starting at once, both use the
+            # first one's secret. An empty file left by a crash is replaced.
+            if found is not None:
+                os.replace(tmp, path)
+            else:
+                os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            Path(tmp).unlink(missing_ok=True)
     except OSError as err:
         raise LaunchConfigError(f"--log-dir {folder}: {err.strerror or err}") from None
+    if not (read_private(path) or "").strip():
+        raise LaunchConfigError(f"{path} is empty")
     return path

@@ -175,6 +175,10 @@ STORE_SECRET_VARS = (
 )
 
 
+# Values pydantic reads as false (CACHE_STORE_ALLOW_NO_SECRET=false gives no secret).
+FALSE = ("", "0", "false", "off", "no", "n", "f")
+
+
 def store_secret_env(store: str | None, env: Mapping[str, str], log_dir: Path) -> dict[str, str]:
     """``CACHE_STORE_SECRET_FILE`` for the caches when their store is shared (``store``,
     else ``$CACHE_STORE``, is not ``memory``) and the environment gives no secret: the
@@ -186,7 +190,8 @@ def store_secret_env(store: str | None, env: Mapping[str, str], log_dir: Path) -
         LaunchConfigError: the secret file is unusable.
     """
     chosen = store or env.get("CACHE_STORE") or STORE_MEMORY
-    if chosen == STORE_MEMORY or any(env.get(v, "").strip() for v in STORE_SECRET_VARS):
+    given = [v for v in STORE_SECRET_VARS if env.get(v, "").strip().lower() not in FALSE]
+    if chosen == STORE_MEMORY or given:
         return {}
     return {"CACHE_STORE_SECRET_FILE": str(private_file.store_secret(log_dir))}
 

@@ -301,12 +301,13 @@ def test_an_entry_under_another_keys_name_is_a_key_collision_and_a_miss(
     # What a collision of two keys' store names, or an attacker moving entries, looks like.
     client.hset(keys.entry("k2"), mapping=client.hgetall(keys.entry("k1")))  # type: ignore[arg-type]
     client.set(keys.alias("alias-2"), client.get(keys.alias("alias-1")))  # type: ignore[arg-type]
-    before = integrity("key")
+    before, mac = integrity("key"), integrity("mac")
     c = replica(server, prefix, follow=False)
     assert integrity("key") == before + 1  # the scan found k1's entry under k2's name
     assert len(c.catalog) == 1
     assert exact(c, "k2") is None and exact(c, "alias-2") is None
-    assert integrity("key") == before + 3
+    assert integrity("key") == before + 2
+    assert integrity("mac") == mac + 1  # an alias record opens only under its own name
     assert exact(c, "k1") == payload(1) and exact(c, "alias-1") == payload(1)
 
 
@@ -471,6 +472,9 @@ def test_a_full_managed_redis_refuses_puts_and_repeats_still_hit(tmp_path: Path)
         assert a.ttl_s == VOLATILE_DEFAULT_TTL_S  # read from INFO memory, not CONFIG
         put(a, 1)
         assert exact(replica(s, "full:", follow=False), "k1") == payload(1)
+        codec = StoreCodec(SECRET, "full:")
+        # An entry that does not open, which the next Put of its key replaces.
+        client.hset(codec.entry("k2"), mapping={"h": b"not an entry"})
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             for i in range(10_000):  # another tenant, without TTLs
                 client.set(f"tenant:{i}", b"x" * 4096)
@@ -480,6 +484,9 @@ def test_a_full_managed_redis_refuses_puts_and_repeats_still_hit(tmp_path: Path)
         for i in range(2, 6):
             a.put(f"k{i}", unit(i), GRID, FP32, (rows, 4), payload(i, rows), verification=V)
         assert metric("splitvl_cache_store_refused_total", op="put", reason="oom") >= oom + 3
+        # Refused, not written past maxmemory (a replacing write included).
+        assert not any(client.exists(codec.entry(f"k{i}")) for i in range(3, 6))
+        assert client.hget(codec.entry("k2"), "p") is None
         assert not a.health.down
         for i in range(2, 6):  # the repeats: exact hits from the copies a kept
             assert exact(a, f"k{i}") == payload(i, rows), i
@@ -556,3 +563,80 @@ def test_the_minimal_acl_user_of_docs_security_is_enough(server: RedisServer, pr
     assert metric("splitvl_cache_store_refused_total", op="put", reason="noperm") == refused + 1
     assert exact(a, "k2") == payload(2) and exact(b, "k1") == payload(1)
     assert not a.health.down
+
+
+def test_what_is_not_an_entry_of_this_secret_is_skipped_not_read_or_counted(
+    server: RedisServer, prefix: str
+) -> None:
+    """Keys the scan meets that are no entry of this secret: another type under an entry's
+    name (another program, or a cluster whose prefix extends this one), entries of
+    another secret or of the previous format. The scan skips each alone, indexes the rest,
+    and counts no integrity failure for keys it was never meant to read."""
+    a = replica(server, prefix, follow=False)
+    put(a, 1)
+    codec, client = StoreCodec(SECRET, prefix), server.client()
+    client.set(codec.entry("junk-string"), b"x")
+    client.xadd(codec.entry("junk-stream"), {"n": b"x"})
+    client.hset(f"{prefix}e:{'0' * 32}", mapping={"h": b"an entry of the old format"})
+    other = StoreCodec("another cluster's secret", prefix)
+    _, fields = other.seal(
+        key="k2", revision="", grid=GRID, dtype=FP32, shape=(4, 4), payload=payload(2),
+        descriptor=unit(2), verification=V, written_ms=0,
+    )  # fmt: skip
+    client.hset(other.entry("k2"), mapping=fields)
+    counted = {r: integrity(r) for r in ("mac", "key_id", "key", "field", "format")}
+    b = replica(server, prefix)  # the scan at start, then the log
+    assert b.catalog.keys() == ["k1"] and not b.health.down
+    put(a, 3)
+    deadline = time.monotonic() + 5
+    while similar(b, 3) != "k3":  # following the log goes on
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert {r: integrity(r) for r in counted} == counted
+    client.xadd(codec.log, {"n": b"\xff\xfe not a name"})  # a log message not ours
+    put(a, 4)
+    deadline = time.monotonic() + 5
+    while similar(b, 4) != "k4":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_missing_payload_is_refused_deleted_and_written_again(
+    server: RedisServer, prefix: str
+) -> None:
+    a = replica(server, prefix, follow=False)
+    put(a, 1)
+    name = StoreCodec(SECRET, prefix).entry("k1")
+    server.client().hdel(name, "p")
+    before = integrity("field")
+    c = replica(server, prefix, follow=False)
+    assert exact(c, "k1") is None and integrity("field") == before + 1
+    assert not server.client().exists(name)  # deleted, so the next Put writes it
+    put(a, 1)
+    assert exact(c, "k1") == payload(1)
+
+
+def test_an_alias_is_written_once_and_a_short_secret_refused(
+    server: RedisServer, prefix: str
+) -> None:
+    a = replica(server, prefix, follow=False)
+    put(a, 1, alias="alias-1")
+    name = StoreCodec(SECRET, prefix).alias("alias-1")
+    record = server.client().get(name)
+    c = replica(server, prefix, follow=False)
+    for _ in range(3):  # hits with the alias as the query's alias: no rewrite
+        m = c.lookup("k1", None, GRID, similar=False, alias="alias-1")
+        assert m.entry is not None
+    assert server.client().get(name) == record
+    with pytest.raises(ConfigError, match="at least 16"):
+        replica(server, prefix, follow=False, secret="short-secret")
+
+
+def test_a_command_refused_at_start_refuses_the_start(server: RedisServer, prefix: str) -> None:
+    client = server.client()
+    client.execute_command(
+        "ACL", "SETUSER", "no-client", "reset", "on", ">pw", f"~{prefix}*", "+@all", "-client"
+    )
+    url = f"redis://no-client:pw@127.0.0.1:{server.port}/0"
+    with pytest.raises(ConfigError, match="refused this service"):
+        replica(server, prefix, url=url)

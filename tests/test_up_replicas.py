@@ -24,7 +24,14 @@ import redis
 
 from splitvl.cli import main
 from splitvl.errors import LaunchConfigError, ServiceStartError
-from splitvl.launcher import Cluster, Ports, Supervisor, free_base, health_status
+from splitvl.launcher import (
+    Cluster,
+    Ports,
+    Supervisor,
+    free_base,
+    free_port,
+    health_status,
+)
 from splitvl.private_file import write_private
 from splitvl.redis_server import RedisServer
 from splitvl.replicas import (
@@ -193,6 +200,24 @@ def test_a_shared_store_gets_a_generated_secret_file_unless_one_is_given(tmp_pat
     assert path.read_text().strip() == secret  # kept: a restart reads the old entries
     for given in STORE_SECRET_VARS:
         assert store_secret_env(url, {given: "x"}, tmp_path) == {}, given
+    # "false" or blank gives no secret: the file is still handed out.
+    for value in ("false", "0", "  "):
+        assert store_secret_env(url, {"CACHE_STORE_ALLOW_NO_SECRET": value}, tmp_path) == env
+        assert store_secret_env(url, {"CACHE_STORE_SECRET": "  "}, tmp_path) == env
+    # A FIFO or a folder at its name is refused at once, never waited on.
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "store-secret", 0o600)
+    with pytest.raises(LaunchConfigError, match="regular file"):
+        store_secret_env(url, {}, fifo)
+    from cache_service.settings import CacheSettings
+    from vlcommon.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a file"):
+        CacheSettings(store_secret_file=str(fifo / "store-secret")).secret()
+    (tmp_path / "folder" / "store-secret").mkdir(parents=True)
+    with pytest.raises(LaunchConfigError, match="regular file"):
+        store_secret_env(url, {}, tmp_path / "folder")
     assert store_secret_env("memory", {}, tmp_path / "m") == {}
     assert store_secret_env(None, {}, tmp_path / "m") == {}
     assert not (tmp_path / "m").exists()
@@ -503,8 +528,8 @@ def test_the_layout_names_every_replica_its_ports_its_log_and_the_store(tmp_path
 
 
 # ---------------------------------------------------------------------------------------
-# End to end: one `splitvl up --replicas decoder=2,cache=2 --store redis` (about 2 min on
-# 2 cores: two vLLM engines start side by side).
+# End to end: one `splitvl up --replicas decoder=2,cache=2,encoder=2 --store redis` (about
+# 2 min on 2 cores: two vLLM engines start side by side), and a second gateway beside it.
 
 LAYOUT_ROW = re.compile(
     r"^\s+(gateway|encoder|cache|decoder|redis)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)$"
@@ -538,6 +563,63 @@ def _up_until_serving(argv: list[str], limit_s: float = 400) -> tuple[subprocess
     return proc, "".join(lines)
 
 
+def _metric_sum(port: int, name: str) -> float:
+    """The sum of ``name``'s samples on the Prometheus endpoint at ``port``."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " "))
+
+
+def _flag(proc: psutil.Process, flag: str) -> str:
+    argv = proc.cmdline()
+    return argv[argv.index(flag) + 1]
+
+
+def _second_gateway(first: psutil.Process, log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Another gateway over the same encoders, caches and decoders (its own ports)."""
+    port, metrics_port = free_port(), free_port()
+    argv = first.cmdline()
+    for flag, value in (("--port", port), ("--metrics-port", metrics_port), ("--http-port", 0)):
+        argv[argv.index(flag) + 1] = str(value)
+    proc = subprocess.Popen(
+        argv, env=first.environ(), stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + 300
+    while health_status(f"127.0.0.1:{port}") != "SERVING":
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    return proc, port
+
+
+def _same_images_through_two_gateways(gateways: list[str], encoders: list[psutil.Process]) -> None:
+    """Several callers send the same new images to both gateways at once: every caller of
+    an image gets the same tokens, and the encoders run the ViT once per image (the first
+    gateway to miss an image claims it in the store; the others wait for its Put)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from splitvl.client import build_request, generate
+    from tests.conftest import photo
+
+    images = ["rocket.jpg", "chelsea.png", "hubble_deep_field.jpg"]
+    ports = [int(_flag(p, "--metrics-port")) for p in encoders]
+    vit = "splitvl_encoder_batch_images_sum"
+    before = sum(_metric_sum(p, vit) for p in ports)
+
+    def call(i: int) -> tuple[str, list[int]]:
+        name = images[i % len(images)]
+        request = build_request([photo(name)], "Describe.", max_tokens=6, ignore_eos=True)
+        return name, list(generate(gateways[i // len(images) % 2], request).token_ids)
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(call, range(12)))  # each image: 2 callers per gateway
+    for name in images:
+        tokens = [t for n, t in answers if n == name]
+        assert len(tokens) == 4 and all(t == tokens[0] and len(t) == 6 for t in tokens), name
+    assert sum(_metric_sum(p, vit) for p in ports) - before == len(images)
+
+
 @pytest.mark.e2e
 def test_up_with_two_decoders_and_two_caches_on_redis_serves_and_stops_everything(
     tiny_model: Path, tmp_path: Path
@@ -546,11 +628,20 @@ def test_up_with_two_decoders_and_two_caches_on_redis_serves_and_stops_everythin
     from tests.conftest import photo
 
     base, log_dir = free_base(50), tmp_path / "logs"
-    proc, out = _up_until_serving(
-        ["--model", str(tiny_model), "--replicas", "decoder=2,cache=2", "--store", "redis"]
-        + ["--base-port", str(base), "--metrics-base-port", str(base + 20), "--http-port", "0"]
-        + ["--log-dir", str(log_dir)]
-    )
+    # A loaded 2-core host must not turn a slow Lookup into a second encode.
+    waits = {"GATEWAY_CACHE_TIMEOUT_S": "30", "GATEWAY_CACHE_CLAIM_WAIT_S": "60"}
+    os.environ.update(waits, CACHE_CLAIM_TTL_S="60")
+    try:
+        proc, out = _up_until_serving(
+            ["--model", str(tiny_model), "--replicas", "decoder=2,cache=2,encoder=2"]
+            + ["--store", "redis", "--base-port", str(base)]
+            + ["--metrics-base-port", str(base + 20), "--http-port", "0"]
+            + ["--log-dir", str(log_dir)]
+        )
+    finally:
+        for name in (*waits, "CACHE_CLAIM_TTL_S"):
+            del os.environ[name]
+    second = None
     try:
         assert "is SERVING" in out, out
         rows = {
@@ -561,7 +652,8 @@ def test_up_with_two_decoders_and_two_caches_on_redis_serves_and_stops_everythin
         redis_port = rows.pop(("redis", 1))[0]
         assert rows == {
             ("gateway", 1): (base, "gateway.log"),
-            ("encoder", 1): (base + 1, "encoder.log"),
+            ("encoder", 1): (base + 1, "encoder-1.log"),
+            ("encoder", 2): (base + 11, "encoder-2.log"),
             ("cache", 1): (base + 2, "cache-1.log"),
             ("cache", 2): (base + 12, "cache-2.log"),
             ("decoder", 1): (base + 3, "decoder-1.log"),
@@ -589,18 +681,24 @@ def test_up_with_two_decoders_and_two_caches_on_redis_serves_and_stops_everythin
         assert secret_file.stat().st_mode & 0o777 == 0o600
         secret = secret_file.read_text().strip()
         assert len(secret) >= 43 and all(secret not in " ".join(p.cmdline()) for p in tree)
-        for image in ("astronaut.png", "coffee.png"):  # round robin: one per cache replica
+        for image in ("astronaut.png", "coffee.png"):
             request = build_request([photo(image)], "Describe.", max_tokens=4, ignore_eos=True)
             assert len(generate(f"127.0.0.1:{base}", request, timeout_s=120).token_ids) == 4
+        (gateway,) = [p for p in tree if "gateway" in p.cmdline()]
+        second, port = _second_gateway(gateway, log_dir / "gateway-2.log")
+        encoders = [p for p in tree if "encoder_service" in p.cmdline()]
+        _same_images_through_two_gateways([f"127.0.0.1:{base}", f"127.0.0.1:{port}"], encoders)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
     finally:
+        if second is not None:
+            second.kill()
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, rest
     assert (
-        "stopped: {'gateway': 0, 'decoder-1': 0, 'decoder-2': 0, 'encoder': 0, 'cache-1': 0, "
-        "'cache-2': 0, 'redis': 0}" in rest
+        "stopped: {'gateway': 0, 'decoder-1': 0, 'decoder-2': 0, 'encoder-1': 0, "
+        "'encoder-2': 0, 'cache-1': 0, 'cache-2': 0, 'redis': 0}" in rest
     ), rest
     left = {pid: cmd for pid, cmd in commands.items() if _alive(pid)}
     assert left == {}  # the services, vLLM's processes, the redis-server

@@ -13,6 +13,7 @@ from qwenvl.common.v1 import generation_pb2, tensor_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 
 from gateway import metrics
+from gateway.pipeline.route import DecoderRouter, Endpoint
 from gateway.pipeline.types import (
     EncodedFile,
     HeldRefs,
@@ -46,9 +47,14 @@ class CacheStage:
     misses and the failure is counted (``splitvl_gateway_cache_failures_total``); no
     cache error fails a request.
 
+    Each call goes to the cache replica its first image's key hashes to (a
+    :class:`DecoderRouter` ring over the cache endpoints, bounded loads), the one most
+    likely to hold the entry as a local copy; a replica that failed is passed over for a
+    while.
+
     Args:
-        cache: The cache's stub; None for a gateway without a cache (every method then
-            does nothing).
+        cache: The caches' router (one endpoint per replica), or one stub; None for a
+            gateway without a cache (every method then does nothing).
         spec: Vision geometry of the served checkpoint (the shapes a hit must have).
         revision: Model revision sent with every query and entry.
         transport: ``tensor_pb2.Transport`` asked for hits (refs) and put entries.
@@ -60,7 +66,7 @@ class CacheStage:
 
     def __init__(
         self,
-        cache: cache_service_pb2_grpc.CacheServiceStub | None,
+        cache: cache_service_pb2_grpc.CacheServiceStub | DecoderRouter | None,
         *,
         spec: VisionSpec,
         revision: str,
@@ -70,6 +76,11 @@ class CacheStage:
         releaser: handoff.Reader | None = None,
     ) -> None:
         self.cache = cache
+        self.router = (
+            cache
+            if isinstance(cache, DecoderRouter) or cache is None
+            else DecoderRouter.single(cache, "cache")
+        )
         self.releaser = releaser
         self.spec = spec
         self.revision = revision
@@ -117,9 +128,8 @@ class CacheStage:
             ``splitvl_gateway_cache_failures_total{op="lookup"}``; the request then asks
             the cache no more and encodes).
         """
-        cache = self.cache
         asked = [(i, f) for i, f in enumerate(files) if f is not None and f.bytes_key]
-        if cache is None or not asked:
+        if self.router is None or not asked:
             return {}
         request = cache_service_pb2.LookupRequest(
             policy=generation_pb2.CACHE_POLICY_EXACT_ONLY,
@@ -131,7 +141,7 @@ class CacheStage:
             request.queries.add(key=f.bytes_key, grid=grid_message(f.plan), revision=self.revision)
         hits: dict[int, PreparedImage] = {}
         with tracer.start_as_current_span("cache.lookup_bytes") as span:
-            response = await self._ask(cache, request, len(asked), deadline, span)
+            response = await self._ask(request, asked[0][1].bytes_key, deadline, span)
             if response is None:
                 return None
             received = 0
@@ -169,17 +179,28 @@ class CacheStage:
         policy: int,
         deadline: Deadline,
         held: HeldRefs | None = None,
+        *,
+        claim: bool = False,
+        wait_s: float = 0.0,
     ) -> None:
         """``CacheService/Lookup`` by pixel key (exact, then similarity) for decoded images.
 
         An image whose file digest was computed sends it as the query's ``alias_key``: on
         an exact hit the cache makes it an alias of the entry, so that file is found again
         without decoding (the same pixels sent as another file, say a PNG copy of a JPEG).
+
+        With ``claim`` each missed image's key is claimed fleet-wide
+        (cache_service/claims.py) and ``im.claim`` says who encodes it; ``wait_s`` > 0
+        waits that long for the Puts of images another gateway claimed.
         """
-        if self.cache is None or policy == generation_pb2.CACHE_POLICY_OFF or not images:
+        if self.router is None or policy == generation_pb2.CACHE_POLICY_OFF or not images:
             return
         request = cache_service_pb2.LookupRequest(
-            policy=policy, include_embeddings=True, transport=self.transport
+            policy=policy,
+            include_embeddings=True,
+            transport=self.transport,
+            claim=claim,
+            wait_claimed_ms=round(wait_s * 1000),
         )
         for im in images:
             request.queries.add(
@@ -193,11 +214,13 @@ class CacheStage:
                 **verification_fields(im.verification),
             )
         with tracer.start_as_current_span("cache.lookup") as span:
-            response = await self._ask(self.cache, request, len(images), deadline, span)
+            span.set_attribute("splitvl.cache.wait_claimed_ms", request.wait_claimed_ms)
+            response = await self._ask(request, images[0].key, deadline, span, wait_s)
             if response is None:
                 return
             for im, result in zip(images, response.results, strict=True):
                 im.similarity = result.similarity
+                im.claim = result.claim
                 if result.tier not in (
                     generation_pb2.CACHE_TIER_EXACT,
                     generation_pb2.CACHE_TIER_SIMILAR,
@@ -212,27 +235,45 @@ class CacheStage:
                     held.add(result.embedding)
             _record_lookup(span, images)
 
+    def _endpoint(self, key: str) -> Endpoint | None:
+        """The cache replica for a call whose first image has ``key`` (None: no replica
+        known yet, a ``dns:`` target that has not resolved)."""
+        assert self.router is not None
+        order, _ = self.router.candidates(key)
+        return order[0] if order else None
+
     async def _ask(
         self,
-        cache: cache_service_pb2_grpc.CacheServiceStub,
         request: cache_service_pb2.LookupRequest,
-        expected: int,
+        key: str,
         deadline: Deadline,
         span: trace.Span,
+        wait_s: float = 0.0,
     ) -> cache_service_pb2.LookupResponse | None:
-        """One ``Lookup``; None (the failure counted and logged, any refs released) when
-        the call failed or answered other than ``expected`` results."""
+        """One ``Lookup`` on ``key``'s replica; None (the failure counted and logged, any
+        refs released) when the call failed or answered other than one result a query."""
+        expected = len(request.queries)
+        endpoint = self._endpoint(key)
+        if endpoint is None:
+            CACHE_FAILURES.labels(op="lookup").inc()
+            return None
+        span.set_attribute("splitvl.cache.replica", endpoint.address)
         try:
-            response: cache_service_pb2.LookupResponse = await answer_or_release(
-                self.releaser,
-                cache.Lookup(request, timeout=deadline.remaining(self.timeout_s)),
-                lambda r: [x.embedding for x in r.results],
-            )
+            with self.router.track(endpoint):  # type: ignore[union-attr]
+                response: cache_service_pb2.LookupResponse = await answer_or_release(
+                    self.releaser,
+                    endpoint.stub.Lookup(
+                        request, timeout=deadline.remaining(self.timeout_s + wait_s)
+                    ),
+                    lambda r: [x.embedding for x in r.results],
+                )
         except grpc.aio.AioRpcError as err:
             # The cache is an optimisation: serve by encoding, count the failure.
             CACHE_FAILURES.labels(op="lookup").inc()
             span.set_attribute("splitvl.cache.error", err.code().name)
             log.warning("cache lookup failed (%s); encoding instead", err.code().name)
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                DecoderRouter.mark_down(endpoint)  # the next calls try the next replica
             return None
         if len(response.results) != expected:
             CACHE_FAILURES.labels(op="lookup").inc()
@@ -269,7 +310,7 @@ class CacheStage:
         Runs beside the decode; observes the put stage's duration when it ends (and sets
         ``timings.put_ms``). A failed put is counted, never raised.
         """
-        if self.cache is None or policy == generation_pb2.CACHE_POLICY_OFF or not fresh:
+        if self.router is None or policy == generation_pb2.CACHE_POLICY_OFF or not fresh:
             return
         request = cache_service_pb2.PutRequest()
         for im in fresh:
@@ -289,8 +330,13 @@ class CacheStage:
             span.set_attribute("splitvl.embedding.bytes", sent)
             ref_attributes(span, [im.embedding for im in fresh if im.embedding])
             metrics.EMBEDDING_SENT_BYTES.labels(destination="cache").inc(sent)
+            endpoint = self._endpoint(fresh[0].key)  # where the lookups of the key go
             try:
-                await self.cache.Put(request, timeout=deadline.remaining(self.put_timeout_s))
+                if endpoint is None:
+                    raise _no_replica()
+                span.set_attribute("splitvl.cache.replica", endpoint.address)
+                with self.router.track(endpoint):
+                    await endpoint.stub.Put(request, timeout=deadline.remaining(self.put_timeout_s))
             except grpc.aio.AioRpcError as err:
                 CACHE_FAILURES.labels(op="put").inc()
                 log.warning("cache put failed (%s)", err.code().name)
@@ -302,6 +348,17 @@ class CacheStage:
         metrics.STAGE_SECONDS.labels(stage="put").observe(seconds)
         if timings is not None:
             timings.put_ms = seconds * 1000
+
+
+def _no_replica() -> grpc.aio.AioRpcError:
+    """The error of a call with no cache replica to go to (a ``dns:`` target that has not
+    resolved yet)."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="no cache replica resolved yet",
+    )
 
 
 def _record_lookup(span: trace.Span, images: list[PreparedImage]) -> None:

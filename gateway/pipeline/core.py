@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
-from qwenvl.cache.v1 import cache_service_pb2_grpc
+from qwenvl.cache.v1 import cache_service_pb2, cache_service_pb2_grpc
 from qwenvl.common.v1 import generation_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2, decoder_service_pb2_grpc
 from qwenvl.encoder.v1 import encoder_service_pb2_grpc
@@ -45,6 +45,7 @@ from vlcommon.model_info import VisionSpec, resolve_model_dir
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.gateway")
+CLAIM_ELSEWHERE = cache_service_pb2.CLAIM_STATE_ELSEWHERE
 OFF = generation_pb2.CACHE_POLICY_OFF
 
 
@@ -257,7 +258,8 @@ class Pipeline:
         lookups = []
         if f.ask_cache:
             decoded = [im for im in f.images if im.decoded]
-            lookups.append(self.cache.lookup(decoded, policy, deadline, f.held))
+            claim = self.settings.cache_claims
+            lookups.append(self.cache.lookup(decoded, policy, deadline, f.held, claim=claim))
         if f.videos and self.down.cache is not None and policy != OFF:
             # Videos have no similarity tier: exact keys only, whatever the policy.
             exact = generation_pb2.CACHE_POLICY_EXACT_ONLY
@@ -276,12 +278,28 @@ class Pipeline:
         f.owned[:] = [k for k in f.owned if k in put_keys]
         if not f.misses:
             return
-        policy = f.request.cache_policy
+        policy, deadline = f.request.cache_policy, f.request.deadline
         stores = self.down.cache is not None and policy != OFF
+        readers = 2 if stores else 1
         t = time.perf_counter()
-        await self.encode.encode(
-            f.misses, f.request.deadline, readers=2 if stores else 1, held=f.held
-        )
+        # Images another gateway claimed (it is encoding them): wait for its Put beside
+        # this request's own encode, then encode what is still missing.
+        elsewhere = [im for im in f.misses if im.claim == CLAIM_ELSEWHERE]
+        own = [im for im in f.misses if im.claim != CLAIM_ELSEWHERE]
+        if elsewhere:
+            left = deadline.left()
+            wait_s = self.settings.cache_claim_wait_s
+            wait_s = wait_s if left is None else min(wait_s, left / 2)
+            await asyncio.gather(
+                self.encode.encode(own, deadline, readers=readers, held=f.held),
+                self.cache.lookup(elsewhere, policy, deadline, f.held, claim=True, wait_s=wait_s),
+            )
+            late = [im for im in elsewhere if im.embedding is None]
+            metrics.CLAIM_WAITS.labels(outcome="miss" if late else "hit").inc(len(elsewhere))
+            await self.encode.encode(late, deadline, readers=readers, held=f.held)
+            f.misses = own + late
+        else:
+            await self.encode.encode(f.misses, deadline, readers=readers, held=f.held)
         f.timings.encode_ms = (time.perf_counter() - t) * 1000
         # The put runs beside the decode: the decoder already has the embeddings, so
         # TTFT does not wait for the cache (its duration lands in timings.put_ms).

@@ -57,7 +57,10 @@ class EncodeStage:
     ) -> None:
         """``EncoderService/Encode`` for the misses: the encoder holds their embeddings for
         ``readers`` readers (the decoder, and the cache when it stores them) and answers
-        refs (an encoder that answers the bytes inline is relayed as it is)."""
+        refs (an encoder that answers the bytes inline is relayed as it is). No misses:
+        no call."""
+        if not misses:
+            return
         request = encoder_service_pb2.EncodeRequest(transport=self.transport, readers=readers)
         for im in misses:
             if im.pixels is None:  # a file-digest hit has its embedding: never a miss

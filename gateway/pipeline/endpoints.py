@@ -1,6 +1,6 @@
-"""The decoder endpoints a gateway routes over, one channel each, kept up to date.
+"""The decoder (and cache) endpoints a gateway routes over, one channel each, kept up to date.
 
-``GATEWAY_DECODER_ADDRESS`` names them as gRPC targets do:
+``GATEWAY_DECODER_ADDRESS`` (and ``GATEWAY_CACHE_ADDRESS``) names them as gRPC targets do:
 
 - ``host:port``: one endpoint;
 - ``ipv4:10.0.0.1:50054,10.0.0.2:50054`` (or ``ipv6:[::1]:50054,...``): a fixed list;
@@ -73,6 +73,8 @@ class DecoderEndpoints:
         router: The router to keep up to date.
         proxy: One endpoint for the whole target (``GATEWAY_DECODER_ROUTING=proxy``).
         resolve_s: Seconds between DNS resolutions of a ``dns:`` target.
+        stub: The stub class of each endpoint's channel (the decoder's by default).
+        what: The service's name in log lines.
     """
 
     def __init__(
@@ -83,8 +85,12 @@ class DecoderEndpoints:
         *,
         proxy: bool = False,
         resolve_s: float = 5.0,
+        stub: Callable[[Any], Any] = decoder_service_pb2_grpc.DecoderServiceStub,
+        what: str = "decoder",
     ) -> None:
         self.target = target
+        self.stub = stub
+        self.what = what
         self.make_channel = make_channel
         self.router = router
         self.proxy = proxy
@@ -97,7 +103,7 @@ class DecoderEndpoints:
             _dns_name(self.target)[0] if self.target.startswith("dns:") and not self.proxy else None
         )
         channel = self.make_channel(address, name)
-        return Endpoint(address, decoder_service_pb2_grpc.DecoderServiceStub(channel), channel)
+        return Endpoint(address, self.stub(channel), channel)
 
     def _apply(self, addresses: list[str]) -> None:
         """Make the router's endpoints ``addresses``: new ones get a channel, gone ones
@@ -108,7 +114,7 @@ class DecoderEndpoints:
         endpoints = [current.get(a) or self._endpoint(a) for a in addresses]
         gone = self.router.set_endpoints(endpoints)
         self._retired.extend(gone)
-        log.info("decoder endpoints: %s", ", ".join(addresses))
+        log.info("%s endpoints: %s", self.what, ", ".join(addresses))
 
     async def start(self) -> None:
         """Open the endpoints (a ``dns:`` target: resolve now, then every ``resolve_s``)."""

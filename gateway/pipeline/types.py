@@ -64,6 +64,9 @@ class PreparedImage:
     embedding: tensor_pb2.ImageEmbedding | None = None
     # Other grids a similarity hit may serve (the plan's aspect class, vlcommon.grid_reuse).
     reusable: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    # After a lookup that claimed misses: cache_service_pb2.ClaimState (OWNED: this
+    # gateway encodes it; ELSEWHERE: another one is encoding it, wait for its Put).
+    claim: int = 0
 
     @property
     def served_grid(self) -> tuple[int, int, int]:
