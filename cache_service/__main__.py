@@ -21,7 +21,7 @@ from cache_service.servicer import POLICIES, CacheServicer
 from cache_service.settings import CacheSettings
 from cache_service.store import EmbeddingStore
 from cache_service.store_redis import RedisStore
-from vlcommon import handoff
+from vlcommon import handoff, malloc
 from vlcommon.server import serve
 from vlcommon.service_main import service_main
 from vlcommon.tls import ClientSecurity
@@ -108,6 +108,7 @@ async def main_async(settings: CacheSettings) -> None:
     # 100 ms with 2 threads on a shared CPU). Index rebuilds run in their own thread and
     # keep the default thread count (OpenMP's setting is per calling thread).
     faiss.omp_set_num_threads(1)
+    malloc.keep_large_blocks(settings.malloc_heap_max_bytes)
     servicer = build_servicer(settings)
     reclaim: asyncio.Task[None] | None = None
 

@@ -440,20 +440,30 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                         _reusable(query.reusable_grids, f"{field}.reusable_grids", self.merge),
                     )
                 )
-            # to_thread copies the context: the per-query spans stay under this RPC's span.
-            matches = await asyncio.to_thread(
-                self._match_all,
-                queries,
-                policy,
-                request.include_embeddings,
-                leases,
-                request.bytes_keys,
-            )
-            claimed = [0] * len(matches)
+            # Claims are taken beside the matching, not after it (one store round trip
+            # less on a miss); a hit gives its claim back (cache_service/claims.py).
+            claiming = None
             if request.claim and not request.bytes_keys and policy != OFF:
+                images = zip(queries, request.queries, strict=True)
+                keys = list(dict.fromkeys(q.key for q, r in images if not r.video))
+                claiming = asyncio.ensure_future(asyncio.to_thread(self._claim_all, keys))
+            try:
+                # to_thread copies the context: the per-query spans stay under this RPC's span.
+                matches = await asyncio.to_thread(
+                    self._match_all,
+                    queries,
+                    policy,
+                    request.include_embeddings,
+                    leases,
+                    request.bytes_keys,
+                )
+            finally:
+                taken = await claiming if claiming is not None else {}
+            claimed = [0] * len(matches)
+            if claiming is not None:
                 videos = [q.video for q in request.queries]
                 claimed = await self._settle_claims(
-                    queries, matches, videos, policy, request, leases, context
+                    queries, matches, videos, taken, request, policy, leases, context
                 )
             refs: list[tensor_pb2.EmbeddingRef | None] = []
             if by_ref:
@@ -488,21 +498,35 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         finally:
             metrics.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
 
+    def _claim_all(self, keys: list[str]) -> dict[str, bool]:
+        """Take each key's claim (on a worker thread); True where this caller holds it."""
+        return {key: self.claims.claim(key) for key in keys}
+
     async def _settle_claims(
         self,
         queries: list[_Query],
         matches: list[Match],
         videos: list[bool],
-        policy: int,
+        taken: dict[str, bool],
         request: pb.LookupRequest,
+        policy: int,
         leases: _Leases,
         context: grpc.aio.ServicerContext,
     ) -> list[int]:
-        """Claim each missed image's key (cache_service/claims.py); with
-        ``wait_claimed_ms``, wait for the keys others claimed: ``matches`` take the hits
-        that land meanwhile. Returns each query's ``ClaimState``."""
+        """Each missed image's claim state from the claims ``taken`` beside the matching
+        (a hit gives back a claim it took); with ``wait_claimed_ms``, wait for the keys
+        others claimed: ``matches`` take the hits that land meanwhile. Returns each
+        query's ``ClaimState``."""
         states = [pb.CLAIM_STATE_UNSPECIFIED] * len(matches)
         lease = request.include_embeddings
+        missed = [i for i, m in enumerate(matches) if m.entry is None and not videos[i]]
+        for i in missed:
+            owned = taken.get(queries[i].key, False)
+            states[i] = pb.CLAIM_STATE_OWNED if owned else pb.CLAIM_STATE_ELSEWHERE
+        needed = {queries[i].key for i in missed}
+        returned = [k for k, owned in taken.items() if owned and k not in needed]
+        if returned:
+            await asyncio.to_thread(self.claims.end, returned)
 
         def claim(i: int) -> None:
             owned = self.claims.claim(queries[i].key)
@@ -523,9 +547,6 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     still.append(i)
             return still
 
-        missed = [i for i, m in enumerate(matches) if m.entry is None and not videos[i]]
-        if missed:
-            await asyncio.to_thread(lambda: list(map(claim, missed)))
         waiting = [i for i in missed if states[i] == pb.CLAIM_STATE_ELSEWHERE]
         end = time.monotonic() + request.wait_claimed_ms / 1000
         remaining = context.time_remaining()

@@ -4,12 +4,13 @@ The store (a Redis that may be managed or shared by someone else) is trusted wit
 it holds no image, embedding, descriptor or key in the clear, and an entry it returns is
 served only when it opens under this cluster's secret as the entry asked for.
 
-Names. An entry is a Redis hash at ``<prefix>e:<kid>:<n>``, an alias a string at
-``<prefix>a:<kid>:<n>``, where ``<kid>`` is the secret's key id (8 hex digits) and ``<n>``
-32 hex digits of HMAC-SHA256 of the key under a name key derived from the secret: a
-fixed-length, brace-free name (Redis Cluster hash tags stay out of the caller's hands) from
-which nobody without the secret can tell which image it holds, nor test whether a given
-image is cached. A scan matches only its own secret's entries, so entries of another
+Names. An entry is a Redis hash at ``<prefix>e:<kid>:{<n>}`` beside its embeddings, a
+string at ``<prefix>p:<kid>:{<n>}``; an alias a string at ``<prefix>a:<kid>:{<n>}``;
+``<kid>`` is the secret's key id (8 hex digits) and ``<n>`` 32 hex digits of HMAC-SHA256 of
+the key under a name key derived from the secret, braced as a Redis Cluster hash tag (an
+entry and its payload share a slot; the caller's key never picks one), from which nobody
+without the secret can tell which image it holds, nor test whether a given image is
+cached. A scan matches only its own secret's entries, so entries of another
 secret (a rotation) or of an older format are never read, only left to expire.
 
 Keys (RFC 5869 HKDF-SHA256 of the secret, :class:`StoreCodec`): a name key and a master
@@ -29,7 +30,9 @@ An entry's fields:
   version, key id and write id as associated data.
 * ``d``: the L2-normalised similarity descriptor (float32 little-endian ``[dim]``), sealed.
 * ``v``: the verification image (:func:`encode_verification`), sealed.
-* ``p``: the embeddings (raw row-major bytes of ``shape`` in ``dtype``), sealed.
+* ``p``, the payload string beside the hash: the embeddings (raw row-major bytes of
+  ``shape`` in ``dtype``), sealed. A string because Redis stores a ``SET``'s 16 MiB as
+  they arrive, where ``HSET`` copies them once more (a Put cost 1.4x a raw ``SET``).
 
 Each body field is sealed under its entry's key with its field name as associated data,
 so any subset can be read and checked on its own (a replica following the log reads ``h``
@@ -211,14 +214,25 @@ class StoreCodec:
         self.key_id = hmac.new(self._master, b"key id", hashlib.sha256).digest()[:KEY_ID_BYTES]
 
     # -- names ---------------------------------------------------------------------------
-    def _name(self, kind: str, key: str) -> str:
-        # ``kind`` is one letter: entry, alias and claim names never collide.
+    def _name(self, kind: str, key: str, shown: str = "") -> str:
+        # ``kind`` is one letter: entry, alias and claim names never collide. The digest is
+        # a Redis Cluster hash tag, so an entry and its payload share a slot.
         digest = hmac.new(self._names, kind.encode() + _utf8(key), hashlib.sha256).hexdigest()
-        return f"{self.prefix}{kind}:{self.key_id.hex()}:{digest[:32]}"
+        return f"{self.prefix}{shown or kind}:{self.key_id.hex()}:{{{digest[:32]}}}"
 
     def entry(self, key: str) -> str:
-        """The Redis key of ``key``'s entry."""
+        """The Redis key of ``key``'s entry (a hash: ``h``, ``d``, ``v``)."""
         return self._name("e", key)
+
+    def payload(self, key: str) -> str:
+        """The Redis key of ``key``'s embeddings (a string, sealed ``p``; same slot)."""
+        return self._name("e", key, shown="p")
+
+    def payload_of(self, entry: str) -> str:
+        """The payload's Redis key beside the entry named ``entry``."""
+        head, sep, tail = entry.partition(f"{self.prefix}e:")
+        assert sep and not head, entry
+        return f"{self.prefix}p:{tail}"
 
     def alias(self, alias: str) -> str:
         """The Redis key of ``alias``'s record."""

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -74,34 +75,13 @@ if TYPE_CHECKING:
 # The shortest store secret taken: keys come from it by HKDF, which does not stretch, so a
 # guessable secret could be found offline from a dump (splitvl up makes 43 characters).
 MIN_SECRET_CHARS = 16
+# Similarity candidates whose header and verification image one round trip reads (up to
+# ~3 MB each at 2 MP; search_k is 8 by default).
+CANDIDATE_BATCH = 4
+# Alias records remembered per replica (a few hundred bytes each), LRU.
+ALIAS_MEMO = 65_536
 # The index of the store's entries holds no payloads: its byte budget never binds.
 UNBOUNDED_BYTES = 2**62
-# First write wins (docs/scaling.md, "Store"): the entry is written only when its ``h``
-# field is still what the writer read (absent, or an entry that did not open), in one
-# step, so no reader sees two writes' fields and a key's bytes never change while it lives.
-# KEYS[1] the entry; ARGV: the ``h`` read ("" for none), h, d, v, p, TTL in ms (0: none).
-# HSET is the script's first write: Redis checks maxmemory before a script's first
-# write only, so a full store refuses the script with OOM (a DEL first would not be
-# checked, and the HSET after it would grow the store past maxmemory). All four fields
-# are set, so nothing of an earlier write survives.
-WRITE_IF_UNCHANGED = """
-local current = redis.call('HGET', KEYS[1], 'h') or ''
-if current ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'h', ARGV[2], 'd', ARGV[3], 'v', ARGV[4], 'p', ARGV[5])
-if tonumber(ARGV[6]) > 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[6])
-else
-  redis.call('PERSIST', KEYS[1])
-end
-return 1
-"""
-# A reader that finds an entry whose header opens but whose payload does not (or is
-# missing) drops it, if it is still the one it read, so the next Put writes it again
-# instead of refreshing it.
-DELETE_IF_UNCHANGED = """
-if (redis.call('HGET', KEYS[1], 'h') or '') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 class RedisStore:
@@ -174,6 +154,7 @@ class RedisStore:
         # Guards _copies with the local copies they describe (lookups, puts and the
         # follower run on several threads).
         self._copies_lock = threading.RLock()
+        self._aliases: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
         self.policy_checked = False
         self.local = EmbeddingStore(
             descriptor_dim=descriptor_dim,
@@ -199,7 +180,6 @@ class RedisStore:
         self._client: RedisClient | None = None
         self._follow_client: RedisClient | None = None
         self._client_lock = threading.Lock()
-        self._write_script: object | None = None
 
     @classmethod
     def from_settings(cls, settings: CacheSettings, *, use_gpu: bool | None = None) -> RedisStore:
@@ -369,21 +349,31 @@ class RedisStore:
         """The exact hit; a final miss (the key held with another grid, or refused); None
         when the key is not in the store (the similarity tier may answer)."""
         codec = self.codec
+        known = self._aliases.get(key)  # (record, target) of an alias read or written here
         pipe = client.pipeline(transaction=False)
         pipe.hget(codec.entry(key), "h")
         pipe.get(codec.alias(key))
+        if known is not None:  # its target's header in the same round trip
+            pipe.hget(codec.entry(known[1]), "h")
         # An alias the store refuses to read (WRONGTYPE, an ACL without GET) is no alias.
-        sealed, alias_record = (_reply(x) for x in pipe.execute(raise_on_error=False))
+        replies = [_reply(x) for x in pipe.execute(raise_on_error=False)]
+        sealed, alias_record = replies[0], replies[1]
         if isinstance(sealed, Exception):
             raise sealed
         target = key
         if sealed is None and isinstance(alias_record, bytes):
-            try:
-                target = codec.open_alias(alias_record, key)
-            except IntegrityError as err:
-                self.refused(err, key)
-                return None
-            sealed = as_bytes(client.hget(codec.entry(target), "h"))
+            if known is not None and alias_record == known[0]:
+                target, sealed = known[1], replies[2]  # the record written once, unchanged
+                if isinstance(sealed, Exception):
+                    raise sealed
+            else:
+                try:
+                    target = codec.open_alias(alias_record, key)
+                except IntegrityError as err:
+                    self.refused(err, key)
+                    return None
+                self._remember_alias(key, alias_record, target)
+                sealed = as_bytes(client.hget(codec.entry(target), "h"))
         if sealed is None:
             held = self._unshared_copy(target, grid, lease)
             if held is not None:
@@ -403,9 +393,18 @@ class RedisStore:
         entry = self._payload(client, header, lease)
         if entry is None:
             return Match("miss", 0.0, None)
-        if alias and target == key:
+        if alias and target == key and self._aliases.get(alias, (b"", ""))[1] != key:
             self.add_alias(client, alias, key)
         return Match("exact", 1.0, entry)
+
+    def _remember_alias(self, alias: str, record: bytes, key: str) -> None:
+        """Keep an alias's record (written once, so its bytes stay while it lives): the
+        next lookup by the alias reads its target's header in the same round trip."""
+        with self._copies_lock:
+            self._aliases[alias] = (record, key)
+            self._aliases.move_to_end(alias)
+            while len(self._aliases) > ALIAS_MEMO:
+                self._aliases.popitem(last=False)
 
     def _unshared_copy(self, key: str, grid: tuple[int, int, int], lease: bool) -> Entry | None:
         """This replica's copy of an entry the store refused to take (served while the
@@ -431,9 +430,7 @@ class RedisStore:
             descriptor, grid, revision=revision, reusable=reusable
         )
         rejected = found.rejected
-        for score, cand in candidates:
-            name = self.codec.entry(cand.key)
-            sealed, raw = (as_bytes(x) for x in client.hmget(name, ["h", "v"]))
+        for score, cand, (sealed, raw) in self._read_candidates(client, candidates):
             if sealed is None:
                 self.forget(cand.key, "read")
                 continue
@@ -456,24 +453,48 @@ class RedisStore:
         consulted = found.consulted_similar
         return Match("miss", found.similarity, None, consulted_similar=consulted, rejected=rejected)
 
+    def _read_candidates(
+        self, client: RedisClient, candidates: list[tuple[float, Entry]]
+    ) -> Iterator[tuple[float, Entry, tuple[bytes | None, bytes | None]]]:
+        """Each candidate with its stored ``h`` and ``v``, read ``CANDIDATE_BATCH`` at a
+        time in one pipelined round trip (not one round trip each: with many near
+        neighbours the lookup's time grew with the store); the caller stops at the first
+        that passes."""
+        for start in range(0, len(candidates), CANDIDATE_BATCH):
+            batch = candidates[start : start + CANDIDATE_BATCH]
+            pipe = client.pipeline(transaction=False)
+            for _, cand in batch:
+                pipe.hmget(self.codec.entry(cand.key), ["h", "v"])
+            for (score, cand), reply in zip(batch, pipe.execute(), strict=True):
+                yield score, cand, (as_bytes(reply[0]), as_bytes(reply[1]))
+
     def _payload(self, client: RedisClient, header: Header, lease: bool) -> Entry | None:
         """The embeddings of the write ``header`` describes (already checked against the
         query): the local copy when it is a copy of that very write, else header and
-        payload read together (one ``HMGET``: the write script sets all fields in one
-        step, so the two are never of two writes), opened, and kept as a local copy
-        (leased when ``lease``). None (a miss) when the store no longer holds it, when it
-        was replaced by another write since ``header`` was read (that write was not
-        checked against the query), or when its payload is missing or does not open (then
-        it is counted, and deleted if unchanged so that a Put writes it again)."""
+        payload read together (``MULTI``, ``HGET h``, ``GET`` payload, ``EXEC``: a write
+        sets both in one transaction, so the two are never of two writes), opened, and
+        kept as a local copy (leased when ``lease``). None (a miss) when the store no
+        longer holds it (or Redis evicted its payload: the rest is dropped so that a Put
+        writes it again), when it was replaced by another write since ``header`` was read
+        (that write was not checked against the query), or when its payload does not open
+        (then it is counted, and deleted if unchanged)."""
         key = header.key
         with self._copies_lock:
             if self._copies.get(key) == header.write_id:
                 held = self.local.lookup(key, None, header.grid, similar=False, lease=lease)
                 if held.entry is not None:
                     return held.entry
-        sealed, data = (as_bytes(x) for x in client.hmget(self.codec.entry(key), ["h", "p"]))
+        name = self.codec.entry(key)
+        pipe = client.pipeline(transaction=True)  # MULTI/EXEC: one write's parts together
+        pipe.hget(name, "h")
+        pipe.get(self.codec.payload_of(name))
+        sealed, data = (as_bytes(x) for x in pipe.execute())
         if sealed is None:
             self.forget(key, "read")
+            return None
+        if data is None:  # Redis evicted the payload and not the hash: drop the rest
+            self.forget(key, "read")
+            self._drop(client, key, sealed)
             return None
         try:
             now = self.codec.open_header(sealed, key)
@@ -483,7 +504,7 @@ class RedisStore:
         except IntegrityError as err:
             self.refused(err, key, client, sealed)
             return None
-        metrics.STORE_BYTES.labels(direction="read").inc(len(sealed) + len(data or b""))
+        metrics.STORE_BYTES.labels(direction="read").inc(len(sealed) + len(data))
         return self._keep(now, payload, lease)
 
     def _keep(self, header: Header, data: bytes, lease: bool) -> Entry:
@@ -549,8 +570,20 @@ class RedisStore:
                 self.local.discard(key)
                 self._copies.pop(key, None)
         if client is not None and sealed and err.reason == "field":
-            drop: Any = client.register_script(DELETE_IF_UNCHANGED)
-            drop(keys=[self.codec.entry(key)], args=[sealed], client=client)
+            self._drop(client, key, sealed)
+
+    def _drop(self, client: RedisClient, key: str, sealed: bytes) -> None:
+        """Delete ``key``'s entry and payload if its header is still ``sealed`` (a newer
+        Put stays), so that the next Put of the key writes it again."""
+        name = self.codec.entry(key)
+
+        def drop(pipe: Any) -> None:
+            if as_bytes(pipe.hget(name, "h")) == sealed:
+                pipe.multi()
+                pipe.delete(name, self.codec.payload_of(name))
+
+        run: Any = client.transaction
+        run(drop, name)
 
     def forget(self, key: str, found: str) -> None:
         """The store no longer holds ``key``: it leaves the index and the local copies
@@ -656,39 +689,54 @@ class RedisStore:
     ) -> bool:
         """The store's side of :meth:`put`: True when this write is the key's entry now,
         False when an entry of the key was there first (its TTL refreshed). Raises
-        KeyGridConflictError and redis errors."""
+        KeyGridConflictError and redis errors.
+
+        One optimistic transaction (redis-py's ``transaction``: ``WATCH`` the entry, read
+        its header, then ``MULTI``/``EXEC`` with the hash and the payload string), retried
+        when another write of the key lands in between: so the first write wins, no reader
+        sees parts of two writes, and the 16 MiB travel once, into a ``SET`` that keeps
+        them as they arrive (a Lua script taking them as arguments copied them twice more:
+        78 ms against ``HSET``'s 32 ms; ``HSET`` itself copies once more than ``SET``).
+        Each queued write is checked against ``maxmemory``, so a full store refuses it
+        (``OOM``)."""
         name = self.codec.entry(header.key)
+        payload = self.codec.payload_of(name)
         ttl_ms = max(1, round(self.ttl_s * 1000)) if self.ttl_s > 0 else 0
-        if self._write_script is None:
-            self._write_script = client.register_script(WRITE_IF_UNCHANGED)
-        script: Any = self._write_script
-        for _ in range(3):
-            sealed = as_bytes(client.hget(name, "h")) or b""
+
+        def attempt(pipe: Any) -> bool:
+            sealed = as_bytes(pipe.hget(name, "h")) or b""
             if sealed == fields["h"]:
-                break  # this write, whose reply a dropped connection lost (then retried)
+                return True  # this write, whose reply a dropped connection lost
             if sealed:
                 try:
                     old = self.codec.open_header(sealed, header.key)
                 except IntegrityError as err:
-                    self.refused(err, header.key)  # replaced below, if still the same
+                    self.refused(err, header.key)  # replaced below
                 else:
                     if old.grid != header.grid:
                         raise KeyGridConflictError(old.grid)
-                    if ttl_ms and not client.pexpire(name, ttl_ms):
-                        continue  # it expired since: write this one
-                    if alias:
-                        self.add_alias(client, alias, header.key)
-                    return False
-            values = [sealed, fields["h"], fields["d"], fields["v"], fields["p"], ttl_ms]
-            if script(keys=[name], args=values, client=client):
-                break
-        else:
-            return False  # other writes raced this one: the store holds one of them
-        metrics.STORE_BYTES.labels(direction="write").inc(sum(len(v) for v in fields.values()))
+                    if not ttl_ms or (pipe.pexpire(name, ttl_ms) and pipe.pexpire(payload, ttl_ms)):
+                        return False  # the first write stays; its TTL refreshed
+                    # it expired since the read: this write takes its place
+            pipe.multi()
+            pipe.hset(name, mapping={k: fields[k] for k in ("h", "d", "v")})
+            # A memoryview goes out as it is; bytes, hiredis's packer would copy 16 MiB
+            # into the command first (~7 ms here).
+            pipe.set(payload, memoryview(fields["p"]), px=ttl_ms or None)
+            if ttl_ms:
+                pipe.pexpire(name, ttl_ms)
+            else:
+                pipe.persist(name)
+            return True
+
+        run: Any = client.transaction  # typed for callables returning None; ours says which
+        written = bool(run(attempt, name, value_from_callable=True))
         if alias:
             self.add_alias(client, alias, header.key)
-        client.xadd(self.codec.log, {"n": name}, maxlen=self.log_maxlen, approximate=True)
-        return True
+        if written:
+            metrics.STORE_BYTES.labels(direction="write").inc(sum(len(v) for v in fields.values()))
+            client.xadd(self.codec.log, {"n": name}, maxlen=self.log_maxlen, approximate=True)
+        return written
 
     def add_alias(self, client: RedisClient, alias: str, key: str) -> None:
         """Make ``alias`` find ``key``'s entry (with the entry's TTL): written once
@@ -699,7 +747,10 @@ class RedisStore:
         try:
             name = self.codec.alias(alias)
             ttl = max(1, round(self.ttl_s * 1000)) if self.ttl_s > 0 else None
-            if not client.set(name, self.codec.seal_alias(alias, key), px=ttl, nx=True) and ttl:
+            record = self.codec.seal_alias(alias, key)
+            if client.set(name, record, px=ttl, nx=True):
+                self._remember_alias(alias, record, key)
+            elif ttl:
                 client.pexpire(name, ttl)
         except STORE_FAILURES as err:
             self.health.failed("alias", err)

@@ -41,9 +41,11 @@ from typing import Any
 import numpy as np
 import redis
 
+from cache_service.settings import CacheSettings
 from cache_service.store import EmbeddingStore
 from cache_service.store_conn import StoreAccess, parse_store_url
 from cache_service.store_redis import RedisStore
+from vlcommon import malloc
 
 ROWS, WIDTH = 1024, 8192  # tokens x (out_hidden 2,048 x (1 + 3 deepstack)) bf16: 16 MiB
 BF16 = 4  # DataType.DATA_TYPE_BF16
@@ -183,7 +185,9 @@ def one_run(
     reader.local.discard(key)  # the next run reads the store again
 
 
-def measure(runs: int, use_mooncake: bool) -> dict[str, Any]:
+def measure(runs: int, use_mooncake: bool, heap_max_bytes: int) -> dict[str, Any]:
+    # As the cache service does (CACHE_MALLOC_HEAP_MAX_BYTES; vlcommon/malloc.py).
+    malloc.keep_large_blocks(heap_max_bytes)
     data = np.random.default_rng(0).integers(0, 2**16, (ROWS, WIDTH), np.uint16).tobytes()
     assert len(data) == 16 << 20
     descriptor = np.random.default_rng(1).standard_normal(DIM).astype(np.float32)
@@ -224,8 +228,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--mooncake", action="store_true", help="also Mooncake Store (TCP)")
     parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument(
+        "--heap-max-bytes",
+        type=int,
+        default=CacheSettings().malloc_heap_max_bytes,
+        help="mallopt as the cache service (CACHE_MALLOC_HEAP_MAX_BYTES); 0: glibc's defaults",
+    )
     args = parser.parse_args()
-    result = measure(args.runs, args.mooncake)
+    result = measure(args.runs, args.mooncake, args.heap_max_bytes)
     if args.json:
         print(json.dumps(result, indent=2))
         return

@@ -380,8 +380,16 @@ def run(args: argparse.Namespace) -> int:
         use_routing(own.cluster, "affinity")
         redis = cache_runs(own.cluster, "2 caches on redis", reps, args.seed, log)
         own.ok = True
-    log("1 cache in memory")
-    with own_cluster(model=args.model, log_dir=None, prefix="splitvl-scale-", log=log) as own:
+    # The same two decoders as the store's runs: vLLM's CPU workers keep their cores busy
+    # even when idle, so a one-decoder layout would compare the caches on a quieter host.
+    log("1 cache in memory (2 decoders, as above)")
+    with own_cluster(
+        model=args.model,
+        log_dir=None,
+        prefix="splitvl-scale-",
+        log=log,
+        replicas={"decoder": 2},
+    ) as own:
         memory = cache_runs(own.cluster, "1 cache in memory", reps, args.seed, log)
         own.ok = True
     keys = ("req_per_s", "ttft_p50_ms", "ttft_p95_ms", "hit_rate")

@@ -268,7 +268,9 @@ def write_entries(server: RedisServer, prefix: str, n: int) -> None:
             key=f"k{i}", revision="", grid=GRID, dtype=FP32, shape=(4, 4),
             payload=payload(i), descriptor=unit(i), verification=V, written_ms=0,
         )  # fmt: skip
+        body = fields.pop("p")
         pipe.hset(codec.entry(f"k{i}"), mapping=fields)  # type: ignore[arg-type]
+        pipe.set(codec.payload(f"k{i}"), body)
     pipe.execute()
 
 

@@ -508,3 +508,62 @@ async def test_a_request_cancelled_while_its_encode_is_answered_releases_the_ans
             assert await freed(holder)
     await releaser.close()
     holder.close()
+
+
+async def test_cache_calls_go_to_the_replica_the_key_hashes_to_and_pass_over_a_dead_one() -> None:
+    """Two cache replicas behind the gateway's ring: each image's Put and Lookups reach
+    the same replica, so its repeats meet the replica that holds it; keys spread over
+    both; a replica that is gone is passed over (the call is a miss, the next one goes to
+    the next replica on the key's ring)."""
+    from gateway.pipeline.route import DecoderRouter, Endpoint
+
+    stores = [EmbeddingStore(descriptor_dim=DIM, capacity_bytes=1 << 20) for _ in range(2)]
+    servicers = [CacheServicer(s, default_policy=SIMILAR, max_queries=8) for s in stores]
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [
+            await stack.enter_async_context(
+                in_process_server(
+                    cache_service_pb2_grpc.add_CacheServiceServicer_to_server,
+                    servicer,
+                    "qwenvl.cache.v1.CacheService",
+                )
+            )
+            for servicer in servicers
+        ]
+        router = DecoderRouter()
+        router.set_endpoints(
+            [
+                Endpoint(f"cache-{i}", cache_service_pb2_grpc.CacheServiceStub(ch), ch)
+                for i, ch in enumerate(channels)
+            ]
+        )
+        stage = CacheStage(
+            router, spec=SPEC, revision="r1", transport=0, timeout_s=10, put_timeout_s=10
+        )
+        images = [image(i) for i in range(20, 32)]
+        for im in images:
+            await stage.put([im], SIMILAR, NO_DEADLINE)
+        held = [{k for k in s.keys()} for s in stores]
+        assert held[0] and held[1] and not held[0] & held[1]  # spread, each key once
+        for im in images:  # each repeat is answered by the replica holding it
+            asked = [fresh(im)]
+            await stage.lookup(asked, SIMILAR, NO_DEADLINE)
+            assert asked[0].tier == generation_pb2.CACHE_TIER_EXACT, im.key
+        assert sum(s.hits["exact"] for s in servicers) == len(images)
+        assert all(s.hits["miss"] == 0 for s in servicers)
+        # The replica holding images[0] goes away (its address answers nothing now): a
+        # miss, then the other replica.
+        home = 0 if images[0].key in held[0] else 1
+        dead = grpc.aio.insecure_channel("127.0.0.1:9")
+        stack.push_async_callback(dead.close)
+        endpoints = list(router.endpoints)
+        endpoints[home] = Endpoint(
+            f"cache-{home}", cache_service_pb2_grpc.CacheServiceStub(dead), dead
+        )
+        router.set_endpoints(endpoints)
+        asked = [fresh(images[0])]
+        await stage.lookup(asked, SIMILAR, NO_DEADLINE)
+        assert asked[0].embedding is None
+        before = servicers[1 - home].hits["miss"]
+        await stage.lookup([fresh(images[0])], SIMILAR, NO_DEADLINE)
+        assert servicers[1 - home].hits["miss"] == before + 1

@@ -48,9 +48,9 @@ class CacheStage:
     cache error fails a request.
 
     Each call goes to the cache replica its first image's key hashes to (a
-    :class:`DecoderRouter` ring over the cache endpoints, bounded loads), the one most
-    likely to hold the entry as a local copy; a replica that failed is passed over for a
-    while.
+    :class:`DecoderRouter` ring over the cache endpoints, bounded loads; :func:`route_key`),
+    the one most likely to hold the entry as a local copy; a replica that failed is passed
+    over for a while.
 
     Args:
         cache: The caches' router (one endpoint per replica), or one stub; None for a
@@ -215,7 +215,7 @@ class CacheStage:
             )
         with tracer.start_as_current_span("cache.lookup") as span:
             span.set_attribute("splitvl.cache.wait_claimed_ms", request.wait_claimed_ms)
-            response = await self._ask(request, images[0].key, deadline, span, wait_s)
+            response = await self._ask(request, route_key(images[0]), deadline, span, wait_s)
             if response is None:
                 return
             for im, result in zip(images, response.results, strict=True):
@@ -330,7 +330,7 @@ class CacheStage:
             span.set_attribute("splitvl.embedding.bytes", sent)
             ref_attributes(span, [im.embedding for im in fresh if im.embedding])
             metrics.EMBEDDING_SENT_BYTES.labels(destination="cache").inc(sent)
-            endpoint = self._endpoint(fresh[0].key)  # where the lookups of the key go
+            endpoint = self._endpoint(route_key(fresh[0]))  # where its lookups go
             try:
                 if endpoint is None:
                     raise _no_replica()
@@ -348,6 +348,13 @@ class CacheStage:
         metrics.STAGE_SECONDS.labels(stage="put").observe(seconds)
         if timings is not None:
             timings.put_ms = seconds * 1000
+
+
+def route_key(im: PreparedImage) -> str:
+    """The key a call about ``im`` is routed by: its file digest when it has one (the
+    lookup by file bytes, the one by pixels after it, and the put all reach one replica,
+    which then holds the entry for the file's repeats), else its pixel key."""
+    return im.bytes_key or im.key
 
 
 def _no_replica() -> grpc.aio.AioRpcError:
