@@ -10,9 +10,11 @@ Usage::
 
 What lives where (docs/scaling.md, "Store"):
 
-* Redis holds the truth: every entry (:mod:`cache_service.store_codec`: a tagged header,
-  the descriptor, the verification image, the embeddings) with its TTL, the aliases, and
-  the log, a Redis Stream of the keys put (``XADD ... MAXLEN ~``).
+* Redis holds the truth, sealed (:mod:`cache_service.store_codec`): every entry (a hash of
+  the header, the descriptor and the verification image, and a string of the embeddings
+  beside it) with its TTL, the aliases, the claims (:mod:`cache_service.claims`), and the
+  log, a Redis Stream of the entries first written (``XADD ... MAXLEN ~``). One key names
+  one content while it lives: the first write wins (:meth:`RedisStore.put`).
 * This replica holds the similarity index over the store's entries (``catalog``: an
   :class:`EmbeddingStore` of descriptors, grids and revisions, no payloads), kept current
   by :class:`cache_service.store_follow.Follower` (the log within ~0.2 s, a scan at start
@@ -22,9 +24,10 @@ What lives where (docs/scaling.md, "Store"):
 
 A lookup always asks Redis first, so Redis's TTL and eviction decide for every replica:
 an entry Redis no longer holds is a miss everywhere, and leaves this replica's index at
-its first failed read (or the next scan). A store that fails or is slow is a miss
-(:class:`cache_service.store_conn.StoreHealth`); an entry that fails its checks is a miss
-counted in ``splitvl_cache_store_integrity_failures_total``; neither is ever an error.
+its first failed read (or the next scan). A store that cannot be reached answers from
+this replica's own copies or misses, one that refuses a write keeps the entry as a local
+copy (:class:`cache_service.store_conn.StoreHealth`); an entry that fails its checks is a
+miss counted in ``splitvl_cache_store_integrity_failures_total``; none is ever an error.
 """
 
 from __future__ import annotations
