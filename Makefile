@@ -53,7 +53,7 @@ test: $(STAMP) $(NODE_DEPS) system-deps
 	$(BIN)/python -m pytest -ra --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# Everything but the tests that start services (marked e2e): about 7 minutes on 2 cores.
+# Everything but the tests that start services (marked e2e): about 8 minutes on 2 cores.
 test-fast: $(STAMP) $(NODE_DEPS) system-deps
 	$(BIN)/python -m pytest -ra -m "not e2e" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
