@@ -114,6 +114,8 @@ class RedisClaims:
         return bool(taken)
 
     def held(self, key: str) -> bool:
+        if not self.store.health.allow("claim"):
+            return False  # the store is skipped: its claims are as good as gone
         try:
             return bool(self.store.client().exists(self.store.codec.claim(key)))
         except STORE_FAILURES as err:

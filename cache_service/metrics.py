@@ -69,7 +69,7 @@ STORE_REFUSED = Counter(
     "NOPERM, WRONGTYPE, ...): a put is dropped and kept as this replica's local copy; "
     "reads go on.",
     ["op", "reason"],
-)  # reason = oom | readonly | noperm | wrongtype | noscript | busy | other
+)  # reason = oom | readonly | noperm | wrongtype | busy | other
 STORE_INTEGRITY_FAILURES = Counter(
     "splitvl_cache_store_integrity_failures_total",
     "Entries or aliases read from the shared store and refused (never served), by reason.",

@@ -44,8 +44,10 @@ from vlcommon.verification import (
 tracer = trace.get_tracer("splitvl.cache")
 TIERS = CACHE_TIERS
 OFF = generation_pb2.CACHE_POLICY_OFF
-# A Lookup that waits on others' claims answers this long before its caller's deadline.
+# A Lookup that waits on others' claims answers this long before its caller's deadline,
+# and waits at most MAX_CLAIM_WAIT_MS (a caller without a deadline never hangs on it).
 CLAIM_WAIT_MARGIN_S = 0.05
+MAX_CLAIM_WAIT_MS = 60_000
 POLICIES = CACHE_POLICIES
 
 
@@ -548,7 +550,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             return still
 
         waiting = [i for i in missed if states[i] == pb.CLAIM_STATE_ELSEWHERE]
-        end = time.monotonic() + request.wait_claimed_ms / 1000
+        end = time.monotonic() + min(request.wait_claimed_ms, MAX_CLAIM_WAIT_MS) / 1000
         remaining = context.time_remaining()
         if remaining is not None:  # answer before the caller's deadline
             end = min(end, time.monotonic() + remaining - CLAIM_WAIT_MARGIN_S)

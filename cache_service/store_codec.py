@@ -50,6 +50,7 @@ entries, which Redis expires (their TTL) or evicts; nothing is read under two se
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
@@ -325,9 +326,7 @@ class StoreCodec:
         h = decode_header(body)
         if key is not None and h.key != key:
             raise IntegrityError("key", "the entry stored under this key's name is another key's")
-        return Header(
-            h.key, h.revision, h.grid, h.dtype, h.shape, h.written_ms, h.lengths, write_id, cipher
-        )
+        return dataclasses.replace(h, write_id=write_id, cipher=cipher)
 
     def open_field(self, header: Header, name: str, data: bytes | None) -> bytes:
         """The plaintext of body field ``name`` of the entry ``header`` opened.

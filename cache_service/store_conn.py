@@ -53,7 +53,6 @@ from redis.exceptions import (
     AuthenticationError,
     ClusterError,
     NoPermissionError,
-    NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
@@ -85,9 +84,8 @@ HEALTH_CHECK_INTERVAL_S = 30
 # CACHE_TTL_S is 0 (no TTL): one day, seconds.
 VOLATILE_DEFAULT_TTL_S = 86_400.0
 # Refusals counted by their reply's first word; any other is "other".
-REFUSALS = ("OOM", "READONLY", "NOPERM", "WRONGTYPE", "NOSCRIPT", "BUSY")
-_SCRIPT_REFUSALS = (
-    ("can't run this command", "noperm"),
+REFUSALS = ("OOM", "READONLY", "NOPERM", "WRONGTYPE", "BUSY")
+_WRAPPED_REFUSALS = (
     ("used memory > 'maxmemory'", "oom"),
     ("READONLY", "readonly"),
     ("WRONGTYPE", "wrongtype"),
@@ -96,7 +94,6 @@ _REFUSAL_CLASSES = (
     (OutOfMemoryError, "oom"),
     (ReadOnlyError, "readonly"),
     (NoPermissionError, "noperm"),
-    (NoScriptError, "noscript"),
 )
 
 RedisClient = redis.Redis | RedisCluster
@@ -233,8 +230,9 @@ def classify(err: BaseException) -> tuple[str, str]:
         word = text.split(" ", 1)[0].upper()
         if word in REFUSALS:
             return "refused", word.lower()
-        # A command a Lua script runs is refused with ERR and the reason in words.
-        for phrase, reason in _SCRIPT_REFUSALS:
+        # A command refused inside a transaction (EXEC) comes back wrapped in redis-py's
+        # "Command # n (...) of pipeline caused error: ..." with the reason in words.
+        for phrase, reason in _WRAPPED_REFUSALS:
             if phrase in text:
                 return "refused", reason
         return "refused", "other"

@@ -32,6 +32,7 @@ miss counted in ``splitvl_cache_store_integrity_failures_total``; none is ever a
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -798,7 +799,4 @@ def _disconnect(client: RedisClient | None) -> None:
 
 def _unshared(header: Header) -> Header:
     """``header`` as the header of a local copy the store refused (write id b"")."""
-    return Header(
-        header.key, header.revision, header.grid, header.dtype, header.shape,
-        header.written_ms, header.lengths,
-    )  # fmt: skip
+    return dataclasses.replace(header, write_id=b"", cipher=None)

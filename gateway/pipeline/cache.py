@@ -331,16 +331,22 @@ class CacheStage:
             ref_attributes(span, [im.embedding for im in fresh if im.embedding])
             metrics.EMBEDDING_SENT_BYTES.labels(destination="cache").inc(sent)
             endpoint = self._endpoint(route_key(fresh[0]))  # where its lookups go
-            try:
-                if endpoint is None:
-                    raise _no_replica()
+            failed = "UNAVAILABLE (no cache replica resolved yet)" if endpoint is None else ""
+            unanswered = True
+            if endpoint is not None:
                 span.set_attribute("splitvl.cache.replica", endpoint.address)
-                with self.router.track(endpoint):
-                    await endpoint.stub.Put(request, timeout=deadline.remaining(self.put_timeout_s))
-            except grpc.aio.AioRpcError as err:
+                try:
+                    with self.router.track(endpoint):  # type: ignore[union-attr]
+                        await endpoint.stub.Put(
+                            request, timeout=deadline.remaining(self.put_timeout_s)
+                        )
+                except grpc.aio.AioRpcError as err:
+                    failed = err.code().name
+                    unanswered = error_info(err) is None
+            if failed:
                 CACHE_FAILURES.labels(op="put").inc()
-                log.warning("cache put failed (%s)", err.code().name)
-                if error_info(err) is None:  # the cache never answered: its share is ours
+                log.warning("cache put failed (%s)", failed)
+                if unanswered:  # the cache never answered: its share is ours
                     release(self.releaser, [im.embedding for im in fresh if im.embedding])
         seconds = time.perf_counter() - t0
         # Observed here, once the put has run: it ends after the stream, which used to
@@ -355,17 +361,6 @@ def route_key(im: PreparedImage) -> str:
     lookup by file bytes, the one by pixels after it, and the put all reach one replica,
     which then holds the entry for the file's repeats), else its pixel key."""
     return im.bytes_key or im.key
-
-
-def _no_replica() -> grpc.aio.AioRpcError:
-    """The error of a call with no cache replica to go to (a ``dns:`` target that has not
-    resolved yet)."""
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(),
-        details="no cache replica resolved yet",
-    )
 
 
 def _record_lookup(span: trace.Span, images: list[PreparedImage]) -> None:
