@@ -354,3 +354,36 @@ def test_a_cache_hit_with_another_prompt_reuses_its_images_kv_in_the_decoder(clu
     # prefilled again; and the differing text never is reused.
     assert hit % CPU_BLOCK_SIZE == 0
     assert tokens - CPU_BLOCK_SIZE < hit < second.usage["prompt_tokens"] - 1
+
+
+async def test_the_services_interceptors_wrap_each_streamed_message_once() -> None:
+    """Metrics, readiness, admission and the error mapping run as one chain
+    (vlcommon.interceptors.AroundChain): a streamed message passes through one of the
+    project's wrapper generators, not one per interceptor, and the contexts still nest in
+    order (the outer metrics interceptor sees the status the inner error mapping set)."""
+    import inspect
+
+    from tests.conftest import in_process_server
+
+    depth: list[int] = []
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        for _ in range(3):
+            frames = [f.function for f in inspect.stack(context=0)]
+            depth.append(frames.count("streaming"))
+            yield request
+        await abort(context, invalid_argument("BAD", "bad input", field="x"))
+
+    add = bytes_service("t.v1.ChainService", {}, {"Stream": stream})
+    name = "splitvl_test_requests_total"
+    labels = {"method": "Stream", "code": "INVALID_ARGUMENT"}
+    before = _sample(name, labels)
+    async with in_process_server(add, None, "t.v1.ChainService") as channel:
+        call = channel.unary_stream("/t.v1.ChainService/Stream")(b"z")
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for message in call:
+                got.append(message)
+    assert got == [b"z"] * 3 and refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert depth == [1, 1, 1]  # as three interceptors (metrics, admission, errors): 3
+    assert _sample(name, labels) - before == 1

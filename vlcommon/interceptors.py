@@ -8,6 +8,8 @@ wrappers once, around an async context manager that an interceptor supplies per 
 :class:`AroundInterceptor` is the base the project's interceptors (errors, readiness,
 metrics, auth, admission) derive from.
 
+* :class:`AroundChain`: several of them as one interceptor (one generator per streamed
+  message instead of one per interceptor).
 * :class:`ErrorInterceptor`: a :class:`~vlcommon.errors.ServiceError` raised by a handler
   becomes its status with ``google.rpc.ErrorInfo``; any other exception becomes INTERNAL
   naming the method (logged with its traceback), so handlers hold no try/except for either.
@@ -94,6 +96,52 @@ class AroundInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         around = self.around(method, handler_call_details)
         return handler if around is None else wrap_handler(handler, around)
+
+
+class AroundChain(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Several :class:`AroundInterceptor` as one interceptor: each call runs inside every
+    member's context, the first outermost, exactly as if each were its own interceptor.
+
+    Each interceptor of a streaming method wraps the response stream in an async generator
+    of its own, so every message (a token) passes once through each; a chain of five
+    (metrics, auth, readiness, admission, errors) cost five generator hops per token in each
+    service. As one interceptor, the contexts are entered once per call (an
+    ``AsyncExitStack``, which nests them as ``async with`` statements would) and each
+    message passes through one generator.
+    """
+
+    def __init__(self, members: list[AroundInterceptor]) -> None:
+        self.members = members
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        is_open = is_open_method(method)
+        arounds = [
+            around
+            for member in self.members
+            if not is_open or member.open_methods_too
+            if (around := member.around(method, handler_call_details)) is not None
+        ]
+        if not arounds:
+            return handler
+        if len(arounds) == 1:
+            return wrap_handler(handler, arounds[0])
+
+        @contextlib.asynccontextmanager
+        async def nested(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+            async with contextlib.AsyncExitStack() as stack:
+                for around in arounds:
+                    await stack.enter_async_context(around(request, context))
+                yield
+
+        return wrap_handler(handler, nested)
 
 
 class ErrorInterceptor(AroundInterceptor):

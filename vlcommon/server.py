@@ -29,7 +29,12 @@ from vlcommon import telemetry
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import AuthInterceptor, auth_settings
 from vlcommon.errors import ConfigError, ServiceError, abort, invalid_argument
-from vlcommon.interceptors import ErrorInterceptor, ReadinessInterceptor
+from vlcommon.interceptors import (
+    AroundChain,
+    AroundInterceptor,
+    ErrorInterceptor,
+    ReadinessInterceptor,
+)
 from vlcommon.metrics import MetricsInterceptor
 from vlcommon.settings import ServerSettings, server_options
 from vlcommon.tls import is_loopback
@@ -105,13 +110,15 @@ async def serve(
     if admission is None:
         admission = AdmissionInterceptor(settings.max_concurrent_rpcs, settings.retry_after_ms)
     readiness = ReadinessInterceptor(service_name)
-    interceptors = [*telemetry.server_interceptors(), MetricsInterceptor(service_name)]
+    chain: list[AroundInterceptor] = [MetricsInterceptor(service_name)]
     if bearer_tokens or internal_token:
         # Before admission: a caller without credentials never takes a slot.
-        interceptors.append(AuthInterceptor(bearer_tokens, internal_token))
+        chain.append(AuthInterceptor(bearer_tokens, internal_token))
     # A call to a service still loading its engine is refused before it takes a slot; the
     # error mapping sits innermost, next to the handlers (they raise ServiceError).
-    interceptors += [readiness, admission, ErrorInterceptor()]
+    chain += [readiness, admission, ErrorInterceptor()]
+    # One interceptor for the project's own: one generator per streamed message, not five.
+    interceptors = [*telemetry.server_interceptors(), AroundChain(chain)]
     credentials = tls_server_credentials(settings)
     if not public and not internal_token and not settings.tls_client_ca_file:
         if not is_loopback(settings.host):
