@@ -127,6 +127,7 @@ async def main_async(settings: GatewaySettings) -> None:
             settings.host,
             settings.http_port,
             (settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file),
+            reuse_port=settings.reuse_port,
         )
 
     async def startup() -> None:
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
             "model",
             "host",
             "port",
+            "instance_port",
+            "reuse_port",
             "metrics_port",
             "encoder_address",
             "cache_address",

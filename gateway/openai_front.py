@@ -58,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -364,9 +365,18 @@ class HttpFront:
         host: Address to bind.
         port: TCP port (0 picks one; :attr:`port` is the bound one after :meth:`start`).
         ssl_files: ``(cert, key, client_ca)`` paths; an empty cert = plaintext.
+        reuse_port: Bind with ``SO_REUSEPORT``, so that several gateway processes share
+            the port (uvicorn has no such option: the socket is made here and handed over).
     """
 
-    def __init__(self, app: FastAPI, host: str, port: int, ssl_files: tuple[str, str, str]):
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        ssl_files: tuple[str, str, str],
+        reuse_port: bool = False,
+    ):
         import uvicorn
 
         cert, key, ca = ssl_files
@@ -392,11 +402,13 @@ class HttpFront:
 
         self.server = _Server(config)
         self.port = port
+        self.reuse_port = reuse_port
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Bind and serve; returns once it listens (raises if binding failed)."""
-        self._task = asyncio.ensure_future(self.server.serve())
+        sockets = [self._shared_socket()] if self.reuse_port else None
+        self._task = asyncio.ensure_future(self.server.serve(sockets=sockets))
         while not self.server.started:
             if self._task.done():
                 self._task.result()
@@ -406,6 +418,24 @@ class HttpFront:
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
         log.info("OpenAI-compatible front on http://%s:%d/v1", self.server.config.host, self.port)
+
+    def _shared_socket(self) -> socket.socket:
+        """A listening socket on the front's address with ``SO_REUSEPORT`` set."""
+        config = self.server.config
+        family, kind, proto, _, address = socket.getaddrinfo(
+            config.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind(address)
+            sock.listen(config.backlog)
+        except OSError:
+            sock.close()
+            raise
+        sock.set_inheritable(True)
+        return sock
 
     async def stop(self) -> None:
         """Stop serving: open streams get up to 10 s (``timeout_graceful_shutdown``)."""

@@ -2,12 +2,12 @@
 
 splitvl make-tiny-model DIR [--like M]   a random-weight Qwen3-VL checkpoint (tiny, or M's config)
 splitvl up [--model PATH_OR_HUB_ID] [--decoder-arg=ARG ...]
-           [--replicas decoder=2,cache=2,encoder=2 --store redis|URL]
+           [--replicas gateway=2,decoder=2,cache=2,encoder=2 --store redis|URL]
                                       run the four services on loopback until SIGINT/SIGTERM
 splitvl generate --image FILE|URL... --video FILE|URL... --prompt TEXT [--json]   stream an answer
 splitvl demo [--json]                 start the services, ask about real photos and a video, stop
 splitvl bench [--quick] [--json]      splitvl against vLLM alone: TTFT, ITL, throughput
-                          (--photos, --video, --wide-only, --openai, --scale: other scenarios)
+                          (--photos, --video, --wide-only, --openai, --scale, --front-cpu: others)
 splitvl cache-bench [--sizes N,...] [--json]   similarity index latency/memory/recall by size
 splitvl cache-eval [--quick] [--json]   similarity threshold: false hits and recall by threshold
 splitvl load [--concurrency N --duration S --json]   concurrent streams; statuses, latency
@@ -91,7 +91,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         http = cluster.ports.http
         openai = f", OpenAI-compatible http://127.0.0.1:{http}/v1" if http else ""
         print(
-            f"splitvl is SERVING: gateway {cluster.ports.address('gateway')}{openai} "
+            f"splitvl is SERVING: gateway {cluster.ports.gateway_address()}{openai} "
             f"(logs in {cluster.log_dir}); Ctrl-C stops it",
             flush=True,
         )
@@ -385,8 +385,9 @@ def add_replica_flags(p: argparse.ArgumentParser) -> None:
         "--replicas",
         type=parse_replicas,
         metavar="SERVICE=N[,...]",
-        help="run N replicas of the encoder, cache or decoder, e.g. decoder=2,cache=2,encoder=2 "
-        "(ports and logs: the layout up prints, docs/usage.md); 2+ caches need --store",
+        help="run N replicas of a service, e.g. decoder=2,cache=2,encoder=2 (ports and logs: "
+        "the layout up prints, docs/usage.md); 2+ caches need --store; gateway=N runs N "
+        "gateway processes on the one --base-port and --http-port (SO_REUSEPORT)",
     )
     p.add_argument(
         "--store",

@@ -194,6 +194,10 @@ class Cluster:
             metrics,
         ]
         if service == "gateway":
+            if self.ports.public:  # replicas: all on the shared port, each on its own too
+                shared = ["--port", str(self.ports.public), "--instance-port", port]
+                base[base.index("--port") : base.index("--port") + 2] = shared
+                base += ["--reuse-port", "true"]
             return [
                 *base,
                 "--model",
@@ -454,9 +458,7 @@ class Cluster:
         """A ``grpc.aio`` channel to this cluster's gateway, with its TLS and token
         settings (:meth:`security`) and the shared channel options (message limits,
         keepalive); for the benchmarks' clients. Use it as ``async with``."""
-        return aio_channel(
-            self.ports.address("gateway"), self.security(), options=channel_options()
-        )
+        return aio_channel(self.ports.gateway_address(), self.security(), options=channel_options())
 
     def log_path(self, name: str) -> Path:
         """The log file of one service."""

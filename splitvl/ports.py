@@ -5,9 +5,13 @@ before anything starts (:func:`check_ports`).
 The layout (``splitvl up`` prints it, docs/usage.md states it): the gateway on the base
 port, the encoder, cache and decoder on the next three; with ``--replicas``, replica r
 (1-based) of a service listens :data:`PORT_STRIDE` x (r - 1) above replica 1, so replica 2
-of the decoder is base + 13, replica 3 base + 23. Metrics ports follow the same layout
-from the metrics base port. A service run once is named as before (``decoder``, its log
-``decoder.log``); a replicated one's instances are ``decoder-1``, ``decoder-2``, ...
+of the decoder is base + 13, replica 3 base + 23. Gateway replicas all take calls on the
+base port (``SO_REUSEPORT``: the kernel spreads connections over them) and the HTTP port,
+and each also listens on a port of its own, :data:`GATEWAY_INSTANCE_OFFSET` +
+:data:`PORT_STRIDE` x (r - 1) above the base (base + 4, base + 14, ...), for its health
+probe. Metrics ports follow the same layout from the metrics base port. A service run
+once is named as before (``decoder``, its log ``decoder.log``); a replicated one's
+instances are ``decoder-1``, ``decoder-2``, ...
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ PACKAGES = {
     "cache": "cache_service",
     "decoder": "decoder_service",
 }
-#: The services ``--replicas`` may run more than once: one gateway owns the base port.
+#: The services behind the gateway that ``--replicas`` may run more than once.
 REPLICATED = ("encoder", "cache", "decoder")
+#: Where a gateway replica's own port lies in its row of the layout (offsets 0-3 are the
+#: four services').
+GATEWAY_INSTANCE_OFFSET = 4
 #: Ports between one replica of a service and the next: room for the four services'
 #: offsets (0-3), and round numbers a reader can add in their head.
 PORT_STRIDE = 10
@@ -121,6 +128,9 @@ class Ports:
     grpc: dict[str, int]
     metrics: dict[str, int]
     http: int = 0
+    #: The gRPC port the gateway replicas share (0: the gateway runs once, on its own
+    #: ``grpc["gateway"]``).
+    public: int = 0
 
     @classmethod
     def from_base(
@@ -140,12 +150,14 @@ class Ports:
         """
         grpc: dict[str, int] = {}
         metrics: dict[str, int] = {}
+        gateways = (replicas or {}).get("gateway", 1)
         for i, service in enumerate(SERVICES):
             count = (replicas or {}).get(service, 1)
             for r in range(1, count + 1):
                 name = instance_name(service, r, count)
                 offset = i + PORT_STRIDE * (r - 1)
-                grpc[name] = base + offset
+                shared = service == "gateway" and gateways > 1
+                grpc[name] = base + offset + (GATEWAY_INSTANCE_OFFSET if shared else 0)
                 metrics[name] = metrics_base + offset if metrics_base else 0
                 top = max(grpc[name], metrics[name])
                 if top > 65535:
@@ -153,18 +165,24 @@ class Ports:
                         f"{name} would listen on port {top}, past 65535: lower --base-port "
                         "or --metrics-base-port, or run fewer replicas"
                     )
-        return cls(grpc=grpc, metrics=metrics, http=http)
+        return cls(grpc=grpc, metrics=metrics, http=http, public=base if gateways > 1 else 0)
 
     @classmethod
     def free(cls, replicas: Mapping[str, int] | None = None) -> Ports:
         """Free ports for every instance (``replicas`` as in :meth:`from_base`)."""
         names = list(cls.from_base(1, 0, replicas=replicas).grpc)
-        ports = free_ports(2 * len(names) + 1)
+        ports = free_ports(2 * len(names) + 2)
         return cls(
             grpc=dict(zip(names, ports[: len(names)], strict=True)),
             metrics=dict(zip(names, ports[len(names) : 2 * len(names)], strict=True)),
-            http=ports[-1],
+            http=ports[-2],
+            public=ports[-1] if (replicas or {}).get("gateway", 1) > 1 else 0,
         )
+
+    def gateway_address(self) -> str:
+        """``127.0.0.1:PORT`` where clients reach the gateway: the port its replicas share,
+        or the one gateway's."""
+        return f"127.0.0.1:{self.public or self.grpc['gateway']}"
 
     def address(self, name: str) -> str:
         """``127.0.0.1:PORT`` of one instance (``decoder`` or ``decoder-2``)."""
@@ -186,6 +204,8 @@ class Ports:
     def bindings(self) -> list[tuple[int, str, str]]:
         """Every port the cluster binds: ``(port, what, the flag that moves it)``."""
         out = [(p, f"{n} gRPC", "--base-port") for n, p in self.grpc.items()]
+        if self.public:
+            out.insert(0, (self.public, "the gateways' shared gRPC", "--base-port"))
         out += [(p, f"{n} metrics", "--metrics-base-port") for n, p in self.metrics.items() if p]
         if self.http:
             out.append((self.http, "gateway OpenAI-compatible HTTP", "--http-port"))

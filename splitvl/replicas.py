@@ -1,10 +1,14 @@
 """``splitvl up --replicas decoder=2,cache=2,encoder=2 [--store redis | redis://...]``.
 
-Several replicas of the encoder, cache and decoder on one host behind one gateway:
+Several replicas of the gateway, encoder, cache and decoder on one host:
 
 * ports and logs follow the layout of :mod:`splitvl.ports` (replica r of a service:
   :data:`~splitvl.ports.PORT_STRIDE` x (r - 1) above replica 1; logs ``decoder-1.log``,
   ``decoder-2.log``), which :func:`layout_lines` prints at start;
+* the gateway replicas share the base port and the HTTP port (``SO_REUSEPORT``), each
+  with a port of its own for its health probe (:mod:`splitvl.ports`); every one builds
+  the same affinity rings, so an image's calls go to the same decoder and cache whichever
+  gateway takes them;
 * the gateway gets each replicated service as grpc's address list
   (``--decoder-address ipv4:127.0.0.1:P1,127.0.0.1:P2``, :meth:`Ports.target`);
 * the cache replicas share a store (``CACHE_STORE``): two caches with their own in-process
@@ -37,8 +41,8 @@ def parse_replicas(text: str) -> dict[str, int]:
     """``--replicas``: ``decoder=2,cache=2,encoder=2`` -> ``{"decoder": 2, ...}``.
 
     Raises:
-        argparse.ArgumentTypeError: an unknown or repeated service, the gateway, or a
-            count that is not an integer >= 1.
+        argparse.ArgumentTypeError: an unknown or repeated service, or a count that is
+            not an integer >= 1.
     """
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -46,13 +50,9 @@ def parse_replicas(text: str) -> dict[str, int]:
         name = name.strip()
         if not sep:
             raise argparse.ArgumentTypeError(f"{item!r} is not SERVICE=COUNT")
-        if name == "gateway":
+        if name not in SERVICES:
             raise argparse.ArgumentTypeError(
-                "the gateway runs once, on --base-port (encoder, cache and decoder take replicas)"
-            )
-        if name not in REPLICATED:
-            raise argparse.ArgumentTypeError(
-                f"{name!r} is not a service that takes replicas ({', '.join(REPLICATED)})"
+                f"{name!r} is not a service that takes replicas ({', '.join(SERVICES)})"
             )
         if name in out:
             raise argparse.ArgumentTypeError(f"{name} is given twice")
@@ -222,6 +222,8 @@ def layout_lines(
     if server is not None:
         log = server.log_path
         rows.append(("redis", "1", str(server.port), "-", str(_relative(log, log_dir))))
+    if ports.public:
+        rows.insert(1, ("gateway", "all", str(ports.public), "-", "(shared, SO_REUSEPORT)"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"layout (all on 127.0.0.1; logs in {log_dir}):"]
     lines += [

@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 import redis
@@ -101,14 +102,78 @@ def test_the_gateway_gets_each_replicated_service_as_an_ipv4_address_list() -> N
     assert decoder2[decoder2.index("--port") + 1] == "50064"
 
 
+def test_gateway_replicas_share_the_base_and_http_ports_each_with_a_port_of_its_own() -> None:
+    ports = Ports.from_base(50051, 9401, 8000, {"gateway": 2, "decoder": 2})
+    assert ports.public == 50051 and ports.gateway_address() == "127.0.0.1:50051"
+    assert {n: p for n, p in ports.grpc.items() if n.startswith("gateway")} == {
+        "gateway-1": 50055,
+        "gateway-2": 50065,
+    }
+    assert ports.metrics["gateway-1"] == 9401 and ports.metrics["gateway-2"] == 9411
+    # The shared port is checked once, before the instances' own.
+    assert ports.bindings()[:3] == [
+        (50051, "the gateways' shared gRPC", "--base-port"),
+        (50055, "gateway-1 gRPC", "--base-port"),
+        (50065, "gateway-2 gRPC", "--base-port"),
+    ]
+    cluster = Cluster(model="/nonexistent", ports=ports, log_dir=Path("/nonexistent"))
+    for name, own in (("gateway-1", "50055"), ("gateway-2", "50065")):
+        command = cluster._command(name)
+        flags = dict(zip(command[3::2], command[4::2], strict=False))
+        assert flags["--port"] == "50051" and flags["--instance-port"] == own, command
+        assert flags["--reuse-port"] == "true" and flags["--http-port"] == "8000", command
+    # One gateway: its own port is the public one, bound without sharing.
+    one = Ports.from_base(50051, 9401, 8000, {"decoder": 2})
+    assert one.public == 0 and one.gateway_address() == "127.0.0.1:50051"
+    command = Cluster(model="/x", ports=one, log_dir=Path("/x"))._command("gateway")
+    assert "--instance-port" not in command and "--reuse-port" not in command
+    free = Ports.free({"gateway": 2})
+    assert free.public and free.public not in (*free.grpc.values(), *free.metrics.values())
+    lines = layout_lines(ports, Path("/logs"))
+    assert lines[2:4] == [
+        "  gateway  all      50051  -        (shared, SO_REUSEPORT)",
+        "  gateway  1        50055  9401     gateway-1.log",
+    ]
+
+
+def test_a_second_server_on_a_port_in_use_fails_unless_both_share_it() -> None:
+    """grpc binds with SO_REUSEPORT by default, so a second server on a taken port would
+    silently split its calls with the first; here only ``reuse_port`` shares a port."""
+    import asyncio
+
+    import grpc
+
+    from vlcommon.errors import ConfigError
+    from vlcommon.server import _bind
+    from vlcommon.settings import ServerSettings, server_options
+
+    async def bind_twice(share: bool) -> list[int | str]:
+        settings = ServerSettings(reuse_port=share)
+        out: list[int | str] = []
+        servers = [grpc.aio.server(options=server_options(settings)) for _ in range(2)]
+        try:
+            port = _bind(servers[0], "127.0.0.1", 0, None)
+            out.append(port)
+            await servers[0].start()
+            try:
+                out.append(_bind(servers[1], "127.0.0.1", port, None))
+            except ConfigError as err:
+                out.append(str(err).split(":")[0] + ":" + str(err).split(":")[1])
+        finally:
+            for server in servers:
+                await server.stop(0)
+        return out
+
+    shared = asyncio.run(bind_twice(True))
+    assert shared[0] == shared[1]
+    apart = asyncio.run(bind_twice(False))
+    assert apart[1] == f"cannot listen on 127.0.0.1:{apart[0]}"
+
+
 @pytest.mark.parametrize(
     ("text", "error"),
     [
-        (
-            "gateway=2",
-            "the gateway runs once, on --base-port (encoder, cache and decoder take replicas)",
-        ),
-        ("vit=2", "'vit' is not a service that takes replicas (encoder, cache, decoder)"),
+        ("vit=2", "'vit' is not a service that takes replicas (gateway, encoder, cache, decoder)"),
         ("decoder=2,decoder=3", "decoder is given twice"),
         ("decoder=0", "decoder=0: at least 1"),
         ("decoder=two", "decoder=two: not an integer"),
@@ -116,10 +181,11 @@ def test_the_gateway_gets_each_replicated_service_as_an_ipv4_address_list() -> N
     ],
 )
 def test_replicas_flag_errors_name_what_is_wrong(text: str, error: str) -> None:
-    assert parse_replicas(" decoder=2 , cache=2,encoder=1 ") == {
+    assert parse_replicas(" decoder=2 , cache=2,encoder=1,gateway=3 ") == {
         "decoder": 2,
         "cache": 2,
         "encoder": 1,
+        "gateway": 3,
     }
     with pytest.raises(argparse.ArgumentTypeError) as err:
         parse_replicas(text)
@@ -569,7 +635,11 @@ def _metric_sum(port: int, name: str) -> float:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " "))
+    return sum(
+        float(ln.split()[-1])
+        for ln in text.splitlines()
+        if ln.startswith(name + " ") or ("{" not in name and ln.startswith(name + "{"))
+    )
 
 
 def _flag(proc: psutil.Process, flag: str) -> str:
@@ -577,20 +647,27 @@ def _flag(proc: psutil.Process, flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-def _second_gateway(first: psutil.Process, log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """Another gateway over the same encoders, caches and decoders (its own ports)."""
-    port, metrics_port = free_port(), free_port()
-    argv = first.cmdline()
-    for flag, value in (("--port", port), ("--metrics-port", metrics_port), ("--http-port", 0)):
-        argv[argv.index(flag) + 1] = str(value)
-    proc = subprocess.Popen(
-        argv, env=first.environ(), stdout=log.open("wb"), stderr=subprocess.STDOUT
-    )
-    deadline = time.monotonic() + 300
-    while health_status(f"127.0.0.1:{port}") != "SERVING":
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
-    return proc, port
+def _calls_per_gateway(address: str, metrics_ports: list[int], n: int) -> list[float]:
+    """``n`` text requests to ``address``, each on a connection of its own (as ``n``
+    clients would; grpc shares one connection between the channels of a process unless
+    each has its own subchannel pool): how many Generate calls each gateway process
+    answered OK."""
+    from qwenvl.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+
+    from splitvl.client import build_request, consume
+
+    def answered() -> list[float]:
+        name = 'splitvl_gateway_requests_total{code="OK",method="Generate"}'
+        return [_metric_sum(p, name) for p in metrics_ports]
+
+    before = answered()
+    for i in range(n):
+        request = build_request([], f"Count {i}.", max_tokens=2, ignore_eos=True)
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        with grpc.insecure_channel(address, options=options) as channel:
+            call = pb_grpc.GatewayServiceStub(channel).Generate(request, timeout=120)
+            assert len(consume(call, None).token_ids) == 2
+    return [a - b for a, b in zip(answered(), before, strict=True)]
 
 
 def _same_images_through_two_gateways(gateways: list[str], encoders: list[psutil.Process]) -> None:
@@ -621,27 +698,26 @@ def _same_images_through_two_gateways(gateways: list[str], encoders: list[psutil
 
 
 @pytest.mark.e2e
-def test_up_with_two_decoders_and_two_caches_on_redis_serves_and_stops_everything(
+def test_up_with_two_of_everything_and_caches_on_redis_serves_and_stops_everything(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     from splitvl.client import build_request, generate
     from tests.conftest import photo
 
-    base, log_dir = free_base(50), tmp_path / "logs"
+    base, log_dir, http = free_base(50), tmp_path / "logs", free_port()
     # A loaded 2-core host must not turn a slow Lookup into a second encode.
     waits = {"GATEWAY_CACHE_TIMEOUT_S": "30", "GATEWAY_CACHE_CLAIM_WAIT_S": "60"}
     os.environ.update(waits, CACHE_CLAIM_TTL_S="60")
     try:
         proc, out = _up_until_serving(
-            ["--model", str(tiny_model), "--replicas", "decoder=2,cache=2,encoder=2"]
+            ["--model", str(tiny_model), "--replicas", "gateway=2,decoder=2,cache=2,encoder=2"]
             + ["--store", "redis", "--base-port", str(base)]
-            + ["--metrics-base-port", str(base + 20), "--http-port", "0"]
+            + ["--metrics-base-port", str(base + 30), "--http-port", str(http)]
             + ["--log-dir", str(log_dir)]
         )
     finally:
         for name in (*waits, "CACHE_CLAIM_TTL_S"):
             del os.environ[name]
-    second = None
     try:
         assert "is SERVING" in out, out
         rows = {
@@ -650,8 +726,10 @@ def test_up_with_two_decoders_and_two_caches_on_redis_serves_and_stops_everythin
             if (m := LAYOUT_ROW.match(ln))
         }
         redis_port = rows.pop(("redis", 1))[0]
+        assert f"  gateway  all      {base}  -        (shared, SO_REUSEPORT)" in out, out
         assert rows == {
-            ("gateway", 1): (base, "gateway.log"),
+            ("gateway", 1): (base + 4, "gateway-1.log"),
+            ("gateway", 2): (base + 14, "gateway-2.log"),
             ("encoder", 1): (base + 1, "encoder-1.log"),
             ("encoder", 2): (base + 11, "encoder-2.log"),
             ("cache", 1): (base + 2, "cache-1.log"),
@@ -684,21 +762,49 @@ def test_up_with_two_decoders_and_two_caches_on_redis_serves_and_stops_everythin
         for image in ("astronaut.png", "coffee.png"):
             request = build_request([photo(image)], "Describe.", max_tokens=4, ignore_eos=True)
             assert len(generate(f"127.0.0.1:{base}", request, timeout_s=120).token_ids) == 4
-        (gateway,) = [p for p in tree if "gateway" in p.cmdline()]
-        second, port = _second_gateway(gateway, log_dir / "gateway-2.log")
         encoders = [p for p in tree if "encoder_service" in p.cmdline()]
-        _same_images_through_two_gateways([f"127.0.0.1:{base}", f"127.0.0.1:{port}"], encoders)
+        # Each gateway through its own port: the claims hold across gateways.
+        own = [f"127.0.0.1:{base + 4}", f"127.0.0.1:{base + 14}"]
+        _same_images_through_two_gateways(own, encoders)
+        # The shared ports: both gateways listen on the gRPC and the HTTP one ...
+        gateways = sorted(
+            (p for p in tree if "gateway" in p.cmdline()),
+            key=lambda p: int(_flag(p, "--metrics-port")),
+        )
+        assert len(gateways) == 2
+        for port in (base, http):
+            listeners = {
+                c.pid
+                for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+            }
+            assert listeners == {p.pid for p in gateways}, port
+        # ... and the kernel hands new connections to both.
+        metrics = [base + 30, base + 40]
+        assert [int(_flag(p, "--metrics-port")) for p in gateways] == metrics
+        counts = _calls_per_gateway(f"127.0.0.1:{base}", metrics, 16)
+        assert sum(counts) == 16 and min(counts) >= 1, counts
+        # A gateway killed: the other takes every call on the shared port, and `up`
+        # restarts the killed one, which takes calls again.
+        gateways[0].kill()
+        gateways[0].wait(timeout=10)
+        assert _calls_per_gateway(f"127.0.0.1:{base}", metrics[1:], 6) == [6]
+        deadline = time.monotonic() + 300
+        while health_status(own[0]) != "SERVING":
+            assert time.monotonic() < deadline, "gateway-1 was not restarted"
+            time.sleep(0.5)
+        counts = _calls_per_gateway(f"127.0.0.1:{base}", metrics, 16)
+        assert sum(counts) == 16 and min(counts) >= 1, counts
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
     finally:
-        if second is not None:
-            second.kill()
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, rest
+    assert "gateway-1 exited with code -9; restarting it" in rest, rest
     assert (
-        "stopped: {'gateway': 0, 'decoder-1': 0, 'decoder-2': 0, 'encoder-1': 0, "
-        "'encoder-2': 0, 'cache-1': 0, 'cache-2': 0, 'redis': 0}" in rest
+        "stopped: {'gateway-1': 0, 'gateway-2': 0, 'decoder-1': 0, 'decoder-2': 0, "
+        "'encoder-1': 0, 'encoder-2': 0, 'cache-1': 0, 'cache-2': 0, 'redis': 0}" in rest
     ), rest
     left = {pid: cmd for pid, cmd in commands.items() if _alive(pid)}
     assert left == {}  # the services, vLLM's processes, the redis-server

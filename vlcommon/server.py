@@ -143,11 +143,9 @@ async def serve(
     reflection.enable_server_reflection(
         [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    address = f"{settings.host}:{settings.port}"
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, credentials)
+    port = _bind(server, settings.host, settings.port, credentials)
+    if settings.instance_port:
+        _bind(server, settings.host, settings.instance_port, credentials)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -196,6 +194,27 @@ async def serve(
         finally:
             telemetry.shutdown_tracing()
             log.info("%s stopped", service_name)
+
+
+def _bind(
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None,
+) -> int:
+    """Add a listening port; returns the bound one (``port`` 0 picks one).
+
+    Raises:
+        ConfigError: the port cannot be bound (in use by a process that does not share it,
+            or not this host's address).
+    """
+    address = f"{host}:{port}"
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as err:  # grpc: "Failed to bind to address ..."
+        raise ConfigError(f"cannot listen on {address}: {err}") from None
 
 
 def freeze_startup_heap(service_name: str) -> int:

@@ -23,6 +23,21 @@ class ServerSettings(BaseSettings):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus /metrics HTTP port; 0 disables it."
     )
+    # Several processes on one port (splitvl up --replicas gateway=N): the kernel spreads
+    # new connections over them. Off, a second process on a port in use fails to start
+    # instead of silently sharing it (grpc's own default is on).
+    reuse_port: bool = Field(
+        False,
+        description="Bind the port with SO_REUSEPORT, so that several processes share it "
+        "(the HTTP front's port too).",
+    )
+    instance_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="A second gRPC port of this process alone, beside a shared --port: "
+        "health probes and calls that must reach this very process; 0 = none.",
+    )
     # One Qwen3-VL-2B image of 1,024 tokens is 16 MiB of bf16 embeddings (FACTS.md), far
     # over gRPC's 4 MiB default; 256 MiB admits a request with several large images.
     max_message_bytes: int = Field(256 * MiB, ge=4 * MiB, description="Max gRPC message, bytes.")
@@ -117,6 +132,7 @@ def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
         # Clients ping at keepalive_time_s; allow that rate instead of GOAWAY(too_many_pings).
         ("grpc.http2.min_ping_interval_without_data_ms", int(settings.keepalive_time_s * 500)),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 1 if settings.reuse_port else 0),
     ]
     if settings.max_connection_age_s > 0:
         options += [
