@@ -25,6 +25,7 @@ from opentelemetry import trace
 
 from encoder_service import metrics
 from encoder_service.engine import Preprocessed
+from vlcommon.cpus import name_this_thread
 from vlcommon.errors import ServiceError, resource_exhausted
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,14 @@ class Batcher:
         # An image too big to join the last batch; it leads the next one.
         self._carry: _Item | None = None
         self._inflight: dict[str, _Item] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vit")
+        # The OS name (and so torch's OpenMP threads, started from it) says "ViT":
+        # ``splitvl bench --front-cpu`` counts these threads as the encoder's engine.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="vit",
+            initializer=name_this_thread,
+            initargs=("splitvl-vit",),
+        )
         self._task: asyncio.Task[None] | None = None
         self._batches = 0
         self._batch_sizes: dict[int, int] = {}

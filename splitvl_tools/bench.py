@@ -884,6 +884,10 @@ def main(args: argparse.Namespace) -> int:
         from splitvl_tools.openai_bench import run
 
         return run(args)
+    if args.front_cpu:
+        from splitvl_tools.front_cpu import run as run_front_cpu
+
+        return run_front_cpu(args)
     if args.scale:
         from splitvl_tools.scale_bench import run as run_scale
 
@@ -1230,7 +1234,29 @@ def add_parser(sub: Any) -> None:
         default=3,
         help="with --scale: runs of each routing (alternating) and of each cache set-up",
     )
+    instead.add_argument(
+        "--front-cpu",
+        action="store_true",
+        help="instead: CPU ms per request (miss, exact hit, text) and µs per streamed token "
+        "of the processes around the engine, splitvl's gRPC and OpenAI fronts against `vllm "
+        "serve`'s API server (splitvl_tools/front_cpu.py; --requests, default 32)",
+    )
     p.add_argument(
-        "--rounds", type=positive_int, default=2, help="with --openai: vllm/splitvl alternations"
+        "--front-cpu-concurrency",
+        type=positive_int,
+        default=8,
+        help="with --front-cpu: requests in flight",
+    )
+    p.add_argument(
+        "--front-cpu-long",
+        type=positive_int,
+        default=256,
+        help="with --front-cpu: output tokens of the per-token runs (against --max-tokens)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=2,
+        help="with --openai or --front-cpu: vllm/splitvl alternations",
     )
     p.set_defaults(func=main)

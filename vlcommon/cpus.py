@@ -56,3 +56,23 @@ def split_cpus(available: list[int]) -> tuple[list[int], list[int]] | None:
 
 def available_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
+
+
+def name_this_thread(name: str) -> None:
+    """Set the calling thread's OS name (Linux ``prctl(PR_SET_NAME)``, 15 bytes at most;
+    elsewhere nothing): ``top -H``, py-spy and ``/proc/<pid>/task/<tid>/comm`` show it, and
+    threads the thread starts inherit it (torch's OpenMP pool started from the encoder's
+    ViT thread is named ``splitvl-vit`` too, which is how ``splitvl bench --front-cpu``
+    tells the ViT's CPU from the encoder front's). Python 3.11 names no OS thread itself.
+    """
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # pragma: no cover - no libc: keep the default name
+        pass
