@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from splitvl.argtypes import non_negative_int, positive_float, positive_int
+from splitvl_tools.cluster import machine
 from splitvl_tools.workload import ImageFactory, Request, make_workload
 
 SCENARIOS = ("repeat0", "repeat50", "repeat0_conc1", "repeat50_conc1", "repeat100")
@@ -1064,20 +1065,6 @@ def wide_main(args: argparse.Namespace, log: Any) -> int:
         print_wide(wide, sys.stdout)
         print(f"raw: {out_dir / 'bench-wide.json'}; {result['seconds']:.0f} s")
     return 0
-
-
-def machine() -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    return {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.is_available(),
-    }
 
 
 def block_size(text: str) -> int:

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from splitvl.home import default_model
 from splitvl.launcher import Cluster, Ports
@@ -114,3 +115,18 @@ def bench_model() -> Path:
         print(f"building the bench checkpoint in {path} ...", file=sys.stderr)
         make_tiny_model(path, bench=True)
     return path
+
+
+def machine() -> dict[str, Any]:
+    """What a benchmark's JSON records of the host: cores, platform, Python, torch, CUDA."""
+    import platform
+
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+    }

@@ -88,21 +88,21 @@ def _engine_threads(pid: int) -> float:
     return total
 
 
-def cpu_by_part(roots: dict[str, int]) -> dict[str, float]:
-    """CPU seconds so far of each process tree, split into front and engine.
+def cpu_by_process(roots: dict[str, int]) -> dict[tuple[str, int, str], float]:
+    """CPU seconds so far of every process of each tree, split into front and engine.
 
     Args:
         roots: ``{name: pid}`` of the trees' root processes.
 
     Returns:
-        ``{"<name>": front seconds, "<name>/engine": engine seconds}``: a child process
-        named ``VLLM::*`` and a live thread named ``splitvl-vit*`` are engine, the rest
-        front. A process's own total (``/proc/<pid>/stat``) includes its threads that
-        have ended, which count as front: the split can only overstate the front.
+        ``{(name, pid, "front" | "engine"): seconds}``: a child process named ``VLLM::*``
+        and a live thread named ``splitvl-vit*`` are engine, the rest front. A process's
+        own total (``/proc/<pid>/stat``) includes its threads that have ended, which count
+        as front: the split can only overstate the front.
     """
     import psutil
 
-    out: dict[str, float] = {}
+    out: dict[tuple[str, int, str], float] = {}
     for name, pid in roots.items():
         try:
             root = psutil.Process(pid)
@@ -115,9 +115,30 @@ def cpu_by_part(roots: dict[str, int]) -> dict[str, float]:
             except OSError:
                 continue
             engine = seconds if comm.startswith(ENGINE_PROCESS_PREFIX) else _engine_threads(p)
-            out[f"{name}/engine"] = out.get(f"{name}/engine", 0.0) + engine
-            out[name] = out.get(name, 0.0) + seconds - engine
+            out[(name, p, "engine")] = engine
+            out[(name, p, "front")] = seconds - engine
     return out
+
+
+def cpu_delta(
+    before: dict[tuple[str, int, str], float], after: dict[tuple[str, int, str], float]
+) -> tuple[dict[str, float], int]:
+    """Per tree, front and engine CPU seconds between two :func:`cpu_by_process` reads
+    (``{"<name>": front, "<name>/engine": engine}``), and how many processes ended in
+    between (their CPU of the run is unknown and left out; a process born in between
+    counts whole)."""
+    out: dict[str, float] = {}
+    for (name, _pid, part), seconds in after.items():
+        key = f"{name}/engine" if part == "engine" else name
+        out[key] = out.get(key, 0.0) + seconds - before.get((name, _pid, part), 0.0)
+    gone = {(n, p) for n, p, _ in before} - {(n, p) for n, p, _ in after}
+    return out, len(gone)
+
+
+def cpu_by_part(roots: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each tree: ``{"<name>": front, "<name>/engine": engine}``
+    (:func:`cpu_by_process`, summed per tree)."""
+    return cpu_delta({}, cpu_by_process(roots))[0]
 
 
 def front_of(system: str, cpu: dict[str, float]) -> float:
@@ -306,10 +327,9 @@ def run(args: argparse.Namespace) -> int:
                                 srv["vllm_roots"] if system == "vllm_serve" else srv["split_roots"]
                             )
                             await asyncio.sleep(1.5)  # vLLM's busy-poll after a run ends
-                            before = cpu_by_part(roots)
+                            before = cpu_by_process(roots)
                             elapsed = await run_requests(calls(system, scenario, r), conc)
-                            after = cpu_by_part(roots)
-                            cpu = {k: after[k] - before.get(k, 0.0) for k in after}
+                            cpu, gone = cpu_delta(before, cpu_by_process(roots))
                             rows.append(
                                 {
                                     "round": r,
@@ -318,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
                                     "requests": n,
                                     "elapsed_s": elapsed,
                                     "cpu_s": cpu,
+                                    "processes_gone": gone,
                                 }
                             )
                             say(
@@ -338,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "image_side": args.image_side,
     }
-    from splitvl_tools.bench import machine
+    from splitvl_tools.cluster import machine
 
     report["machine"] = machine()
     out_dir = Path(args.out)

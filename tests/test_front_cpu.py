@@ -83,6 +83,17 @@ def test_vllm_children_and_vit_threads_count_as_engine_the_rest_as_front() -> No
     assert set(cpu) == {"svc", "svc/engine"}
 
 
+def test_a_run_counts_each_process_from_its_own_first_read() -> None:
+    """A process that ended during a run drops out (and is counted as gone) instead of
+    taking its whole lifetime's CPU out of the tree's total; one born during it counts
+    whole."""
+    from splitvl_tools.front_cpu import cpu_delta
+
+    before = {("svc", 1, "front"): 10.0, ("svc", 1, "engine"): 0.0, ("svc", 2, "engine"): 50.0}
+    after = {("svc", 1, "front"): 10.5, ("svc", 1, "engine"): 0.0, ("svc", 3, "engine"): 0.25}
+    assert cpu_delta(before, after) == ({"svc": 0.5, "svc/engine": 0.25}, 1)
+
+
 def test_cpu_per_request_and_per_token_are_medians_over_rounds() -> None:
     def row(r: int, scenario: str, system: str, front: float, engine: float) -> dict:
         return {

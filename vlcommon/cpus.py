@@ -66,13 +66,12 @@ def name_this_thread(name: str) -> None:
     tells the ViT's CPU from the encoder front's). Python 3.11 names no OS thread itself.
     """
     import ctypes
-    import ctypes.util
     import sys
 
     if not sys.platform.startswith("linux"):
         return
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc, no ldconfig
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):  # pragma: no cover - no libc: keep the default name
         pass
