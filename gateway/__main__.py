@@ -160,6 +160,7 @@ async def main_async(settings: GatewaySettings) -> None:
         shutdown=shutdown,
         public=True,
         admission=admission,
+        on_drain=http.stop_accepting if http is not None else None,
     )
 
 

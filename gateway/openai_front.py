@@ -80,7 +80,7 @@ from gateway.pipeline import Pipeline
 from gateway.reasoning import ReasoningParser
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import AuthInterceptor
-from vlcommon.errors import ServiceError, invalid_argument
+from vlcommon.errors import ConfigError, ServiceError, invalid_argument
 
 log = logging.getLogger(__name__)
 
@@ -409,11 +409,16 @@ class HttpFront:
         """Bind and serve; returns once it listens (raises if binding failed)."""
         sockets = [self._shared_socket()] if self.reuse_port else None
         self._task = asyncio.ensure_future(self.server.serve(sockets=sockets))
-        while not self.server.started:
-            if self._task.done():
-                self._task.result()
-                raise RuntimeError("the HTTP front stopped before it started")
-            await asyncio.sleep(0.02)
+        try:
+            while not self.server.started:
+                if self._task.done():
+                    self._task.result()
+                    raise RuntimeError("the HTTP front stopped before it started")
+                await asyncio.sleep(0.02)
+        except BaseException:
+            for sock in sockets or ():
+                sock.close()  # uvicorn closes it only once it serves
+            raise
         sockets = [s for srv in self.server.servers for s in srv.sockets]
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
@@ -431,11 +436,16 @@ class HttpFront:
         try:
             sock.bind(address)
             sock.listen(config.backlog)
-        except OSError:
+        except OSError as err:
             sock.close()
-            raise
-        sock.set_inheritable(True)
+            raise ConfigError(f"cannot listen on {config.host}:{self.port}: {err}") from None
         return sock
+
+    def stop_accepting(self) -> None:
+        """Close the listening sockets, keeping the connections open: with a shared port
+        the other processes take every new connection while this one drains."""
+        for server in getattr(self.server, "servers", []):
+            server.close()
 
     async def stop(self) -> None:
         """Stop serving: open streams get up to 10 s (``timeout_graceful_shutdown``)."""

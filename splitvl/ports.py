@@ -185,7 +185,10 @@ class Ports:
         return f"127.0.0.1:{self.public or self.grpc['gateway']}"
 
     def address(self, name: str) -> str:
-        """``127.0.0.1:PORT`` of one instance (``decoder`` or ``decoder-2``)."""
+        """``127.0.0.1:PORT`` of one instance (``decoder`` or ``decoder-2``); ``gateway``
+        with gateway replicas: the port they share (:meth:`gateway_address`)."""
+        if name == "gateway" and self.public:
+            return self.gateway_address()
         return f"127.0.0.1:{self.grpc[name]}"
 
     def instances(self, service: str) -> list[str]:

@@ -170,6 +170,59 @@ def test_a_second_server_on_a_port_in_use_fails_unless_both_share_it() -> None:
     assert apart[1] == f"cannot listen on 127.0.0.1:{apart[0]}"
 
 
+def test_a_shared_port_takes_calls_only_once_its_process_is_serving() -> None:
+    """A gateway replica that is still starting must not join the shared port's group:
+    the kernel would hand it new connections, and they would stay with it. Its own port
+    answers its health probe (NOT_SERVING) meanwhile; the shared one refuses connections
+    until it is SERVING, then both serve."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from vlcommon.server import serve
+    from vlcommon.settings import ServerSettings
+
+    shared, own = free_port(), free_port()
+
+    async def status(port: int) -> str:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                answer = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )
+            except grpc.aio.AioRpcError as err:
+                return err.code().name
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+
+    async def main() -> list[tuple[str, str]]:
+        loaded, stop = asyncio.Event(), asyncio.Event()
+        settings = ServerSettings(port=shared, instance_port=own, reuse_port=True)
+        task = asyncio.ensure_future(
+            serve(
+                service_name="test",
+                service_full_names=[],
+                settings=settings,
+                register=lambda server: None,
+                startup=loaded.wait,
+                stop_event=stop,
+            )
+        )
+        seen = []
+        await asyncio.sleep(1.0)
+        seen.append((await status(own), await status(shared)))
+        loaded.set()
+        for _ in range(50):
+            if (await status(shared)) == "SERVING":
+                break
+            await asyncio.sleep(0.1)
+        seen.append((await status(own), await status(shared)))
+        stop.set()
+        await task
+        return seen
+
+    assert asyncio.run(main()) == [("NOT_SERVING", "UNAVAILABLE"), ("SERVING", "SERVING")]
+
+
 @pytest.mark.parametrize(
     ("text", "error"),
     [

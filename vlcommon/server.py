@@ -82,6 +82,7 @@ async def serve(
     on_started: Callable[[int], None] | None = None,
     public: bool = False,
     admission: AdmissionInterceptor | None = None,
+    on_drain: Callable[[], None] | None = None,
 ) -> None:
     """Run one service until SIGTERM/SIGINT (or ``stop_event``).
 
@@ -99,6 +100,12 @@ async def serve(
             False (encoder, cache, decoder): ``internal_token``, when set, is required.
         admission: Admission control to share with another front (the gateway's HTTP
             one); default: one built from ``max_concurrent_rpcs`` and ``retry_after_ms``.
+        on_drain: Called when the drain begins (the gateway's HTTP front stops accepting
+            connections, so that a shared port's other processes take the new ones).
+
+    With ``settings.reuse_port`` and an ``instance_port``, the shared ``port`` is served by
+    a second grpc server, bound and started once the service is SERVING; the instance
+    port, bound without ``SO_REUSEPORT``, serves from the start.
     """
     # Before anything listens: auth that was asked for but yields no token fails here.
     bearer_tokens, internal_token = auth_settings(settings, public=public)
@@ -128,24 +135,42 @@ async def serve(
                 service_name,
                 settings.host,
             )
-    server = grpc.aio.server(
-        # Tracing first, so the metrics interceptor's time and status sit inside the span.
-        interceptors=interceptors,
-        options=server_options(settings),
-        # Admission control is the interceptor (health exempt, RetryInfo hint); grpc's own
-        # limit sits above it as a backstop with room for probes.
-        maximum_concurrent_rpcs=settings.max_concurrent_rpcs + 64,
-    )
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    # Through the registrar, a request that does not parse gets INVALID_ARGUMENT, not UNKNOWN.
-    register(_Registrar(server))  # type: ignore[arg-type]
-    reflection.enable_server_reflection(
-        [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
-    port = _bind(server, settings.host, settings.port, credentials)
-    if settings.instance_port:
+
+    def new_server(reuse_port: bool) -> grpc.aio.Server:
+        server = grpc.aio.server(
+            # Tracing first, so the metrics interceptor's time and status sit inside the span.
+            interceptors=interceptors,
+            options=server_options(settings, reuse_port=reuse_port),
+            # Admission control is the interceptor (health exempt, RetryInfo hint); grpc's
+            # own limit sits above it as a backstop with room for probes.
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs + 64,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        # Through the registrar, a request that does not parse gets INVALID_ARGUMENT, not
+        # UNKNOWN.
+        register(_Registrar(server))  # type: ignore[arg-type]
+        reflection.enable_server_reflection(
+            [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        return server
+
+    # A port shared with other processes (SO_REUSEPORT) gets its own server, made and
+    # bound only once this process is SERVING: grpc listens on a port as it binds it, the
+    # kernel hands every listener in the group its share of new connections, and a
+    # client's connection stays with the process it reached, so joining while the engine
+    # loads would pin callers to a process that cannot answer them. The instance port
+    # (this process alone, for its health probe) listens from the start.
+    shared = settings.reuse_port and bool(settings.instance_port)
+    server = new_server(reuse_port=settings.reuse_port and not shared)
+    late: grpc.aio.Server | None = None
+    if shared:
+        port = settings.port
         _bind(server, settings.host, settings.instance_port, credentials)
+    else:
+        port = _bind(server, settings.host, settings.port, credentials)
+        if settings.instance_port:
+            _bind(server, settings.host, settings.instance_port, credentials)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -184,9 +209,17 @@ async def serve(
                 freeze_startup_heap(service_name)
             for name in ("", *service_full_names):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            if shared:
+                late = new_server(reuse_port=True)
+                _bind(late, settings.host, settings.port, credentials)
+                await late.start()
+                log.info("%s takes calls on the shared port %d too", service_name, port)
             log.info("%s SERVING", service_name)
             await stop.wait()
-        await drain(server, health_servicer, admission, settings.grace_s, service_name)
+        if on_drain is not None:
+            on_drain()
+        servers = [server] if late is None else [late, server]
+        await drain(servers, health_servicer, admission, settings.grace_s, service_name)
     finally:
         try:
             if shutdown is not None:
@@ -247,7 +280,7 @@ WATCH_NOTICE_S = 0.5
 
 
 async def drain(
-    server: grpc.aio.Server,
+    server: grpc.aio.Server | Sequence[grpc.aio.Server],
     health_servicer: health.aio.HealthServicer,
     admission: AdmissionInterceptor,
     grace_s: float,
@@ -259,8 +292,10 @@ async def drain(
     and a health ``Watch`` (a load balancer's or a probe's) never ends by itself; so the
     in-flight RPCs are counted (health excluded) and, once none is left, the rest are
     cancelled with ``stop(0)``: the drain lasts as long as the slowest real RPC, at most
-    ``grace_s``.
+    ``grace_s``. ``server`` may be several servers of one process (a shared port's and
+    the instance port's), drained together.
     """
+    servers = [server] if isinstance(server, grpc.aio.Server) else list(server)
     t0 = time.monotonic()
     log.info(
         "%s draining: %d RPCs in flight (grace %.1fs)",
@@ -269,7 +304,8 @@ async def drain(
         grace_s,
     )
     await health_servicer.enter_graceful_shutdown()
-    stopping = asyncio.ensure_future(server.stop(grace_s))  # new RPCs are refused from here
+    # New RPCs are refused from here.
+    stopping = [asyncio.ensure_future(s.stop(grace_s)) for s in servers]
     drained = await admission.wait_idle(grace_s)
     # Let health Watch streams deliver NOT_SERVING before they are cancelled.
     settle = max(0.0, min(WATCH_NOTICE_S, grace_s) - (time.monotonic() - t0))
@@ -283,8 +319,9 @@ async def drain(
         drained = await admission.wait_idle(max(0.0, grace_s - (time.monotonic() - t0)))
         settle = 0.05
     if drained:
-        await server.stop(0)
-    await stopping
+        for s in servers:
+            await s.stop(0)
+    await asyncio.gather(*stopping)
     log.info(
         "%s drained in %.2fs (%s)",
         service_name,

@@ -122,8 +122,13 @@ class HoldingSettings(ServerSettings):
     )
 
 
-def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
-    """grpc server options: explicit message limits, keepalive and connection age."""
+def server_options(
+    settings: ServerSettings, reuse_port: bool | None = None
+) -> list[tuple[str, int]]:
+    """grpc server options: explicit message limits, keepalive and connection age;
+    ``SO_REUSEPORT`` per ``reuse_port`` (default: ``settings.reuse_port``)."""
+    if reuse_port is None:
+        reuse_port = settings.reuse_port
     options = [
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -132,7 +137,7 @@ def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
         # Clients ping at keepalive_time_s; allow that rate instead of GOAWAY(too_many_pings).
         ("grpc.http2.min_ping_interval_without_data_ms", int(settings.keepalive_time_s * 500)),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.so_reuseport", 1 if settings.reuse_port else 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
     ]
     if settings.max_connection_age_s > 0:
         options += [
