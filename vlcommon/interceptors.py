@@ -98,7 +98,7 @@ class AroundInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return handler if around is None else wrap_handler(handler, around)
 
 
-class AroundChain(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class AroundChain(AroundInterceptor):
     """Several :class:`AroundInterceptor` as one interceptor: each call runs inside every
     member's context, the first outermost, exactly as if each were its own interceptor.
 
@@ -113,15 +113,10 @@ class AroundChain(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, members: list[AroundInterceptor]) -> None:
         self.members = members
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method
+    # Each member decides for itself whether it wraps health and reflection.
+    open_methods_too = True
+
+    def around(self, method: str, handler_call_details: grpc.HandlerCallDetails) -> Around | None:
         is_open = is_open_method(method)
         arounds = [
             around
@@ -129,10 +124,8 @@ class AroundChain(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if not is_open or member.open_methods_too
             if (around := member.around(method, handler_call_details)) is not None
         ]
-        if not arounds:
-            return handler
-        if len(arounds) == 1:
-            return wrap_handler(handler, arounds[0])
+        if len(arounds) <= 1:
+            return arounds[0] if arounds else None
 
         @contextlib.asynccontextmanager
         async def nested(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
@@ -141,7 +134,7 @@ class AroundChain(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     await stack.enter_async_context(around(request, context))
                 yield
 
-        return wrap_handler(handler, nested)
+        return nested
 
 
 class ErrorInterceptor(AroundInterceptor):
