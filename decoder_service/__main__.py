@@ -46,6 +46,13 @@ class DecoderSettings(ServerSettings):
     max_text_chars: int = Field(65536, ge=1)
     max_messages: int = Field(64, ge=1, description="Messages per request.")
     max_parts: int = Field(256, ge=1, description="Content parts over all messages.")
+    handoff_s: float | None = Field(
+        None,
+        ge=0,
+        description="Seconds into a drain after which the streams still running are handed "
+        "back to the gateway to move to another replica (UNAVAILABLE DECODER_DRAINING); "
+        "unset: one second before the grace period ends.",
+    )
 
 
 def _on_cpu() -> bool:
@@ -95,7 +102,24 @@ async def main_async(settings: DecoderSettings, engine_args: object) -> None:
         if path is not None:
             record.append(path)
 
+    hand_offs: list[asyncio.Task[None]] = []
+
+    def on_drain() -> None:
+        # New calls are refused from now; the streams running may finish until the
+        # hand-off, then the gateway moves the rest (request migration) instead of the
+        # grace cutting them.
+        after = settings.handoff_s
+        after = max(0.0, settings.grace_s - 1.0) if after is None else min(after, settings.grace_s)
+
+        async def later() -> None:
+            await asyncio.sleep(after)
+            await servicer.hand_off()
+
+        hand_offs.append(asyncio.ensure_future(later()))
+
     async def shutdown() -> None:
+        for task in hand_offs:
+            task.cancel()
         engine.shutdown()  # vLLM removes its own segments on a clean stop
         await reader.close()
         for path in record:  # so the record of them goes too
@@ -111,6 +135,7 @@ async def main_async(settings: DecoderSettings, engine_args: object) -> None:
         startup=startup,
         shutdown=shutdown,
         stop_event=stop,
+        on_drain=on_drain,
     )
     if engine.died:
         raise SystemExit(3)

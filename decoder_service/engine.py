@@ -130,6 +130,10 @@ class DecoderEngine:
         self.died = False
         self.forbidden_tokens: tuple[str, ...] = ()
         self._added_by_id: dict[int, str] = {}
+        # Ids a continuation may hold (Continuation.token_ids): below vocab_size, and none
+        # of the image/video placeholder and boundary tokens vLLM would bind media to.
+        self.vocab_size = 0
+        self.vision_token_ids: frozenset[int] = frozenset()
 
     async def start(self) -> None:
         """Start the engine (cold start tens of seconds on CPU) and load the tokenizer."""
@@ -160,6 +164,18 @@ class DecoderEngine:
             AsyncLLM.from_engine_args, self.engine_args, stat_loggers=[engine_stat_logger()]
         )
         self.max_model_len = int(self.llm.model_config.max_model_len)
+        self.vocab_size = int(self.llm.model_config.get_vocab_size())
+        hf_config = self.llm.model_config.hf_config
+        self.vision_token_ids = frozenset(
+            int(i)
+            for name in (
+                "image_token_id",
+                "video_token_id",
+                "vision_start_token_id",
+                "vision_end_token_id",
+            )
+            if (i := getattr(hf_config, name, None)) is not None
+        )
         limits = self.llm.model_config.multimodal_config.limit_per_prompt
         image_limit = limits.get("image", 1)
         self.max_images = int(getattr(image_limit, "count", image_limit))
@@ -229,17 +245,26 @@ class DecoderEngine:
         params: Any,
         videos: Sequence[VideoInput] = (),
         priority: int = 0,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """Stream deltas. Cancelling the consumer aborts the vLLM request.
 
         ``priority`` is vLLM's (lower = sooner under ``--scheduling-policy priority``).
+        ``prompt_token_ids``, when given, is what vLLM gets instead of ``prompt`` (a
+        continued answer: the prompt's ids and the answer's so far; vLLM expands each
+        placeholder in them as in a text prompt). ``finish_reason`` ``"abort"``: the
+        request was aborted from outside (:meth:`abort`).
 
         Videos go in as ``{"video_embeds", "video_grid_thw", "timestamps"}``: vLLM 0.32's
         Qwen3-VL parser requires ``timestamps`` beside embeddings (its
         ``Qwen3VLMultiModalDataParser.embedding_fields``; without them it raises
         ``KeyError: 'timestamps'``), one list per video, one time per temporal patch.
         """
-        inputs: dict[str, Any] = {"prompt": prompt}
+        inputs: dict[str, Any] = (
+            {"prompt": prompt}
+            if prompt_token_ids is None
+            else {"prompt_token_ids": list(prompt_token_ids)}
+        )
         mm: dict[str, Any] = {}
         uuids: dict[str, list[str]] = {}
         if images:
@@ -283,3 +308,9 @@ class DecoderEngine:
                 # AsyncLLM.generate aborts on CancelledError/GeneratorExit itself; abort is
                 # idempotent, and this also covers a consumer that stops iterating early.
                 await self.llm.abort(request_id)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort running requests from outside their streams: each stream's last delta
+        then has ``finish_reason`` ``"abort"`` (vLLM's final output of an aborted request)."""
+        if self.llm is not None and request_ids and not self.llm.errored:
+            await self.llm.abort(list(request_ids))

@@ -9,6 +9,11 @@ scheduler stats. vLLM's ``vllm:*`` metrics share the registry. Names: docs/obser
 from prometheus_client import Counter, Gauge, Histogram
 
 ABORTED = Counter("splitvl_decoder_aborted_requests_total", "vLLM requests aborted on cancel.")
+HANDED_OFF = Counter(
+    "splitvl_decoder_handed_off_streams_total",
+    "Streams in progress handed back to the gateway to move (DECODER_DRAINING) as the "
+    "decoder stopped with its drain's grace nearly over.",
+)
 RUNNING = Gauge(
     "splitvl_decoder_engine_unfinished_requests",
     "Requests the vLLM engine has not finished (running or waiting).",

@@ -32,6 +32,7 @@ from qwenvl.common.v1 import generation_pb2, tensor_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 
 from decoder_service import metrics
+from decoder_service.continuation import ContinuedText, check_continuation
 from decoder_service.engine import DecoderEngine, ImageInput, VideoInput
 from decoder_service.validation import (
     Limits,
@@ -53,8 +54,12 @@ from vlcommon.sampling import check_max_tokens, check_sampling_ranges
 tracer = trace.get_tracer("splitvl.decoder")
 
 
-def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits) -> Any:
+def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits, continued: int = 0) -> Any:
     """vLLM ``SamplingParams`` (DELTA output) from the proto, with every field range-checked.
+
+    ``continued``: tokens of the answer another replica generated (``Continuation``);
+    vLLM then generates ``max_tokens - continued`` more (the caller has checked that some
+    are left).
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming ``sampling.<field>`` and its range.
@@ -67,7 +72,7 @@ def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits) -> Any:
     top_p = check_sampling_ranges(msg)
     try:
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=max_tokens - continued,
             temperature=msg.temperature,
             top_p=top_p,
             seed=msg.seed if msg.HasField("seed") else None,
@@ -127,6 +132,11 @@ class Prepared:
         prompt_tokens: The prompt's length with its images and videos expanded, tokens.
         received_bytes: Embedding bytes received, inline and by reference.
         priority: vLLM's scheduling priority, the request's as sent (lower = sooner).
+        prompt_ids: The rendered prompt's token ids (placeholders not expanded).
+        continuation: The answer's tokens another replica generated (``Continuation``;
+            empty for a new answer): vLLM gets ``prompt_ids + continuation`` as token ids,
+            ``max_tokens`` counts them, ``prompt_tokens`` does not.
+        text: The continued answer's text (:class:`ContinuedText`), None for a new one.
     """
 
     prompt: str
@@ -137,6 +147,9 @@ class Prepared:
     prompt_tokens: int
     received_bytes: int
     priority: int = 0
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    continuation: list[int] = dataclasses.field(default_factory=list)
+    text: ContinuedText | None = None
 
 
 class Preparer:
@@ -195,7 +208,8 @@ class Preparer:
         Raises:
             ServiceError: INVALID_ARGUMENT for sampling out of range, text that forms a
                 control token across parts, a payload of the wrong size or holding NaN or
-                inf, or a prompt that leaves no room for max_tokens; UNAVAILABLE naming the
+                inf, a prompt that leaves no room for max_tokens, a continuation that does
+                not fit (``CONTINUATION_INVALID``); UNAVAILABLE naming the
                 image and its holder when a ref cannot be read; DEADLINE_EXCEEDED.
         """
         # Embeddings sent by reference are read from their holders while the prompt is
@@ -203,13 +217,34 @@ class Preparer:
         fetching = asyncio.ensure_future(self._fetch_all(request, checked, deadline, read))
         fetching.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            params = sampling_params(request.sampling, checked.limits)
+            max_tokens = (
+                request.sampling.max_tokens
+                if request.sampling.HasField("max_tokens")
+                else checked.limits.max_tokens_default
+            )
+            check_max_tokens(max_tokens, checked.limits.max_tokens_limit)
+            engine = self.engine
+            continuation = check_continuation(
+                request, max_tokens, engine.vocab_size, engine.vision_token_ids
+            )
+            params = sampling_params(request.sampling, checked.limits, len(continuation))
             prompt, ids = self._render(checked.messages)
+            text = (
+                ContinuedText(
+                    engine.tokenizer,
+                    ids,
+                    continuation,
+                    request.continuation.text_chars,
+                    stop=list(request.sampling.stop),
+                )
+                if continuation
+                else None
+            )
         except BaseException:
             fetching.cancel()
             raise
         image_data, video_data = await fetching
-        engine, spec = self.engine, checked.spec
+        spec = checked.spec
         images = [
             check_image(
                 request.images[i], i, spec, engine.max_image_tokens, data=image_data[i].data
@@ -224,10 +259,21 @@ class Preparer:
         ]
         received = count_received([*image_data.values(), *video_data.values()])
         n_prompt = engine.prompt_length(ids, images) + engine.video_prompt_length(videos)
-        max_tokens = int(params.max_tokens)
+        # The continuation's tokens are the answer's: they count against max_tokens
+        # (params asks vLLM for the rest) and take their room in the model length.
         check_prompt_length(n_prompt, max_tokens, engine.max_model_len)
         return Prepared(
-            prompt, images, videos, params, max_tokens, n_prompt, received, request.priority
+            prompt,
+            images,
+            videos,
+            params,
+            max_tokens,
+            n_prompt,
+            received,
+            request.priority,
+            prompt_ids=ids,
+            continuation=continuation,
+            text=text,
         )
 
     def _render(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -23,6 +24,7 @@ from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 from qwenvl.decoder.v1 import decoder_service_pb2_grpc as pb_grpc
 
 from decoder_service import metrics
+from decoder_service.continuation import ContinuedText
 from decoder_service.engine import DecoderEngine, Delta
 from decoder_service.prepare import Prepared, Preparer
 from decoder_service.validation import Limits
@@ -132,6 +134,33 @@ def _response(delta: Delta, record: _StreamRecord) -> pb.GenerateResponse:
     return response
 
 
+def _draining() -> ServiceError:
+    """The status of a stream handed back as the decoder stops: the gateway moves it."""
+    return ServiceError(
+        grpc.StatusCode.UNAVAILABLE,
+        "DECODER_DRAINING",
+        "the decoder is stopping; the answer moves to another replica",
+    )
+
+
+def _continued(delta: Delta, text: ContinuedText, continuation: list[int]) -> tuple[Delta, bool]:
+    """A continued answer's delta: the text over both replicas' tokens, a stop string
+    across the boundary, and the counts of the whole answer (the original prompt; every
+    completion token once). Returns it and whether a stop string ended the answer."""
+    piece, stopped = text.step(delta.token_ids, finished=delta.finish_reason is not None)
+    k = len(continuation)
+    return (
+        dataclasses.replace(
+            delta,
+            text=piece,
+            finish_reason="stop" if stopped else delta.finish_reason,
+            prompt_tokens=delta.prompt_tokens - k,
+            completion_tokens=delta.completion_tokens + k,
+        ),
+        stopped,
+    )
+
+
 def _unread_refs(request: pb.GenerateRequest, read: set[str]) -> list[tensor_pb2.EmbeddingRef]:
     """The refs of ``request`` whose tickets are not in ``read``."""
     refs = [e.ref for e in request.images if e.HasField("ref")]
@@ -157,6 +186,23 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         # Called once the engine is found dead: the service turns NOT_SERVING and exits so
         # its supervisor restarts it (a dead vLLM engine never recovers in process).
         self.on_engine_dead = on_engine_dead or (lambda: None)
+        # vLLM request ids of the streams in progress, for a drain's hand-off.
+        self._streams: set[str] = set()
+        self.handing_off = False
+
+    async def hand_off(self) -> int:
+        """End every stream in progress with UNAVAILABLE ``DECODER_DRAINING``, which the
+        gateway reads as "move this answer to another replica" (request migration), and
+        refuse new ones the same way. Called when a drain's grace is nearly over, so the
+        answers still running move instead of being cut. Returns how many were handed off.
+        """
+        self.handing_off = True
+        ids = sorted(self._streams)
+        if ids:
+            log.warning("handing %d streams in progress to the gateway to move", len(ids))
+            metrics.HANDED_OFF.inc(len(ids))
+            await self.engine.abort(ids)
+        return len(ids)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -167,12 +213,16 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         Raises:
             ServiceError: INVALID_ARGUMENT for a request a check refuses; UNAVAILABLE when
                 the engine is not ready or dead, or an embedding's holder cannot be read;
-                DEADLINE_EXCEEDED. vLLM's own refusal aborts the call with INVALID_ARGUMENT
-                ``ENGINE_REJECTED``, and its engine's death with UNAVAILABLE ``ENGINE_DEAD``.
+                UNAVAILABLE ``DECODER_DRAINING`` when the service is stopping and hands
+                the stream back (:meth:`hand_off`); DEADLINE_EXCEEDED. vLLM's own refusal
+                aborts the call with INVALID_ARGUMENT ``ENGINE_REJECTED``, and its engine's
+                death with UNAVAILABLE ``ENGINE_DEAD``.
         """
         request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
         read: set[str] = set()  # tickets of refs read (each read releases its own)
         try:
+            if self.handing_off:
+                raise _draining()
             checked = self.preparer.check(request, self._ready_spec())
             prepared = await self.preparer.prepare(request, checked, Deadline.of(context), read)
             # aclosing: a GeneratorExit at our yield closes _stream, and so aborts the vLLM
@@ -230,6 +280,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             span.set_attribute("splitvl.usage.prompt_tokens", prepared.prompt_tokens)
             span.set_attribute("splitvl.embedding.bytes", prepared.received_bytes)
             span.set_attribute("splitvl.request.videos", len(prepared.videos))
+            span.set_attribute("splitvl.continuation.tokens", len(prepared.continuation))
             record = _StreamRecord(span)
             stream = self.engine.generate(
                 request_id,
@@ -238,15 +289,29 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 prepared.params,
                 prepared.videos,
                 priority=prepared.priority,
+                prompt_token_ids=(
+                    prepared.prompt_ids + prepared.continuation if prepared.continuation else None
+                ),
             )
+            self._streams.add(request_id)
             try:
                 # aclosing: a GeneratorExit at our yield closes the engine stream (and so
                 # aborts the vLLM request) at once, not when the garbage collector
                 # finalises it.
                 async with contextlib.aclosing(stream):
                     async for delta in stream:
+                        if delta.finish_reason == "abort" and self.handing_off:
+                            span.add_event("handed_off")
+                            raise _draining()
+                        if prepared.text is None:
+                            yield _response(delta, record)
+                            continue
+                        delta, stopped = _continued(delta, prepared.text, prepared.continuation)
                         yield _response(delta, record)
+                        if stopped:  # a stop string across the boundary: vLLM did not see it
+                            return
             finally:
+                self._streams.discard(request_id)
                 record.end()
 
     async def _abort_on_engine_error(

@@ -77,6 +77,20 @@ REENCODED = Counter(
     "Requests whose held embeddings the decoder could not read (holder restarted, entry "
     "expired), encoded again and decoded once more.",
 )
+MIGRATIONS = Counter(
+    "splitvl_gateway_migrations_total",
+    "Answers moved to another decoder replica after their first token, by why: lost (the "
+    "replica killed or unreachable), draining (it handed the stream back as it stopped), "
+    "engine_dead (its vLLM engine died).",
+    ["reason"],
+)
+MIGRATION_FAILURES = Counter(
+    "splitvl_gateway_migration_failures_total",
+    "Answers a lost decoder ended because they could not move, by why: off "
+    "(GATEWAY_MIGRATION_LIMIT=0), limit (moved that often already), too_long (past "
+    "GATEWAY_MIGRATION_MAX_SEQ_LEN), refused (no replica continued it).",
+    ["reason"],
+)
 DECODER_ROUTES = Counter(
     "splitvl_gateway_decoder_routes_total",
     "Decoder calls by how their endpoint was chosen: home (the affinity key's own replica), "

@@ -28,6 +28,17 @@ class GatewaySettings(ServerSettings):
     # repeated image meets the replica whose prefix cache holds it; proxy: one channel to
     # the address, and a proxy or mesh routes by the x-splitvl-affinity header.
     decoder_routing: Literal["affinity", "proxy"] = Field("affinity")
+    # Request migration (gateway.pipeline.decode): an answer whose decoder is lost after
+    # its first token, or hands it back as it stops, continues on another replica.
+    migration_limit: int = Field(
+        3, ge=0, description="Moves of one answer to another decoder replica; 0 = off."
+    )
+    migration_max_seq_len: int = Field(
+        8192,
+        ge=1,
+        description="Generated tokens a stream keeps for a move; past them a lost decoder "
+        "fails the answer (DECODER_LOST_MID_STREAM) as with migration off.",
+    )
     affinity_epsilon: float = Field(
         0.25,
         ge=0,

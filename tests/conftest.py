@@ -179,6 +179,10 @@ class OtlpReceiver:
                                             for link in span.links
                                         ],
                                         "events": [(e.name, e.time_unix_nano) for e in span.events],
+                                        "event_attributes": [
+                                            (e.name, {a.key: a.value for a in e.attributes})
+                                            for e in span.events
+                                        ],
                                     }
                                 )
                 return trace_service_pb2.ExportTraceServiceResponse()

@@ -26,7 +26,7 @@ from gateway.pipeline.endpoints import DecoderEndpoints, static_addresses
 from gateway.pipeline.route import AFFINITY_HEADER, DecoderRouter, Endpoint
 from tests.conftest import in_process_server
 from vlcommon.deadline import NO_DEADLINE, Deadline
-from vlcommon.errors import ServiceError
+from vlcommon.errors import ServiceError, abort, invalid_argument
 
 KEYS = [f"key-{i}" for i in range(3000)]
 
@@ -176,16 +176,22 @@ class _Decoder(decoder_service_pb2_grpc.DecoderServiceServicer):
         tokens: int = 3,
         die_after: int | None = None,
         die_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+        die_with: ServiceError | None = None,
     ) -> None:
         self.name, self.tokens, self.die_after, self.die_code = name, tokens, die_after, die_code
+        self.die_with = die_with  # a status of the decoder's own (with ErrorInfo)
         self.headers: list[str | None] = []
+        self.requests: list[dpb.GenerateRequest] = []
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         self.headers.append(dict(context.invocation_metadata()).get(AFFINITY_HEADER))
+        self.requests.append(request)
         for i in range(self.tokens):
             if self.die_after is not None and i == self.die_after:
+                if self.die_with is not None:
+                    await abort(context, self.die_with)
                 await context.abort(self.die_code, "Socket closed")
-            yield dpb.GenerateResponse(token_ids=[self.name * 100 + i])
+            yield dpb.GenerateResponse(token_ids=[self.name * 100 + i], text=f"t{i}é")
 
 
 def closed_port() -> int:
@@ -258,6 +264,100 @@ async def test_a_replica_lost_after_the_first_token_is_unavailable_and_not_repla
     assert err.value.reason == "DECODER_LOST_MID_STREAM"
     assert endpoints[0].address in err.value.message
     assert other.headers == []  # never replayed: tokens had reached the client
+
+
+async def _renewed(request: dpb.GenerateRequest) -> dpb.GenerateRequest:
+    """A renew as the pipeline's: the same request with new refs (here, a marked id)."""
+    fresh = dpb.GenerateRequest()
+    fresh.CopyFrom(request)
+    fresh.request_id = "renewed"
+    return fresh
+
+
+@pytest.mark.parametrize(
+    ("die_with", "reason"),
+    [
+        (None, "lost"),
+        (ServiceError(grpc.StatusCode.UNAVAILABLE, "DECODER_DRAINING", "stopping"), "draining"),
+        (ServiceError(grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD", "engine died"), "engine_dead"),
+    ],
+)
+async def test_an_answer_whose_replica_is_lost_continues_on_the_next(
+    die_with: ServiceError | None, reason: str
+) -> None:
+    from gateway import metrics
+
+    dying = _Decoder(1, tokens=5, die_after=2, die_with=die_with)
+    other = _Decoder(2, tokens=2)
+    moved = metrics.MIGRATIONS.labels(reason=reason)
+    before = moved._value.get()
+    async with decoders(dying, other) as endpoints:
+        router = DecoderRouter()
+        router.set_endpoints(endpoints)
+        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        stage = DecodeStage(router, migration_limit=1)
+        stream = stage.stream(dpb.GenerateRequest(), Deadline.after(10), key, renew=_renewed)
+        got = [c.token_ids[0] async for c in stream]
+    assert got == [100, 101, 200, 201]
+    [continued] = other.requests
+    assert continued.request_id == "renewed"  # fresh refs, never the ones read
+    assert list(continued.continuation.token_ids) == [100, 101]
+    assert continued.continuation.text_chars == len("t0ét1é")  # characters, not bytes
+    assert other.headers == [key]  # the affinity key still routes the continuation
+    assert moved._value.get() == before + 1
+
+
+async def test_an_answer_moves_at_most_the_limit_and_fails_as_before_past_it() -> None:
+    from gateway import metrics
+
+    first, second = _Decoder(1, tokens=5, die_after=1), _Decoder(2, tokens=5, die_after=1)
+    limit = metrics.MIGRATION_FAILURES.labels(reason="limit")
+    before = limit._value.get()
+    async with decoders(first, second) as endpoints:
+        router = DecoderRouter()
+        router.set_endpoints(endpoints)
+        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        got = []
+        with pytest.raises(ServiceError) as err:
+            stage = DecodeStage(router, migration_limit=1)
+            async for c in stage.stream(dpb.GenerateRequest(), NO_DEADLINE, key, renew=_renewed):
+                got.append(c.token_ids[0])
+    assert got == [100, 200]
+    assert (err.value.code, err.value.reason) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "DECODER_LOST_MID_STREAM",
+    )
+    assert limit._value.get() == before + 1
+
+
+@pytest.mark.parametrize("why", ["too_long", "refused", "renew_failed"])
+async def test_an_answer_that_cannot_move_ends_lost_mid_stream(why: str) -> None:
+    """Past GATEWAY_MIGRATION_MAX_SEQ_LEN, a continuation the next replica refuses, or no
+    embeddings to continue with: the caller gets DECODER_LOST_MID_STREAM, never the next
+    replica's INVALID_ARGUMENT about a continuation it never sent."""
+    refusal = invalid_argument("CONTINUATION_INVALID", "no", field="continuation.token_ids")
+    dying = _Decoder(1, tokens=5, die_after=2)
+    other = _Decoder(2, tokens=2, die_after=0 if why == "refused" else None, die_with=refusal)
+
+    async def renew(request: dpb.GenerateRequest) -> dpb.GenerateRequest:
+        if why == "renew_failed":
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "ENCODER_UNAVAILABLE", "down")
+        return await _renewed(request)
+
+    async with decoders(dying, other) as endpoints:
+        router = DecoderRouter()
+        router.set_endpoints(endpoints)
+        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        stage = DecodeStage(
+            router, migration_limit=3, migration_max_seq_len=1 if why == "too_long" else 100
+        )
+        with pytest.raises(ServiceError) as err:
+            async for _ in stage.stream(
+                dpb.GenerateRequest(), Deadline.after(10), key, renew=renew
+            ):
+                pass
+    assert err.value.reason == "DECODER_LOST_MID_STREAM"
+    assert len(other.requests) == (1 if why == "refused" else 0)
 
 
 @pytest.mark.parametrize("die_after", [0, 2])

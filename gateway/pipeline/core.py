@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -123,7 +124,12 @@ class Pipeline:
             timeout_s=settings.encode_timeout_s,
             releaser=self.releaser,
         )
-        self.decode = DecodeStage(downstream.decoder, releaser=self.releaser)
+        self.decode = DecodeStage(
+            downstream.decoder,
+            releaser=self.releaser,
+            migration_limit=settings.migration_limit,
+            migration_max_seq_len=settings.migration_max_seq_len,
+        )
         self.preprocessor = Preprocessor(
             settings, spec, revision, for_cache=downstream.cache is not None
         )
@@ -310,25 +316,82 @@ class Pipeline:
         landing, f.owned[:] = list(f.owned), []
         put.add_done_callback(lambda _: same_file.land(landing))
 
-    async def _encode_again(self, f: _Flight) -> None:
-        """After lost refs: every image and video encoded again (an image answered by its
-        file's digest was never decoded: it is decoded first)."""
+    async def _encode_again(self, f: _Flight, which: set[int] | None = None) -> None:
+        """After lost refs: every image and video encoded again, or those whose ``id()``
+        is in ``which`` (an image answered by its file's digest was never decoded: it is
+        decoded first)."""
         req = f.request
-        undecoded = [i for i, im in enumerate(f.images) if im.pixels is None]
+        chosen = [im for im in f.items if which is None or id(im) in which]
+        undecoded = [
+            i
+            for i, im in enumerate(f.images)
+            if im.pixels is None and (which is None or id(im) in which)
+        ]
         if undecoded:
             again, _, _ = await self.images.prepare(
                 [f.datas[i] for i in undecoded], req.min_pixels, req.max_pixels, OFF, req.deadline
             )
             for i, im in zip(undecoded, again, strict=True):
                 im.index = i
+                chosen = [im if x is f.images[i] else x for x in chosen]
                 f.images[i] = im
-        retry = f.items
-        for im in retry:
+        for im in chosen:
             im.embedding, im.tier = None, generation_pb2.CACHE_TIER_MISS
         t = time.perf_counter()
-        await self.encode.encode(retry, req.deadline, readers=1, held=f.held)
+        await self.encode.encode(chosen, req.deadline, readers=1, held=f.held)
         f.timings.encode_ms += (time.perf_counter() - t) * 1000
-        f.misses = retry
+        f.misses = chosen if which is None else f.misses
+
+    async def _refs_again(
+        self, f: _Flight, old: decoder_service_pb2.GenerateRequest
+    ) -> decoder_service_pb2.GenerateRequest:
+        """``old`` with fresh refs to the embeddings it served, for an answer moving to
+        another decoder (the first one read and released its refs): each read again from
+        the cache by the served entry's key (exact tier), the rest encoded again. An image
+        a similarity hit served with another grid is encoded at its own (the continuation
+        then sees the image's own embeddings; still a valid answer).
+
+        Raises:
+            ServiceError: the encoder's status when what the cache no longer has cannot be
+                encoded again; DEADLINE_EXCEEDED.
+        """
+        req, found = f.request, set()
+        items = [im for im in f.items if im.embedding is not None]
+        if self.down.cache is not None and req.cache_policy != OFF:
+            asks = [
+                (
+                    im,
+                    dataclasses.replace(
+                        im,
+                        key=im.embedding.key or im.key,
+                        bytes_key="",
+                        embedding=None,
+                        tier=generation_pb2.CACHE_TIER_MISS,
+                        claim=0,
+                    ),
+                )
+                for im in items
+                if im.embedding is not None and im.served_grid == im.plan.grid
+            ]
+            if asks:
+                exact = generation_pb2.CACHE_POLICY_EXACT_ONLY
+                await self.cache.lookup([a for _, a in asks], exact, req.deadline, f.held)
+                for im, again in asks:
+                    if again.embedding is not None:
+                        im.embedding = again.embedding
+                        found.add(id(im))
+        missing = {id(im) for im in f.items if id(im) not in found}
+        if missing:
+            await self._encode_again(f, missing)
+        fresh = decoder_service_pb2.GenerateRequest()
+        fresh.CopyFrom(old)
+        del fresh.images[:]
+        for im in f.images:
+            fresh.images.append(im.embedding)
+        for v, sent in zip(f.videos, fresh.videos, strict=True):
+            sent.embedding.CopyFrom(v.embedding)
+        f.held.hand_over()  # the next decoder reads or releases each ref
+        return fresh
 
     # -- 4. decode ---------------------------------------------------------------------------
     def _decoder_request(self, f: _Flight) -> decoder_service_pb2.GenerateRequest:
@@ -397,7 +460,10 @@ class Pipeline:
                 # aclosing: a cancelled client (GeneratorExit at the yield below) closes
                 # the stream, which cancels the decoder call, which aborts the vLLM request.
                 stream = self.decode.stream(
-                    decode_request, f.request.deadline, affinity_key(decode_request)
+                    decode_request,
+                    f.request.deadline,
+                    affinity_key(decode_request),
+                    renew=lambda old: self._refs_again(f, old),
                 )
                 async with contextlib.aclosing(stream) as chunks:
                     async for chunk in chunks:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import NoReturn
 
 import grpc
+from opentelemetry import trace
 from qwenvl.decoder.v1 import decoder_service_pb2, decoder_service_pb2_grpc
 
 from gateway import metrics
@@ -37,6 +39,54 @@ class RefsLost(Exception):
         self.error = error
 
 
+# A decoder's own statuses that mean "this replica cannot go on with the answer, another
+# can": it handed the stream back as it stopped, or its vLLM engine died.
+MOVE_REASONS = {"DECODER_DRAINING": "draining", "ENGINE_DEAD": "engine_dead"}
+
+# Builds the decoder request again with fresh refs to the same embeddings (the first
+# decoder read and released the ones it had): Pipeline._refs_again.
+Renew = Callable[
+    [decoder_service_pb2.GenerateRequest], Awaitable[decoder_service_pb2.GenerateRequest]
+]
+
+
+class _Lost(Exception):
+    """The decoder of an answer in progress cannot go on with it (killed, unreachable,
+    draining, its engine dead): the answer may move to another replica.
+
+    Attributes:
+        error: What the client gets when it does not move (UNAVAILABLE
+            ``DECODER_LOST_MID_STREAM``).
+        reason: ``lost``, ``draining`` or ``engine_dead``.
+    """
+
+    def __init__(self, error: ServiceError, endpoint: Endpoint, reason: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.endpoint = endpoint
+        self.reason = reason
+
+
+class _Answer:
+    """The tokens and text of an answer the caller received so far, kept (up to
+    ``max_len`` tokens) for a move to another replica."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.token_ids: list[int] | None = []
+        self.tokens = 0
+        self.text_chars = 0
+
+    def add(self, chunk: decoder_service_pb2.GenerateResponse) -> None:
+        self.tokens += len(chunk.token_ids)
+        self.text_chars += len(chunk.text)
+        if self.token_ids is not None:
+            if self.tokens > self.max_len:
+                self.token_ids = None  # no longer movable
+            else:
+                self.token_ids.extend(chunk.token_ids)
+
+
 class _Replay(Exception):
     """A call failed before its first chunk in a way another replica may not (the
     replica was unreachable or died): try the next endpoint."""
@@ -52,9 +102,16 @@ class DecodeStage:
     The endpoint comes from the :class:`~gateway.pipeline.route.DecoderRouter` (image
     affinity with bounded loads). A call that fails with UNAVAILABLE before its first
     chunk (the replica unreachable, killed, its engine dead) is replayed on the next
-    endpoint of the key's ring order, and that replica is passed over for a while; once a
-    chunk has reached the caller a failure is final (UNAVAILABLE saying so), never a
-    replay that would repeat tokens.
+    endpoint of the key's ring order, and that replica is passed over for a while.
+
+    Request migration: once chunks have reached the caller, a decoder that cannot go on
+    (killed or unreachable: no status of its own; or its own UNAVAILABLE
+    ``DECODER_DRAINING`` or ``ENGINE_DEAD``) has its answer moved to the next replica,
+    which continues it from the tokens sent so far (``GenerateRequest.continuation``, with
+    fresh refs to the same embeddings from ``renew``); the caller sees one answer, no
+    token repeated or lost. At most ``migration_limit`` moves per answer, and only while
+    it is at most ``migration_max_seq_len`` tokens long; otherwise the failure is final
+    (UNAVAILABLE ``DECODER_LOST_MID_STREAM``), never a replay that would repeat tokens.
 
     The decoder takes over the refs of its request: it reads each or releases those it
     will not read, and answers with a status of its own. A call that fails without one (the
@@ -64,23 +121,30 @@ class DecodeStage:
     Args:
         decoder: The router over the decoder endpoints, or one decoder's stub.
         releaser: Releases the refs of a request no decoder received.
+        migration_limit: Moves of one answer (``GATEWAY_MIGRATION_LIMIT``; 0 = off).
+        migration_max_seq_len: Tokens an answer may have and still move.
     """
 
     def __init__(
         self,
         decoder: decoder_service_pb2_grpc.DecoderServiceStub | DecoderRouter,
         releaser: handoff.Reader | None = None,
+        migration_limit: int = 0,
+        migration_max_seq_len: int = 8192,
     ) -> None:
         self.router = (
             decoder if isinstance(decoder, DecoderRouter) else DecoderRouter.single(decoder)
         )
         self.releaser = releaser
+        self.migration_limit = migration_limit
+        self.migration_max_seq_len = migration_max_seq_len
 
     async def stream(
         self,
         request: decoder_service_pb2.GenerateRequest,
         deadline: Deadline,
         affinity: str | None = None,
+        renew: Renew | None = None,
     ) -> AsyncGenerator[decoder_service_pb2.GenerateResponse, None]:
         """The decoder's chunks for ``request``, within the request's deadline; observes
         the inter-token latency (``splitvl_gateway_inter_token_latency_seconds``).
@@ -89,6 +153,8 @@ class DecodeStage:
             affinity: The request's affinity key (the identity of its first image or
                 video served), sent as the ``x-splitvl-affinity`` header; None routes to
                 the least loaded endpoint.
+            renew: Builds the request again with fresh refs to its embeddings, for a move
+                to another replica; None: answers do not move.
 
         Closing the iterator (the client went away) cancels the decoder call, which
         aborts the vLLM request.
@@ -96,16 +162,122 @@ class DecodeStage:
         Raises:
             RefsLost: the decoder could not read a held ref, before any chunk.
             ServiceError: the decoder's status otherwise, naming it as the dependency;
-                UNAVAILABLE when every replica failed before a chunk.
+                UNAVAILABLE when every replica failed before a chunk;
+                UNAVAILABLE ``DECODER_LOST_MID_STREAM`` when the answer's decoder was lost
+                and it could not move.
         """
-        endpoints, how = self.router.candidates(affinity)
         metadata = ((AFFINITY_HEADER, affinity),) if affinity else None
+        answer = _Answer(self.migration_max_seq_len)
+        moves = 0
+        moved: _Lost | None = None
+        while True:
+            endpoints, how = self.router.candidates(affinity)
+            got = False  # a chunk of this call reached the caller
+            try:
+                # aclosing: the caller closing this stream closes the call at once.
+                async with contextlib.aclosing(
+                    self._attempts(
+                        endpoints, how, request, deadline, metadata, moved, answer.tokens
+                    )
+                ) as attempts:
+                    async for chunk in attempts:
+                        got = True
+                        answer.add(chunk)
+                        yield chunk
+                return
+            except _Lost as lost:
+                self.router.mark_down(lost.endpoint)
+                if renew is None or self.migration_limit == 0:
+                    why_not = "off"
+                elif moves >= self.migration_limit:
+                    why_not = "limit"
+                elif answer.token_ids is None:
+                    why_not = "too_long"
+                else:
+                    why_not = ""
+                if why_not or renew is None:
+                    metrics.MIGRATION_FAILURES.labels(reason=why_not).inc()
+                    raise lost.error from lost
+                request = await self._continuation(renew, request, answer, lost)
+                moves, moved = moves + 1, lost
+            except (ServiceError, RefsLost) as err:
+                if moved is None or got:
+                    raise
+                # The replica meant to continue the answer refused it or failed before
+                # its first chunk: the answer ends as it would have without a move.
+                metrics.MIGRATION_FAILURES.labels(reason="refused").inc()
+                log.warning(
+                    "the answer from %s could not continue elsewhere: %s",
+                    moved.endpoint.address,
+                    err,
+                )
+                raise moved.error from err
+
+    async def _continuation(
+        self,
+        renew: Renew,
+        request: decoder_service_pb2.GenerateRequest,
+        answer: _Answer,
+        lost: _Lost,
+    ) -> decoder_service_pb2.GenerateRequest:
+        """``request`` with fresh refs and the answer so far as its continuation.
+
+        Raises:
+            ServiceError: ``lost.error`` when the refs cannot be had again.
+        """
+        assert answer.token_ids is not None
+        log.warning(
+            "decoder %s cannot go on with an answer (%s, %d tokens sent): moving it",
+            lost.endpoint.address,
+            lost.reason,
+            answer.tokens,
+        )
+        try:
+            fresh = await renew(request)
+        except (ServiceError, RefsLost) as err:
+            metrics.MIGRATION_FAILURES.labels(reason="refused").inc()
+            log.warning("no embeddings to move the answer with: %s", err)
+            raise lost.error from err
+        fresh.continuation.Clear()
+        fresh.continuation.token_ids.extend(answer.token_ids)
+        fresh.continuation.text_chars = answer.text_chars
+        metrics.MIGRATIONS.labels(reason=lost.reason).inc()
+        return fresh
+
+    async def _attempts(
+        self,
+        endpoints: list[Endpoint],
+        how: str,
+        request: decoder_service_pb2.GenerateRequest,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...] | None,
+        moved: _Lost | None,
+        sent: int,
+    ) -> AsyncGenerator[decoder_service_pb2.GenerateResponse, None]:
+        """The endpoints in turn until one answers (a replay before its first chunk).
+
+        ``moved``: the replica this answer moves from (``sent`` tokens already sent), for
+        the route's label and the span event naming both.
+        """
         for attempt, endpoint in enumerate(endpoints):
             last = attempt == len(endpoints) - 1
-            metrics.DECODER_ROUTES.labels(how=how if attempt == 0 else "failover").inc()
+            label = "migrated" if moved is not None else how if attempt == 0 else "failover"
+            metrics.DECODER_ROUTES.labels(how=label).inc()
+            if moved is not None:
+                trace.get_current_span().add_event(
+                    "decoder.migrated",
+                    {
+                        "splitvl.migration.from": moved.endpoint.address,
+                        "splitvl.migration.to": endpoint.address,
+                        "splitvl.migration.reason": moved.reason,
+                        "splitvl.migration.tokens": sent,
+                    },
+                )
             try:
-                async for chunk in self._attempt(endpoint, request, deadline, metadata, last):
-                    yield chunk
+                call = self._attempt(endpoint, request, deadline, metadata, last)
+                async with contextlib.aclosing(call) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 return
             except _Replay as replay:
                 self.router.mark_down(endpoint)
@@ -133,6 +305,7 @@ class DecodeStage:
 
         Raises:
             _Replay: it failed before its first chunk and another endpoint is left.
+            _Lost: its decoder cannot go on with the answer after its first chunk.
             RefsLost, ServiceError: as :meth:`stream`.
         """
         gauge = metrics.DECODER_INFLIGHT.labels(endpoint=endpoint.address)
@@ -182,13 +355,18 @@ class DecodeStage:
             release(self.releaser, embeddings)
         if first and lost:
             raise RefsLost(error) from err
-        if not first and gone:
-            raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
-                "DECODER_LOST_MID_STREAM",
-                f"decoder {endpoint.address} became unavailable after the answer had "
-                f"started ({err.details() or err.code().name}); the answer is incomplete "
-                "and was not replayed: retry the request",
-                {"dependency": "decoder", "endpoint": endpoint.address},
+        move = MOVE_REASONS.get(info.reason) if info is not None else None
+        if not first and (gone or move):
+            raise _Lost(
+                ServiceError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "DECODER_LOST_MID_STREAM",
+                    f"decoder {endpoint.address} became unavailable after the answer had "
+                    f"started ({err.details() or err.code().name}); the answer is "
+                    "incomplete and could not continue on another replica: retry the request",
+                    {"dependency": "decoder", "endpoint": endpoint.address},
+                ),
+                endpoint,
+                move or "lost",
             ) from err
         raise error from err
