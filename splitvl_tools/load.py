@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 
 from splitvl.argtypes import fraction, non_negative_float, positive_float, positive_int
-from vlcommon.errors import retry_info
+from vlcommon.errors import error_info, retry_info
 
 BAD_CODES = ("INTERNAL", "UNKNOWN")
 HUNG = "HUNG"
@@ -52,6 +52,7 @@ class CallResult:
     tokens: int = 0
     tiers: list[str] = field(default_factory=list)
     retry_after_s: float | None = None  # the server's google.rpc.RetryInfo hint, if any
+    reason: str = ""  # the status's google.rpc.ErrorInfo reason, if any
 
 
 @dataclass
@@ -166,6 +167,8 @@ async def one_call(
         result.code = err.code().name
         result.message = err.details() or ""
         result.retry_after_s = retry_delay_s(err)
+        info = error_info(err)
+        result.reason = info.reason if info is not None else ""
     except TimeoutError:
         call.cancel()
         result.code = HUNG

@@ -25,6 +25,7 @@ from splitvl.client import build_request
 from splitvl.launcher import Cluster
 from splitvl.ports import Ports
 from tests.conftest import OtlpReceiver, extra_service, photo
+from tests.test_haproxy_affinity import HAPROXY, Proxy
 from vlcommon.errors import error_info
 
 MAX_TOKENS = 600
@@ -265,3 +266,86 @@ def test_with_migration_off_a_lost_decoder_ends_the_answer_as_before(
             for name in DECODERS:
                 if not pair.serving(name):
                     pair.restart(name)
+
+
+def _generate_ok(c: Cluster, name: str) -> float:
+    return _metric(c, name, 'splitvl_decoder_requests_total{code="OK",method="Generate"}')
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (make system-deps)")
+def test_through_haproxy_a_replay_and_a_migration_reach_the_other_decoder(
+    pair: Cluster, tmp_path: Path
+) -> None:
+    """The shipped deploy/haproxy/haproxy.cfg between a gateway (GATEWAY_DECODER_ROUTING=
+    proxy) and the two real decoders: an answer whose decoder is killed mid-stream
+    continues (HAProxy ends its stream without trailers: "Stream removed", UNKNOWN), and a
+    call whose decoder dies before its first token is answered by the other, both through
+    the one
+    proxy endpoint, which sends the second try to the live decoder (a call with no byte
+    of its answer back HAProxy re-dispatches itself)."""
+    import os
+    import signal
+    import threading
+    import types
+
+    backends = [types.SimpleNamespace(port=pair.ports.grpc[n]) for n in DECODERS]
+    proxy = Proxy(backends, tmp_path)
+    env = {"GATEWAY_DECODER_ROUTING": "proxy"}
+    try:
+        with extra_service(
+            pair, "gateway", env, tmp_path, decoder=f"127.0.0.1:{proxy.port}"
+        ) as ports:
+            address = ports.address("gateway")
+            undisturbed = _grpc_answer(address)
+            moved = _grpc_answer(address, disturb=pair.kill, c=pair)
+            assert (moved.token_ids, moved.text, moved.usage) == (
+                undisturbed.token_ids,
+                undisturbed.text,
+                undisturbed.usage,
+            )
+            assert _metric(ports, "gateway", 'splitvl_gateway_migrations_total{reason="lost"}') == 1
+            pair.restart(moved.disturbed)
+            proxy.wait_for(dict.fromkeys(proxy.servers[:2], "UP"))
+
+            # Which decoder HAProxy sends this image to, then that one frozen (SIGSTOP:
+            # the call reaches it and waits) and killed before its first token.
+            before = {n: _generate_ok(pair, n) for n in DECODERS}
+            _grpc_answer(address)
+            [home] = [n for n in DECODERS if _generate_ok(pair, n) > before[n]]
+            pid = pair.pids()[home]
+            os.killpg(pid, signal.SIGSTOP)
+            result: dict[str, Any] = {}
+
+            def call() -> None:
+                try:
+                    result["answer"] = _grpc_answer(address)
+                except grpc.RpcError as err:
+                    result["error"] = err
+
+            other = next(n for n in DECODERS if n != home)
+            served = _generate_ok(pair, other)
+            thread = threading.Thread(target=call)
+            thread.start()
+            import time
+
+            time.sleep(1.0)
+            assert "answer" not in result  # held by the frozen decoder
+            pair.kill(home)
+            thread.join(120)
+            assert "error" not in result, result
+            replayed = result["answer"]
+            assert (replayed.token_ids, replayed.text, replayed.usage) == (
+                undisturbed.token_ids,
+                undisturbed.text,
+                undisturbed.usage,
+            )
+            # HAProxy itself sent it on (retry-on empty-response: no byte of an answer had
+            # come back), or the gateway's second try through it did.
+            assert _generate_ok(pair, other) == served + 1
+    finally:
+        proxy.close()
+        for name in DECODERS:
+            if not pair.serving(name):
+                pair.restart(name)

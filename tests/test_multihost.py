@@ -97,6 +97,32 @@ class MultiHost:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
         )
 
+    def metric_inside(self, service: str, host: str, name: str, **labels: str) -> float:
+        """:meth:`metric` read from inside ``host``'s namespace (its loopback end of the
+        service's metrics port is reachable while its link is down)."""
+        import subprocess
+        import sys
+
+        code = (
+            "import urllib.request, sys; sys.stdout.write(urllib.request.urlopen("
+            f"'http://{self.net[host].address}:{METRICS_PORT[service]}/metrics',"
+            " timeout=5).read().decode())"
+        )
+        ns = self.net.hosts[host].netns
+        text = subprocess.run(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", code],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+
     def decoder_requests(self) -> dict[str, float]:
         """Generate calls each decoder host has answered."""
         return {
@@ -473,7 +499,12 @@ def test_a_partitioned_decoder_host_ends_its_calls_in_time_and_serves_again_once
         served_d = cluster.decoder_requests()["d"]
         with cluster.net.partitioned("d"):
             phase = "partitioned"
-            time.sleep(PARTITION_S)
+            time.sleep(2)  # the calls D had in flight at the cut end (4 tokens each)
+            # The cut is real: D, read from inside, takes no call while its link is down.
+            generate_calls = "splitvl_decoder_requests_total"
+            during = cluster.metric_inside("decoder", "d", generate_calls, method="Generate")
+            time.sleep(PARTITION_S - 2)
+            after = cluster.metric_inside("decoder", "d", generate_calls, method="Generate")
         phase = "healed"
         deadline = time.monotonic() + 90
         while cluster.decoder_requests()["d"] <= served_d and time.monotonic() < deadline:
@@ -492,6 +523,7 @@ def test_a_partitioned_decoder_host_ends_its_calls_in_time_and_serves_again_once
     assert max(s for *_, s in calls) <= PARTITION_DEADLINE_S + 2
     # C's keys were answered all along; D's only before and after the cut.
     assert set(summary[("c", "partitioned")]) == {"OK"}
+    assert after == during, (during, after)  # D's counter flat while cut off
     assert summary[("d", "before")] == {"OK": summary[("d", "before")]["OK"]}
     assert cluster.decoder_requests()["d"] > served_d  # D answered again once healed
     assert summary.get(("d", "healed"), {}).get("OK", 0) > 0

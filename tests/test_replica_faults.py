@@ -19,7 +19,7 @@ import pytest
 
 from splitvl.launcher import Cluster, Ports
 from splitvl.redis_server import RedisServer
-from splitvl_tools.replica_faults import LOST_MID_STREAM, REPLICAS, run_drill
+from splitvl_tools.replica_faults import REPLICAS, run_drill
 
 WINDOW_S = 15.0
 CONCURRENCY = 16
@@ -44,21 +44,10 @@ def test_replicas_and_the_store_killed_and_restarted_under_load(replicated: Clus
         replicated, window_s=WINDOW_S, concurrency=CONCURRENCY, deadline_s=60.0, rolling=ROLLING
     )
     print(report)
-    failed = {
-        code: n
-        for step in report["statuses_by_step"].values()
-        for code, n in step.items()
-        if code != "OK"
-    }
-    # The only failures allowed: calls cut off mid-answer by the killed decoder.
-    assert set(failed) <= {"UNAVAILABLE"}, (failed, report["error_examples"])
-    if failed:
-        assert LOST_MID_STREAM in report["error_examples"]["UNAVAILABLE"]
-        assert set(report["statuses_by_step"]["decoder_killed"]) >= {"UNAVAILABLE"}
-    for step in ("baseline", "cache_killed", "cache_back", "encoder_killed", "encoder_back"):
-        assert set(report["statuses_by_step"][step]) == {"OK"}, (step, report)
-    for step in ("decoder_back", "store_killed", "store_back", "rolling"):
-        assert set(report["statuses_by_step"][step]) == {"OK"}, (step, report)
+    # Every call answered in every step: answers in progress on the killed decoder-1, or
+    # on a decoder drained by the rolling restart, moved to the other replica.
+    for step, codes in report["statuses_by_step"].items():
+        assert set(codes) == {"OK"}, (step, codes, report["error_examples"])
     assert report["max_e2e_s"] <= 70.0
     # The mechanism, not only the outcome: replays, keys back, store errors as misses.
     assert report["failovers_decoder_killed"] >= 1

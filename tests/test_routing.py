@@ -182,10 +182,13 @@ class _Decoder(decoder_service_pb2_grpc.DecoderServiceServicer):
         self.die_with = die_with  # a status of the decoder's own (with ErrorInfo)
         self.headers: list[str | None] = []
         self.requests: list[dpb.GenerateRequest] = []
+        self.die_calls = 0  # the first this many calls fail before their first chunk
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         self.headers.append(dict(context.invocation_metadata()).get(AFFINITY_HEADER))
         self.requests.append(request)
+        if len(self.requests) <= self.die_calls:
+            await context.abort(self.die_code, "Socket closed")
         for i in range(self.tokens):
             if self.die_after is not None and i == self.die_after:
                 if self.die_with is not None:
@@ -358,6 +361,27 @@ async def test_an_answer_that_cannot_move_ends_lost_mid_stream(why: str) -> None
                 pass
     assert err.value.reason == "DECODER_LOST_MID_STREAM"
     assert len(other.requests) == (1 if why == "refused" else 0)
+
+
+async def test_one_endpoint_a_proxy_gets_a_second_try_before_the_first_token() -> None:
+    """GATEWAY_DECODER_ROUTING=proxy: one endpoint in front of the replicas. A call that
+    fails before its first token (the proxy's server gone) is tried through it once more,
+    where the proxy picks a live replica."""
+    flaky = _Decoder(1, tokens=2, die_after=0)
+    async with decoders(flaky) as (endpoint,):
+        router = DecoderRouter()
+        router.set_endpoints([endpoint])
+        stream = DecodeStage(router).stream(dpb.GenerateRequest(), Deadline.after(10), "k")
+        with pytest.raises(ServiceError) as err:
+            [c async for c in stream]
+        assert len(flaky.requests) == 2  # tried twice through the one endpoint
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        flaky.requests.clear()
+        flaky.die_after = None
+        flaky.die_calls = 1  # only the first call fails: the second try answers
+        stream = DecodeStage(router).stream(dpb.GenerateRequest(), Deadline.after(10), "k")
+        assert [c.token_ids[0] async for c in stream] == [100, 101]
+        assert len(flaky.requests) == 2
 
 
 @pytest.mark.parametrize("die_after", [0, 2])

@@ -102,7 +102,8 @@ class DecodeStage:
     The endpoint comes from the :class:`~gateway.pipeline.route.DecoderRouter` (image
     affinity with bounded loads). A call that fails with UNAVAILABLE before its first
     chunk (the replica unreachable, killed, its engine dead) is replayed on the next
-    endpoint of the key's ring order, and that replica is passed over for a while.
+    endpoint of the key's ring order, and that replica is passed over for a while; with
+    one endpoint (a proxy in front of the replicas) the second try goes through it again.
 
     Request migration: once chunks have reached the caller, a decoder that cannot go on
     (killed or unreachable: no status of its own; or its own UNAVAILABLE
@@ -172,6 +173,11 @@ class DecodeStage:
         moved: _Lost | None = None
         while True:
             endpoints, how = self.router.candidates(affinity)
+            if len(endpoints) == 1:
+                # One endpoint: a proxy in front of the replicas (GATEWAY_DECODER_ROUTING=
+                # proxy; HAProxy re-dispatches a call whose server is gone) or a channel
+                # over several addresses. A second try goes through it to another replica.
+                endpoints = endpoints * 2
             got = False  # a chunk of this call reached the caller
             try:
                 # aclosing: the caller closing this stream closes the call at once.
