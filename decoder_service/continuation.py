@@ -1,8 +1,10 @@
 """Continuing an answer another replica began (request migration, ``Continuation``).
 
-The gateway sends the tokens a lost or drained replica generated; this decoder renders the
-prompt as before, appends them after the generation prompt (vLLM gets the token ids, so
-nothing is re-tokenised) and generates the rest. What the client sees must be what one
+The gateway sends the tokens a lost or drained replica generated (the model's own output:
+only splitvl's gateway calls the decoder, and the public API takes no continuation); this
+decoder renders the prompt as before, appends them after the generation prompt (vLLM gets
+the token ids, so nothing is re-tokenised) and generates the rest, confirming it
+(``GenerateResponse.continued_tokens`` on its first message). What the client sees must be what one
 undisturbed replica would have sent:
 
 - **Text.** vLLM detokenises only the new tokens, and a replica holds text back (an
@@ -18,9 +20,9 @@ undisturbed replica would have sent:
 
 Usage::
 
-    ids = check_continuation(request, max_tokens, engine)
+    ids = check_continuation(request, max_tokens, engine.vocab_size, engine.vision_token_ids)
     text = ContinuedText(engine.tokenizer, prompt_ids, ids, request.continuation.text_chars,
-                         stop=list(params.stop or ()))
+                         stop=list(request.sampling.stop))
     piece, stopped = text.step(delta.token_ids, finished=delta.finish_reason is not None)
 """
 

@@ -130,8 +130,9 @@ class DecoderEngine:
         self.died = False
         self.forbidden_tokens: tuple[str, ...] = ()
         self._added_by_id: dict[int, str] = {}
-        # Ids a continuation may hold (Continuation.token_ids): below vocab_size, and none
-        # of the image/video placeholder and boundary tokens vLLM would bind media to.
+        # Ids a continuation may hold (Continuation.token_ids): the tokenizer's (not the
+        # padded embedding rows of the model's vocab_size), and none of the image/video
+        # placeholder and boundary tokens vLLM would bind media to.
         self.vocab_size = 0
         self.vision_token_ids: frozenset[int] = frozenset()
 
@@ -164,7 +165,7 @@ class DecoderEngine:
             AsyncLLM.from_engine_args, self.engine_args, stat_loggers=[engine_stat_logger()]
         )
         self.max_model_len = int(self.llm.model_config.max_model_len)
-        self.vocab_size = int(self.llm.model_config.get_vocab_size())
+        self.vocab_size = min(int(self.llm.model_config.get_vocab_size()), len(self.tokenizer))
         hf_config = self.llm.model_config.hf_config
         self.vision_token_ids = frozenset(
             int(i)
@@ -310,7 +311,9 @@ class DecoderEngine:
                 await self.llm.abort(request_id)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort running requests from outside their streams: each stream's last delta
-        then has ``finish_reason`` ``"abort"`` (vLLM's final output of an aborted request)."""
+        """Abort requests from outside their streams: a stream vLLM has registered then
+        gets a last delta with ``finish_reason`` ``"abort"`` (vLLM's final output of an
+        aborted request); an id vLLM does not know (not registered yet, or finished) is
+        left alone."""
         if self.llm is not None and request_ids and not self.llm.errored:
             await self.llm.abort(list(request_ids))

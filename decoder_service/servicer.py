@@ -192,9 +192,11 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
 
     async def hand_off(self) -> int:
         """End every stream in progress with UNAVAILABLE ``DECODER_DRAINING``, which the
-        gateway reads as "move this answer to another replica" (request migration), and
-        refuse new ones the same way. Called when a drain's grace is nearly over, so the
-        answers still running move instead of being cut. Returns how many were handed off.
+        gateway reads as "move this answer to another replica" (request migration): each
+        stream ends at its next output, and vLLM's requests are aborted so that queued ones
+        end too; a call still preparing ends the same way before it reaches vLLM. Called
+        when a drain's grace is nearly over, so the answers still running move instead of
+        being cut. Returns how many streams vLLM was running.
         """
         self.handing_off = True
         ids = sorted(self._streams)
@@ -295,19 +297,28 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             )
             self._streams.add(request_id)
             try:
+                if self.handing_off:  # hand_off ran while this call was preparing
+                    raise _draining()
                 # aclosing: a GeneratorExit at our yield closes the engine stream (and so
                 # aborts the vLLM request) at once, not when the garbage collector
                 # finalises it.
                 async with contextlib.aclosing(stream):
+                    first = True
                     async for delta in stream:
-                        if delta.finish_reason == "abort" and self.handing_off:
+                        # Checked on every output, not only vLLM's "abort" one: a request
+                        # vLLM had not registered yet when hand_off aborted it runs on.
+                        if self.handing_off:
                             span.add_event("handed_off")
                             raise _draining()
                         if prepared.text is None:
                             yield _response(delta, record)
                             continue
                         delta, stopped = _continued(delta, prepared.text, prepared.continuation)
-                        yield _response(delta, record)
+                        response = _response(delta, record)
+                        if first:
+                            response.continued_tokens = len(prepared.continuation)
+                            first = False
+                        yield response
                         if stopped:  # a stop string across the boundary: vLLM did not see it
                             return
             finally:

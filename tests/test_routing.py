@@ -183,18 +183,29 @@ class _Decoder(decoder_service_pb2_grpc.DecoderServiceServicer):
         self.headers: list[str | None] = []
         self.requests: list[dpb.GenerateRequest] = []
         self.die_calls = 0  # the first this many calls fail before their first chunk
+        self.confirms = True  # confirms a continuation (continued_tokens), as decoders do
+        self.die_at_end = False
 
     async def Generate(self, request, context):  # type: ignore[no-untyped-def]
         self.headers.append(dict(context.invocation_metadata()).get(AFFINITY_HEADER))
         self.requests.append(request)
         if len(self.requests) <= self.die_calls:
+            if self.die_with is not None:
+                await abort(context, self.die_with)
             await context.abort(self.die_code, "Socket closed")
         for i in range(self.tokens):
             if self.die_after is not None and i == self.die_after:
                 if self.die_with is not None:
                     await abort(context, self.die_with)
                 await context.abort(self.die_code, "Socket closed")
-            yield dpb.GenerateResponse(token_ids=[self.name * 100 + i], text=f"t{i}é")
+            chunk = dpb.GenerateResponse(token_ids=[self.name * 100 + i], text=f"t{i}é")
+            if i == 0 and self.confirms and request.HasField("continuation"):
+                chunk.continued_tokens = len(request.continuation.token_ids)
+            if i == self.tokens - 1:
+                chunk.finish_reason = 1
+            yield chunk
+        if self.die_at_end:  # the last chunk went out, then the connection was lost
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
 
 
 def closed_port() -> int:
@@ -331,6 +342,68 @@ async def test_an_answer_moves_at_most_the_limit_and_fails_as_before_past_it() -
         "DECODER_LOST_MID_STREAM",
     )
     assert limit._value.get() == before + 1
+
+
+async def test_a_decoder_that_does_not_confirm_the_continuation_ends_the_answer() -> None:
+    """A decoder from before request migration ignores ``continuation`` and would start
+    the answer over: without ``continued_tokens`` on its first chunk the answer ends as
+    lost, none of its tokens forwarded."""
+    dying, old = _Decoder(1, tokens=5, die_after=2), _Decoder(2, tokens=3)
+    old.confirms = False
+    async with decoders(dying, old) as endpoints:
+        router = DecoderRouter()
+        router.set_endpoints(endpoints)
+        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        stage = DecodeStage(router, migration_limit=3)
+        got = []
+        with pytest.raises(ServiceError) as err:
+            async for c in stage.stream(dpb.GenerateRequest(), NO_DEADLINE, key, renew=_renewed):
+                got.append(c.token_ids[0])
+    assert got == [100, 101]
+    assert err.value.reason == "DECODER_LOST_MID_STREAM"
+
+
+async def test_an_answer_whose_last_chunk_came_is_not_moved() -> None:
+    """The connection lost after the chunk with the finish reason: the answer is whole;
+    moving it would generate past its end."""
+    done, other = _Decoder(1, tokens=3), _Decoder(2)
+    done.die_at_end = True
+    async with decoders(done, other) as endpoints:
+        router = DecoderRouter()
+        router.set_endpoints(endpoints)
+        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        stage = DecodeStage(router, migration_limit=3)
+        stream = stage.stream(dpb.GenerateRequest(), NO_DEADLINE, key, renew=_renewed)
+        got = [c.token_ids[0] async for c in stream]
+    assert got == [100, 101, 102]
+    assert other.requests == []
+
+
+async def test_a_move_whose_refs_are_gone_moves_again_with_fresh_ones() -> None:
+    """The replica that takes the move finds its refs gone (another that refused the call
+    first had read and released them): the stage asks for fresh refs and moves again."""
+    dying = _Decoder(1, tokens=5, die_after=2)
+    gone = ServiceError(grpc.StatusCode.UNAVAILABLE, "EMBEDDING_REF_GONE", "gone")
+    other = _Decoder(2, tokens=2, die_with=gone)
+    other.die_calls = 1
+    other.die_code = grpc.StatusCode.UNAVAILABLE
+    renewals = []
+
+    async def renew(request: dpb.GenerateRequest) -> dpb.GenerateRequest:
+        renewals.append(request.request_id)
+        fresh = await _renewed(request)
+        fresh.request_id = f"renewed-{len(renewals)}"
+        return fresh
+
+    async with decoders(dying, other) as endpoints:
+        router = DecoderRouter()
+        router.set_endpoints(endpoints)
+        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        stage = DecodeStage(router, migration_limit=3)
+        stream = stage.stream(dpb.GenerateRequest(), Deadline.after(10), key, renew=renew)
+        got = [c.token_ids[0] async for c in stream]
+    assert got == [100, 101, 200, 201]
+    assert [r.request_id for r in other.requests] == ["renewed-1", "renewed-2"]
 
 
 @pytest.mark.parametrize("why", ["too_long", "refused", "renew_failed"])

@@ -16,7 +16,7 @@ from gateway import metrics
 from gateway.pipeline.route import AFFINITY_HEADER, DecoderRouter, Endpoint
 from gateway.pipeline.types import release
 from vlcommon import handoff
-from vlcommon.deadline import Deadline
+from vlcommon.deadline import Deadline, expired_error
 from vlcommon.errors import ServiceError, error_info, from_rpc_error
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,22 @@ class _Answer:
                 self.token_ids = None  # no longer movable
             else:
                 self.token_ids.extend(chunk.token_ids)
+
+
+def _check_continued(chunk: decoder_service_pb2.GenerateResponse, answer: _Answer) -> None:
+    """The first chunk of a moved answer must confirm the continuation: a decoder that
+    predates ``continued_tokens`` ignores the field and would start the answer over.
+
+    Raises:
+        ServiceError: FAILED_PRECONDITION when it does not (the answer then ends as lost).
+    """
+    if chunk.continued_tokens != answer.tokens:
+        raise ServiceError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "CONTINUATION_NOT_CONFIRMED",
+            f"the decoder continued from {chunk.continued_tokens} tokens, not "
+            f"{answer.tokens} (a decoder without request migration?)",
+        )
 
 
 class _Replay(Exception):
@@ -187,37 +203,53 @@ class DecodeStage:
                     )
                 ) as attempts:
                     async for chunk in attempts:
+                        if moved is not None and not got:
+                            _check_continued(chunk, answer)
                         got = True
                         answer.add(chunk)
                         yield chunk
                 return
             except _Lost as lost:
                 self.router.mark_down(lost.endpoint)
-                if renew is None or self.migration_limit == 0:
-                    why_not = "off"
-                elif moves >= self.migration_limit:
-                    why_not = "limit"
-                elif answer.token_ids is None:
-                    why_not = "too_long"
-                else:
-                    why_not = ""
-                if why_not or renew is None:
-                    metrics.MIGRATION_FAILURES.labels(reason=why_not).inc()
-                    raise lost.error from lost
-                request = await self._continuation(renew, request, answer, lost)
-                moves, moved = moves + 1, lost
+                moved = lost
             except (ServiceError, RefsLost) as err:
                 if moved is None or got:
                     raise
-                # The replica meant to continue the answer refused it or failed before
-                # its first chunk: the answer ends as it would have without a move.
-                metrics.MIGRATION_FAILURES.labels(reason="refused").inc()
-                log.warning(
-                    "the answer from %s could not continue elsewhere: %s",
-                    moved.endpoint.address,
-                    err,
-                )
-                raise moved.error from err
+                if isinstance(err, ServiceError) and err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                if not isinstance(err, RefsLost):
+                    # The replica meant to continue the answer refused it: the answer
+                    # ends as it would have without a move.
+                    metrics.MIGRATION_FAILURES.labels(reason="refused").inc()
+                    log.warning(
+                        "the answer from %s could not continue elsewhere: %s",
+                        moved.endpoint.address,
+                        err,
+                    )
+                    raise moved.error from err
+                # The refs of the move were gone when the next replica came to read them
+                # (a replica that refused the call first had released them): move again,
+                # with fresh ones.
+            why_not = self._why_not(moves, answer, renew)
+            if why_not or renew is None:
+                metrics.MIGRATION_FAILURES.labels(reason=why_not).inc()
+                raise moved.error
+            left = deadline.left()
+            if left is not None and left <= 0:
+                raise expired_error("its answer moved to another decoder replica")
+            request = await self._continuation(renew, request, answer, moved)
+            moves += 1
+
+    def _why_not(self, moves: int, answer: _Answer, renew: Renew | None) -> str:
+        """Why an answer cannot move (a ``splitvl_gateway_migration_failures_total``
+        reason), or "" when it can."""
+        if renew is None or self.migration_limit == 0:
+            return "off"
+        if moves >= self.migration_limit:
+            return "limit"
+        if answer.token_ids is None:
+            return "too_long"
+        return ""
 
     async def _continuation(
         self,
@@ -292,6 +324,8 @@ class DecodeStage:
                     endpoint.address,
                     replay.err.code().name,
                 )
+        if not endpoints:  # no call made: the refs are still this stage's to release
+            release(self.releaser, [*request.images, *(v.embedding for v in request.videos)])
         raise ServiceError(
             grpc.StatusCode.UNAVAILABLE,
             "DECODER_UNAVAILABLE",
@@ -318,6 +352,7 @@ class DecodeStage:
         with self.router.track(endpoint), gauge.track_inprogress():
             call = endpoint.stub.Generate(request, timeout=deadline.remaining(), metadata=metadata)
             first = True
+            finished = False
             t_last = time.perf_counter()
             try:
                 async for chunk in call:
@@ -325,8 +360,14 @@ class DecodeStage:
                     if chunk.token_ids and not first:
                         metrics.ITL.observe((now - t_last) / len(chunk.token_ids))
                     t_last, first = now, False
+                    finished = chunk.finish_reason != 0
                     yield chunk
             except grpc.aio.AioRpcError as err:
+                if finished:
+                    # The answer was whole (its last chunk came) and only the status was
+                    # lost: nothing to replay or move.
+                    log.info("decoder %s lost after the last chunk", endpoint.address)
+                    return
                 self._fail(err, request, endpoint, first, last)
             finally:
                 if not call.done():
