@@ -503,6 +503,10 @@ def test_a_partitioned_decoder_host_ends_its_calls_in_time_and_serves_again_once
             # The cut is real: D, read from inside, takes no call while its link is down.
             generate_calls = "splitvl_decoder_requests_total"
             during = cluster.metric_inside("decoder", "d", generate_calls, method="Generate")
+            # A call D took just before the cut may still be reading its embeddings from
+            # the other hosts (until its deadline): it ends during the cut, nothing begins.
+            stuck = "splitvl_decoder_in_flight_requests"
+            held = cluster.metric_inside("decoder", "d", stuck, method="Generate")
             time.sleep(PARTITION_S - 2)
             after = cluster.metric_inside("decoder", "d", generate_calls, method="Generate")
         phase = "healed"
@@ -523,7 +527,8 @@ def test_a_partitioned_decoder_host_ends_its_calls_in_time_and_serves_again_once
     assert max(s for *_, s in calls) <= PARTITION_DEADLINE_S + 2
     # C's keys were answered all along; D's only before and after the cut.
     assert set(summary[("c", "partitioned")]) == {"OK"}
-    assert after == during, (during, after)  # D's counter flat while cut off
+    # D's counter flat while cut off: at most the calls it held at the cut ended.
+    assert during <= after <= during + held, (during, after, held)
     assert summary[("d", "before")] == {"OK": summary[("d", "before")]["OK"]}
     assert cluster.decoder_requests()["d"] > served_d  # D answered again once healed
     assert summary.get(("d", "healed"), {}).get("OK", 0) > 0
