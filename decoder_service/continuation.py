@@ -20,7 +20,7 @@ undisturbed replica would have sent:
 
 Usage::
 
-    ids = check_continuation(request, max_tokens, engine.vocab_size, engine.vision_token_ids)
+    ids = check_continuation(request, max_tokens, engine.vocab_size, placeholders)
     text = ContinuedText(engine.tokenizer, prompt_ids, ids, request.continuation.text_chars,
                          stop=list(request.sampling.stop))
     piece, stopped = text.step(delta.token_ids, finished=delta.finish_reason is not None)
@@ -42,19 +42,21 @@ def check_continuation(
     request: pb.GenerateRequest,
     max_tokens: int,
     vocab_size: int,
-    vision_token_ids: frozenset[int],
+    placeholder_ids: frozenset[int],
 ) -> list[int]:
     """The continuation's token ids, checked (empty when the request has none).
 
     Args:
         max_tokens: The whole answer's max_tokens (``sampling.max_tokens`` or the default).
         vocab_size: The model's vocabulary size (ids in ``[0, vocab_size)``).
-        vision_token_ids: Image and video placeholder and boundary ids: vLLM would try to
-            bind media to them.
+        placeholder_ids: The image or video placeholder ids of the modalities the request
+            carries (vLLM binds media to them). The model may write another modality's
+            placeholder in an answer: vLLM reads that one as text (checked: a continuation
+            holding the tiny model's own <|video_pad|> gave the undisturbed tokens).
 
     Raises:
         ServiceError: INVALID_ARGUMENT ``CONTINUATION_INVALID`` naming
-            ``continuation.token_ids[i]`` (out of the vocabulary, a vision token),
+            ``continuation.token_ids[i]`` (out of the vocabulary, a placeholder),
             ``continuation.token_ids`` (none, or max_tokens or more) or
             ``continuation.text_chars``.
     """
@@ -76,8 +78,12 @@ def check_continuation(
             limit=max_tokens - 1,
         )
     for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size or t in vision_token_ids:
-            what = "a vision token" if t in vision_token_ids else f"outside [0, {vocab_size})"
+        if not 0 <= t < vocab_size or t in placeholder_ids:
+            what = (
+                "the placeholder of a modality the request carries"
+                if t in placeholder_ids
+                else f"outside [0, {vocab_size})"
+            )
             raise invalid_argument(
                 REASON,
                 f"continuation.token_ids[{i}] is {t}, {what}",

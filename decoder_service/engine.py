@@ -131,10 +131,10 @@ class DecoderEngine:
         self.forbidden_tokens: tuple[str, ...] = ()
         self._added_by_id: dict[int, str] = {}
         # Ids a continuation may hold (Continuation.token_ids): the tokenizer's (not the
-        # padded embedding rows of the model's vocab_size), and none of the image/video
-        # placeholder and boundary tokens vLLM would bind media to.
+        # padded embedding rows of the model's vocab_size), and not the placeholder token of
+        # a modality the request carries, which vLLM would bind media to.
         self.vocab_size = 0
-        self.vision_token_ids: frozenset[int] = frozenset()
+        self.placeholder_ids: dict[str, int] = {}
 
     async def start(self) -> None:
         """Start the engine (cold start tens of seconds on CPU) and load the tokenizer."""
@@ -167,16 +167,11 @@ class DecoderEngine:
         self.max_model_len = int(self.llm.model_config.max_model_len)
         self.vocab_size = min(int(self.llm.model_config.get_vocab_size()), len(self.tokenizer))
         hf_config = self.llm.model_config.hf_config
-        self.vision_token_ids = frozenset(
-            int(i)
-            for name in (
-                "image_token_id",
-                "video_token_id",
-                "vision_start_token_id",
-                "vision_end_token_id",
-            )
+        self.placeholder_ids = {
+            modality: int(i)
+            for modality, name in (("image", "image_token_id"), ("video", "video_token_id"))
             if (i := getattr(hf_config, name, None)) is not None
-        )
+        }
         limits = self.llm.model_config.multimodal_config.limit_per_prompt
         image_limit = limits.get("image", 1)
         self.max_images = int(getattr(image_limit, "count", image_limit))

@@ -224,9 +224,13 @@ class Preparer:
             )
             check_max_tokens(max_tokens, checked.limits.max_tokens_limit)
             engine = self.engine
-            continuation = check_continuation(
-                request, max_tokens, engine.vocab_size, engine.vision_token_ids
+            # The placeholder of a modality the request carries: vLLM binds media to it.
+            # Another (a <|video_pad|> the model wrote in an answer about an image) is text.
+            carried = {"image": bool(request.images), "video": bool(request.videos)}
+            placeholders = frozenset(
+                i for modality, i in engine.placeholder_ids.items() if carried.get(modality)
             )
+            continuation = check_continuation(request, max_tokens, engine.vocab_size, placeholders)
             params = sampling_params(request.sampling, checked.limits, len(continuation))
             prompt, ids = self._render(checked.messages)
             text = (

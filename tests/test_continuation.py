@@ -102,7 +102,7 @@ def test_text_chars_beyond_the_tokens_text_is_refused(tokenizer: Any) -> None:
         ([1, 2, 3], 3, "continuation.token_ids"),
         ([1, 5000, 3], 10, "continuation.token_ids[1]"),
         ([1, -1], 10, "continuation.token_ids[1]"),
-        ([7, 2012], 10, "continuation.token_ids[1]"),  # <|image_pad|>
+        ([7, 2012], 10, "continuation.token_ids[1]"),  # <|image_pad|>, images carried
     ],
 )
 def test_bad_continuations_are_refused_naming_the_field(
@@ -122,3 +122,6 @@ def test_no_continuation_is_a_new_answer() -> None:
     request = pb.GenerateRequest()
     request.continuation.token_ids.extend([1, 2])
     assert check_continuation(request, 3, 2026, frozenset()) == [1, 2]
+    # The model's own <|video_pad|> in an answer about an image: text, not a placeholder.
+    request.continuation.token_ids.append(2013)
+    assert check_continuation(request, 10, 2026, frozenset({2012})) == [1, 2, 2013]

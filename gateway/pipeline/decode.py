@@ -409,8 +409,9 @@ class DecodeStage:
                     grpc.StatusCode.UNAVAILABLE,
                     "DECODER_LOST_MID_STREAM",
                     f"decoder {endpoint.address} became unavailable after the answer had "
-                    f"started ({err.details() or err.code().name}); the answer is "
-                    "incomplete and could not continue on another replica: retry the request",
+                    f"started ({info.reason if info is not None else err.details()}); the "
+                    "answer is incomplete and could not continue on another replica: retry "
+                    "the request",
                     {"dependency": "decoder", "endpoint": endpoint.address},
                 ),
                 endpoint,
