@@ -54,6 +54,16 @@ from vlcommon.sampling import check_max_tokens, check_sampling_ranges
 tracer = trace.get_tracer("splitvl.decoder")
 
 
+def answer_max_tokens(msg: generation_pb2.SamplingParams, limits: Limits) -> int:
+    """The whole answer's max_tokens: the request's, else the decoder's default.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``MAX_TOKENS_OUT_OF_RANGE`` outside 1..the limit.
+    """
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else limits.max_tokens_default
+    return check_max_tokens(max_tokens, limits.max_tokens_limit)
+
+
 def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits, continued: int = 0) -> Any:
     """vLLM ``SamplingParams`` (DELTA output) from the proto, with every field range-checked.
 
@@ -67,8 +77,7 @@ def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits, continue
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else limits.max_tokens_default
-    check_max_tokens(max_tokens, limits.max_tokens_limit)
+    max_tokens = answer_max_tokens(msg, limits)
     top_p = check_sampling_ranges(msg)
     try:
         return SamplingParams(
@@ -217,12 +226,7 @@ class Preparer:
         fetching = asyncio.ensure_future(self._fetch_all(request, checked, deadline, read))
         fetching.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            max_tokens = (
-                request.sampling.max_tokens
-                if request.sampling.HasField("max_tokens")
-                else checked.limits.max_tokens_default
-            )
-            check_max_tokens(max_tokens, checked.limits.max_tokens_limit)
+            max_tokens = answer_max_tokens(request.sampling, checked.limits)
             engine = self.engine
             # The placeholder of a modality the request carries: vLLM binds media to it.
             # Another (a <|video_pad|> the model wrote in an answer about an image) is text.

@@ -62,6 +62,7 @@ from typing import Any
 from splitvl.argtypes import positive_float, positive_int
 from splitvl.launcher import Cluster
 from splitvl_tools.load import BAD_CODES, HUNG, CallResult, build_requests, one_call
+from splitvl_tools.plan import percentile
 
 STEPS = (
     "baseline",
@@ -306,9 +307,7 @@ def _ttft_p95_by_step(ok: list[Call]) -> dict[str, float]:
     for c in ok:
         if c.result.ttft_s is not None:
             by_step.setdefault(c.started, []).append(c.result.ttft_s)
-    return {
-        step: round(sorted(v)[max(0, -(-95 * len(v) // 100) - 1)], 3) for step, v in by_step.items()
-    }
+    return {step: round(percentile(v, 95), 3) for step, v in by_step.items()}
 
 
 def verdicts(calls: list[Call], report: dict[str, Any], bound_s: float) -> dict[str, bool]:

@@ -4,13 +4,19 @@ Its own cluster (decoders die here): two decoder replicas behind one gateway, gr
 answers with an image. Each test first runs the request undisturbed, then again with the
 decoder serving it killed (SIGKILL) or stopped (SIGTERM, its streams handed back) after the
 client has received its 5th token: the second stream must be the first, token for token,
-with usage counting every token once. The killed decoder is started again after each test.
+with usage counting every token once. The killed decoder is started again after each test
+(``_decoders_back``).
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import os
+import signal
+import threading
+import time
+import types
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,6 +56,15 @@ def pair(
         model=str(tiny_model), ports=Ports.free({"decoder": 2}), log_dir=log_dir, env=env
     ) as c:
         yield c
+
+
+@pytest.fixture(autouse=True)
+def _decoders_back(pair: Cluster) -> Iterator[None]:
+    """Each test kills or stops a decoder: it is started again after the test."""
+    yield
+    for name in DECODERS:
+        if not pair.serving(name):
+            pair.restart(name)
 
 
 def _serving_decoder(c: Cluster) -> str:
@@ -118,33 +133,26 @@ def test_a_decoder_killed_mid_answer_costs_the_grpc_client_nothing(
     undisturbed = _grpc_answer(address)
     assert len(undisturbed.token_ids) == MAX_TOKENS
     before = _migrations(pair, "lost")
-    try:
-        moved = _grpc_answer(address, disturb=pair.kill, c=pair)
-        assert moved.disturbed and moved.tokens_before < MAX_TOKENS
-        assert moved.token_ids == undisturbed.token_ids
-        assert moved.text == undisturbed.text
-        assert moved.usage == undisturbed.usage == (undisturbed.usage[0], MAX_TOKENS)
-        assert _migrations(pair, "lost") == before + 1
-        # The trace says where it went: both replicas and the tokens moved.
-        lost = str(pair.ports.grpc[moved.disturbed])
-        other = next(n for n in DECODERS if n != moved.disturbed)
-        events = _migration_events(otlp_receiver)
-        assert any(
-            lost in e["splitvl.migration.from"].string_value
-            and str(pair.ports.grpc[other]) in e["splitvl.migration.to"].string_value
-            and e["splitvl.migration.reason"].string_value == "lost"
-            and e["splitvl.migration.tokens"].int_value >= KILL_AFTER
-            for e in events
-        ), events
-    finally:
-        for name in DECODERS:
-            if not pair.serving(name):
-                pair.restart(name)
+    moved = _grpc_answer(address, disturb=pair.kill, c=pair)
+    assert moved.disturbed and moved.tokens_before < MAX_TOKENS
+    assert moved.token_ids == undisturbed.token_ids
+    assert moved.text == undisturbed.text
+    assert moved.usage == undisturbed.usage == (undisturbed.usage[0], MAX_TOKENS)
+    assert _migrations(pair, "lost") == before + 1
+    # The trace says where it went: both replicas and the tokens moved.
+    lost = str(pair.ports.grpc[moved.disturbed])
+    other = next(n for n in DECODERS if n != moved.disturbed)
+    events = _migration_events(otlp_receiver)
+    assert any(
+        lost in e["splitvl.migration.from"].string_value
+        and str(pair.ports.grpc[other]) in e["splitvl.migration.to"].string_value
+        and e["splitvl.migration.reason"].string_value == "lost"
+        and e["splitvl.migration.tokens"].int_value >= KILL_AFTER
+        for e in events
+    ), events
 
 
 def _migration_events(receiver: OtlpReceiver) -> list[dict[str, Any]]:
-    import time
-
     deadline = time.monotonic() + 15
     while True:
         events = [
@@ -168,28 +176,19 @@ def test_a_drained_decoder_hands_its_answers_to_the_other(pair: Cluster) -> None
     codes: dict[str, int | None] = {}
 
     def drain(name: str) -> None:
-        import threading
-
         # SIGTERM as a rolling restart sends it; the answer keeps streaming meanwhile.
         thread = threading.Thread(target=lambda: codes.update({name: pair.terminate(name)}))
         thread.start()
 
-    try:
-        moved = _grpc_answer(address, disturb=drain, c=pair)
-        assert moved.token_ids == undisturbed.token_ids
-        assert moved.text == undisturbed.text
-        assert moved.usage == undisturbed.usage
-        assert _migrations(pair, "draining") == before + 1
-        import time
-
-        deadline = time.monotonic() + 60
-        while moved.disturbed not in codes and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert codes[moved.disturbed] == 0  # a clean drain: the stream moved, not cut
-    finally:
-        for name in DECODERS:
-            if not pair.serving(name):
-                pair.restart(name)
+    moved = _grpc_answer(address, disturb=drain, c=pair)
+    assert moved.token_ids == undisturbed.token_ids
+    assert moved.text == undisturbed.text
+    assert moved.usage == undisturbed.usage
+    assert _migrations(pair, "draining") == before + 1
+    deadline = time.monotonic() + 60
+    while moved.disturbed not in codes and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert codes[moved.disturbed] == 0  # a clean drain: the stream moved, not cut
 
 
 @pytest.mark.e2e
@@ -235,16 +234,11 @@ def test_a_decoder_killed_mid_answer_costs_the_openai_client_nothing(pair: Clust
                     pair.kill(killed)
         return text, usage, killed
 
-    try:
-        text, usage, _ = stream(disturb=False)
-        moved_text, moved_usage, killed = stream(disturb=True)
-        assert killed
-        assert moved_text == text
-        assert moved_usage == usage == (usage[0], MAX_TOKENS)
-    finally:
-        for name in DECODERS:
-            if not pair.serving(name):
-                pair.restart(name)
+    text, usage, _ = stream(disturb=False)
+    moved_text, moved_usage, killed = stream(disturb=True)
+    assert killed
+    assert moved_text == text
+    assert moved_usage == usage == (usage[0], MAX_TOKENS)
 
 
 @pytest.mark.e2e
@@ -254,18 +248,13 @@ def test_with_migration_off_a_lost_decoder_ends_the_answer_as_before(
 ) -> None:
     env = {"GATEWAY_MIGRATION_LIMIT": "0"}
     with extra_service(pair, "gateway", env, tmp_path) as ports:
-        try:
-            with pytest.raises(grpc.RpcError) as err:
-                _grpc_answer(ports.address("gateway"), disturb=pair.kill, c=pair)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            info = error_info(err.value)
-            assert info is not None and info.reason == "DECODER_LOST_MID_STREAM"
-            off = 'splitvl_gateway_migration_failures_total{reason="off"}'
-            assert _metric(ports, "gateway", off) == 1
-        finally:
-            for name in DECODERS:
-                if not pair.serving(name):
-                    pair.restart(name)
+        with pytest.raises(grpc.RpcError) as err:
+            _grpc_answer(ports.address("gateway"), disturb=pair.kill, c=pair)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        info = error_info(err.value)
+        assert info is not None and info.reason == "DECODER_LOST_MID_STREAM"
+        off = 'splitvl_gateway_migration_failures_total{reason="off"}'
+        assert _metric(ports, "gateway", off) == 1
 
 
 def _generate_ok(c: Cluster, name: str) -> float:
@@ -282,14 +271,8 @@ def test_through_haproxy_a_replay_and_a_migration_reach_the_other_decoder(
     proxy) and the two real decoders: an answer whose decoder is killed mid-stream
     continues (HAProxy ends its stream without trailers: "Stream removed", UNKNOWN), and a
     call whose decoder dies before its first token is answered by the other, both through
-    the one
-    proxy endpoint, which sends the second try to the live decoder (a call with no byte
+    the one proxy endpoint, which sends the second try to the live decoder (a call with no byte
     of its answer back HAProxy re-dispatches itself)."""
-    import os
-    import signal
-    import threading
-    import types
-
     backends = [types.SimpleNamespace(port=pair.ports.grpc[n]) for n in DECODERS]
     proxy = Proxy(backends, tmp_path)
     env = {"GATEWAY_DECODER_ROUTING": "proxy"}
@@ -328,8 +311,6 @@ def test_through_haproxy_a_replay_and_a_migration_reach_the_other_decoder(
             served = _generate_ok(pair, other)
             thread = threading.Thread(target=call)
             thread.start()
-            import time
-
             time.sleep(1.0)
             assert "answer" not in result  # held by the frozen decoder
             pair.kill(home)
@@ -346,6 +327,3 @@ def test_through_haproxy_a_replay_and_a_migration_reach_the_other_decoder(
             assert _generate_ok(pair, other) == served + 1
     finally:
         proxy.close()
-        for name in DECODERS:
-            if not pair.serving(name):
-                pair.restart(name)

@@ -208,6 +208,13 @@ class _Decoder(decoder_service_pb2_grpc.DecoderServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
 
 
+def homed_on_first(endpoints: list[Endpoint]) -> tuple[DecoderRouter, str]:
+    """A router over ``endpoints`` and a key whose home is the first of them."""
+    router = DecoderRouter()
+    router.set_endpoints(endpoints)
+    return router, next(k for k in KEYS if home(router, k) == endpoints[0].address)
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -266,9 +273,7 @@ async def test_the_affinity_key_reaches_the_decoder_as_a_header() -> None:
 async def test_a_replica_lost_after_the_first_token_is_unavailable_and_not_replayed() -> None:
     dying, other = _Decoder(1, tokens=5, die_after=2), _Decoder(2)
     async with decoders(dying, other) as endpoints:
-        router = DecoderRouter()
-        router.set_endpoints(endpoints)
-        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        router, key = homed_on_first(endpoints)
         got = []
         with pytest.raises(ServiceError) as err:
             async for chunk in DecodeStage(router).stream(dpb.GenerateRequest(), NO_DEADLINE, key):
@@ -306,9 +311,7 @@ async def test_an_answer_whose_replica_is_lost_continues_on_the_next(
     moved = metrics.MIGRATIONS.labels(reason=reason)
     before = moved._value.get()
     async with decoders(dying, other) as endpoints:
-        router = DecoderRouter()
-        router.set_endpoints(endpoints)
-        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        router, key = homed_on_first(endpoints)
         stage = DecodeStage(router, migration_limit=1)
         stream = stage.stream(dpb.GenerateRequest(), Deadline.after(10), key, renew=_renewed)
         got = [c.token_ids[0] async for c in stream]
@@ -328,9 +331,7 @@ async def test_an_answer_moves_at_most_the_limit_and_fails_as_before_past_it() -
     limit = metrics.MIGRATION_FAILURES.labels(reason="limit")
     before = limit._value.get()
     async with decoders(first, second) as endpoints:
-        router = DecoderRouter()
-        router.set_endpoints(endpoints)
-        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        router, key = homed_on_first(endpoints)
         got = []
         with pytest.raises(ServiceError) as err:
             stage = DecodeStage(router, migration_limit=1)
@@ -351,9 +352,7 @@ async def test_a_decoder_that_does_not_confirm_the_continuation_ends_the_answer(
     dying, old = _Decoder(1, tokens=5, die_after=2), _Decoder(2, tokens=3)
     old.confirms = False
     async with decoders(dying, old) as endpoints:
-        router = DecoderRouter()
-        router.set_endpoints(endpoints)
-        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        router, key = homed_on_first(endpoints)
         stage = DecodeStage(router, migration_limit=3)
         got = []
         with pytest.raises(ServiceError) as err:
@@ -369,9 +368,7 @@ async def test_an_answer_whose_last_chunk_came_is_not_moved() -> None:
     done, other = _Decoder(1, tokens=3), _Decoder(2)
     done.die_at_end = True
     async with decoders(done, other) as endpoints:
-        router = DecoderRouter()
-        router.set_endpoints(endpoints)
-        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        router, key = homed_on_first(endpoints)
         stage = DecodeStage(router, migration_limit=3)
         stream = stage.stream(dpb.GenerateRequest(), NO_DEADLINE, key, renew=_renewed)
         got = [c.token_ids[0] async for c in stream]
@@ -396,9 +393,7 @@ async def test_a_move_whose_refs_are_gone_moves_again_with_fresh_ones() -> None:
         return fresh
 
     async with decoders(dying, other) as endpoints:
-        router = DecoderRouter()
-        router.set_endpoints(endpoints)
-        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        router, key = homed_on_first(endpoints)
         stage = DecodeStage(router, migration_limit=3)
         stream = stage.stream(dpb.GenerateRequest(), Deadline.after(10), key, renew=renew)
         got = [c.token_ids[0] async for c in stream]
@@ -421,9 +416,7 @@ async def test_an_answer_that_cannot_move_ends_lost_mid_stream(why: str) -> None
         return await _renewed(request)
 
     async with decoders(dying, other) as endpoints:
-        router = DecoderRouter()
-        router.set_endpoints(endpoints)
-        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        router, key = homed_on_first(endpoints)
         stage = DecodeStage(
             router, migration_limit=3, migration_max_seq_len=1 if why == "too_long" else 100
         )
@@ -467,9 +460,7 @@ async def test_a_replica_that_cancels_the_call_is_replayed_or_lost_mid_stream(
     dying = _Decoder(1, tokens=5, die_after=die_after, die_code=grpc.StatusCode.CANCELLED)
     other = _Decoder(2)
     async with decoders(dying, other) as endpoints:
-        router = DecoderRouter()
-        router.set_endpoints(endpoints)
-        key = next(k for k in KEYS if home(router, k) == endpoints[0].address)
+        router, key = homed_on_first(endpoints)
         got: list[int] = []
         stream = DecodeStage(router).stream(dpb.GenerateRequest(), Deadline.after(10), key)
         if die_after == 0:

@@ -316,31 +316,29 @@ class Pipeline:
         landing, f.owned[:] = list(f.owned), []
         put.add_done_callback(lambda _: same_file.land(landing))
 
-    async def _encode_again(self, f: _Flight, which: set[int] | None = None) -> None:
-        """After lost refs: every image and video encoded again, or those whose ``id()``
-        is in ``which`` (an image answered by its file's digest was never decoded: it is
-        decoded first)."""
+    async def _encode_again(self, f: _Flight, positions: list[int] | None = None) -> None:
+        """After lost refs: every image and video encoded again, or those at ``positions``
+        in ``f.items`` (an image answered by its file's digest was never decoded: it is
+        decoded first, in its place)."""
         req = f.request
-        chosen = [im for im in f.items if which is None or id(im) in which]
-        undecoded = [
-            i
-            for i, im in enumerate(f.images)
-            if im.pixels is None and (which is None or id(im) in which)
-        ]
+        chosen = list(range(len(f.items))) if positions is None else positions
+        undecoded = [p for p in chosen if p < len(f.images) and f.images[p].pixels is None]
         if undecoded:
             again, _, _ = await self.images.prepare(
-                [f.datas[i] for i in undecoded], req.min_pixels, req.max_pixels, OFF, req.deadline
+                [f.datas[p] for p in undecoded], req.min_pixels, req.max_pixels, OFF, req.deadline
             )
-            for i, im in zip(undecoded, again, strict=True):
-                im.index = i
-                chosen = [im if x is f.images[i] else x for x in chosen]
-                f.images[i] = im
-        for im in chosen:
+            for p, im in zip(undecoded, again, strict=True):
+                im.index = p
+                f.images[p] = im
+        items = f.items
+        retry = [items[p] for p in chosen]
+        for im in retry:
             im.embedding, im.tier = None, generation_pb2.CACHE_TIER_MISS
         t = time.perf_counter()
-        await self.encode.encode(chosen, req.deadline, readers=1, held=f.held)
+        await self.encode.encode(retry, req.deadline, readers=1, held=f.held)
         f.timings.encode_ms += (time.perf_counter() - t) * 1000
-        f.misses = chosen if which is None else f.misses
+        if positions is None:
+            f.misses = retry
 
     async def _refs_again(
         self, f: _Flight, old: decoder_service_pb2.GenerateRequest
@@ -355,32 +353,28 @@ class Pipeline:
             ServiceError: the encoder's status when what the cache no longer has cannot be
                 encoded again; DEADLINE_EXCEEDED.
         """
-        req, found = f.request, set()
-        items = [im for im in f.items if im.embedding is not None]
+        req, items, found = f.request, f.items, set()
         if self.down.cache is not None and req.cache_policy != OFF:
-            asks = [
-                (
+            asks = {
+                p: dataclasses.replace(
                     im,
-                    dataclasses.replace(
-                        im,
-                        key=im.embedding.key or im.key,
-                        bytes_key="",
-                        embedding=None,
-                        tier=generation_pb2.CACHE_TIER_MISS,
-                        claim=0,
-                    ),
+                    key=im.embedding.key or im.key,
+                    bytes_key="",
+                    embedding=None,
+                    tier=generation_pb2.CACHE_TIER_MISS,
+                    claim=0,
                 )
-                for im in items
+                for p, im in enumerate(items)
                 if im.embedding is not None and im.served_grid == im.plan.grid
-            ]
+            }
             if asks:
                 exact = generation_pb2.CACHE_POLICY_EXACT_ONLY
-                await self.cache.lookup([a for _, a in asks], exact, req.deadline, f.held)
-                for im, again in asks:
+                await self.cache.lookup(list(asks.values()), exact, req.deadline, f.held)
+                for p, again in asks.items():
                     if again.embedding is not None:
-                        im.embedding = again.embedding
-                        found.add(id(im))
-        missing = {id(im) for im in f.items if id(im) not in found}
+                        items[p].embedding = again.embedding
+                        found.add(p)
+        missing = [p for p in range(len(items)) if p not in found]
         if missing:
             await self._encode_again(f, missing)
         fresh = decoder_service_pb2.GenerateRequest()

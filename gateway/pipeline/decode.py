@@ -16,7 +16,7 @@ from gateway import metrics
 from gateway.pipeline.route import AFFINITY_HEADER, DecoderRouter, Endpoint
 from gateway.pipeline.types import release
 from vlcommon import handoff
-from vlcommon.deadline import Deadline, expired_error
+from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError, error_info, from_rpc_error
 
 log = logging.getLogger(__name__)
@@ -231,12 +231,11 @@ class DecodeStage:
                 # (a replica that refused the call first had released them): move again,
                 # with fresh ones.
             why_not = self._why_not(moves, answer, renew)
-            if why_not or renew is None:
+            if why_not:
                 metrics.MIGRATION_FAILURES.labels(reason=why_not).inc()
                 raise moved.error
-            left = deadline.left()
-            if left is not None and left <= 0:
-                raise expired_error("its answer moved to another decoder replica")
+            assert renew is not None  # else _why_not said "off"
+            deadline.check(what="its answer moved to another decoder replica")
             request = await self._continuation(renew, request, answer, moved)
             moves += 1
 
@@ -404,14 +403,14 @@ class DecodeStage:
             raise RefsLost(error) from err
         move = MOVE_REASONS.get(info.reason) if info is not None else None
         if not first and (gone or move):
+            why = info.reason if info is not None else err.details() or err.code().name
             raise _Lost(
                 ServiceError(
                     grpc.StatusCode.UNAVAILABLE,
                     "DECODER_LOST_MID_STREAM",
                     f"decoder {endpoint.address} became unavailable after the answer had "
-                    f"started ({info.reason if info is not None else err.details()}); the "
-                    "answer is incomplete and could not continue on another replica: retry "
-                    "the request",
+                    f"started ({why}); the answer is incomplete and could not continue on "
+                    "another replica: retry the request",
                     {"dependency": "decoder", "endpoint": endpoint.address},
                 ),
                 endpoint,
