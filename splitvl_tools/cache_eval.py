@@ -296,7 +296,7 @@ SPREADSHEET_EDITS = (((6, 3), "4,871.20", "4,871.29"), ((15, 6), "312.00", "372.
 RANDOM_SIZES = ((512, 512), (1024, 768), (224, 224))
 # (photo, alpha, year a, year b): a white 36 px '(c) {year} Alice Smith' watermark,
 # changed in one digit. Alpha 30 over fine texture (fur, gravel) is below what the
-# verification sees (docs/cache.md), so those are not in the set.
+# verification sees (benchmarks/cache-calibration.md), so those are not in the set.
 WATERMARKS = (
     ("astronaut.png", 30, "2024", "2021"),
     ("coffee.png", 30, "2023", "2028"),
@@ -984,7 +984,7 @@ def _default_threshold() -> float:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The table as Markdown (what docs/cache.md shows)."""
+    """The table as Markdown (what benchmarks/cache-calibration.md shows)."""
     lines = [
         "| threshold | false hits | false hits, descriptor alone | precision "
         "| descriptor recall | near-duplicate recall | recall without crops | crop recall "

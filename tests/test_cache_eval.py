@@ -5,7 +5,7 @@ construction): at the cache's default threshold no distinct pair hits (descripto
 servable grid and the verification, as the cache decides) and >= 95% of the near
 duplicates other than crops do (a crop loses border content the verification cannot
 check: a miss, never a wrong hit), at the tiny budget and at Qwen3-VL's, where most resizes
-change the grid. The full set is in docs/cache.md."""
+change the grid. The full set is in benchmarks/cache-calibration.md."""
 
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def test_default_threshold_has_no_false_hits_and_high_recall(report: dict) -> No
 
 
 def test_coefficient_cost_times_a_passing_copy_and_a_refused_edit(report: dict) -> None:
-    # The two rows docs/cache.md quotes: one pass (an ffmpeg JPEG of the picture passes
-    # at once) and the full first-generation search (an edited picture's JPEG is
+    # The two rows benchmarks/cache-calibration.md quotes: one pass (an ffmpeg JPEG of the
+    # picture passes at once) and the full first-generation search (an edited picture's JPEG is
     # refused); were either score on the other side of the tolerance, the row would time
     # another path than it names.
     costs = report["coefficient_cost_by_size"]

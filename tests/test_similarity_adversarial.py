@@ -473,7 +473,8 @@ def test_one_digit_of_small_ui_text_is_not_served_at_any_offset(size: int, dark:
     UI text ('Total: 1,234.50' vs '1,284.50', light grey on a dark card) had cosine 1.000
     and a residual of 5.88: the 2x2 average and aligned 8x8 blocks diluted the changed
     strokes. A scan of 10 digit swaps x 12 offsets hit 24/120 at 11 px (dark), 8/120
-    (light), 9/120 at 12 px; after the fix 0/480, the lowest score 8.12 (docs/cache.md).
+    (light), 9/120 at 12 px; after the fix 0/480, the lowest score 8.12
+    (benchmarks/cache-calibration.md).
     Qwen3-VL's budget keeps such a screenshot whole and the model reads it."""
     colour = (230, 230, 230) if dark else (0, 0, 0)
     scores = []
@@ -751,7 +752,7 @@ def test_one_digit_of_faint_type_on_a_white_card_as_another_encoders_jpeg() -> N
     "UnsharpMask) before its JPEG: most blocks move beyond the quantisation, the check's "
     "gate says 'not one JPEG of the other picture', and the six checks alone pass "
     "(36-75 of 80). Fitting a global tone curve and 3x3 kernel first was tried and lost "
-    "more copies than it kept (docs/cache.md)",
+    "more copies than it kept (benchmarks/cache-calibration.md)",
 )
 def test_one_digit_of_low_contrast_11px_ui_text_blurred_before_its_jpeg() -> None:
     for label, a, b in _digit_swaps(_GREYS[:1]):
