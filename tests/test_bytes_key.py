@@ -42,6 +42,7 @@ from cache_service.servicer import CacheServicer
 from cache_service.store import EmbeddingStore
 from gateway.pipeline import Downstream, Pipeline
 from gateway.pipeline.preprocess import DECODE_NICE
+from gateway.pipeline.same_file import Claims
 from gateway.pipeline.types import PreparedImage
 from gateway.settings import GatewaySettings
 from tests.conftest import in_process_server, png_bytes
@@ -229,10 +230,10 @@ async def prepare(servicer: Pipeline, data: bytes) -> PreparedImage:
     (embeddings of the right shape) and put, as Generate does."""
     policy = generation_pb2.CACHE_POLICY_SIMILAR
     lo, hi = SPEC.min_pixels, SPEC.max_pixels
-    images, _, ask_cache = await servicer.images.prepare([data], lo, hi, policy, NO_DEADLINE)
-    if ask_cache:
-        await servicer.cache.lookup([im for im in images if im.decoded], policy, NO_DEADLINE)
-    (im,) = images
+    intake = await servicer.images.prepare([data], lo, hi, policy, NO_DEADLINE)
+    if intake.ask_cache:
+        await servicer.cache.lookup([im for im in intake.images if im.decoded], policy, NO_DEADLINE)
+    (im,) = intake.images
     if im.embedding is None:
         values = np.full((im.plan.tokens, SPEC.embedding_width), 0.5, np.float32)
         im.embedding = tensor_pb2.ImageEmbedding(
@@ -319,12 +320,12 @@ async def encode_and_put(servicer: Pipeline, im: PreparedImage) -> None:
 
 
 async def prepare_claiming(
-    servicer: Pipeline, datas: list[bytes], owned: list[str], deadline: Deadline = NO_DEADLINE
+    servicer: Pipeline, datas: list[bytes], claims: Claims, deadline: Deadline = NO_DEADLINE
 ) -> list[PreparedImage]:
     lo, hi = SPEC.min_pixels, SPEC.max_pixels
     policy = generation_pb2.CACHE_POLICY_SIMILAR
-    images, _, _ = await servicer.images.prepare(datas, lo, hi, policy, deadline, None, owned)
-    return images
+    intake = await servicer.images.prepare(datas, lo, hi, policy, deadline, None, claims)
+    return intake.images
 
 
 async def test_a_request_for_bytes_being_encoded_waits_for_that_put_and_decodes_nothing(
@@ -336,21 +337,23 @@ async def test_a_request_for_bytes_being_encoded_waits_for_that_put_and_decodes_
     servicer, _ = gateway_and_cache
     jpeg = stored_file(1, "JPEG", scene(seed=31))
     before, hits_before = decoded_total(), same_file_waits("hit")
-    first_claims: list[str] = []
+    first_claims = servicer.images.claims()
     (first,) = await prepare_claiming(servicer, [jpeg], first_claims)
     assert (
-        first.decoded and first_claims == [first.bytes_key] and len(servicer.images.same_file) == 1
+        first.decoded
+        and first_claims.keys == [first.bytes_key]
+        and len(servicer.images.same_file) == 1
     )
-    second_claims: list[str] = []
+    second_claims = servicer.images.claims()
     follower = asyncio.create_task(prepare_claiming(servicer, [jpeg], second_claims))
     await asyncio.sleep(0.3)
     assert not follower.done()  # waiting for the first request's put
     await encode_and_put(servicer, first)
-    servicer.images.same_file.land(first_claims)  # as the put's done callback does
+    first_claims.land()  # as the put does once it stored the entry
     (second,) = await asyncio.wait_for(follower, 10)
     assert not second.decoded and second.tier == generation_pb2.CACHE_TIER_EXACT
     assert second.embedding is not None and second.key == first.key
-    assert decoded_total() == before + 1 and second_claims == []
+    assert decoded_total() == before + 1 and second_claims.keys == []
     assert same_file_waits("hit") == hits_before + 1 and len(servicer.images.same_file) == 0
 
 
@@ -360,12 +363,12 @@ async def test_a_follower_decodes_when_the_claimant_ends_without_a_put(gateway_a
     servicer, _ = gateway_and_cache
     png = stored_file(1, "PNG", scene(seed=32))
     before, misses_before = decoded_total(), same_file_waits("miss")
-    first_claims: list[str] = []
+    first_claims = servicer.images.claims()
     await prepare_claiming(servicer, [png], first_claims)
-    follower = asyncio.create_task(prepare_claiming(servicer, [png], []))
+    follower = asyncio.create_task(prepare_claiming(servicer, [png], servicer.images.claims()))
     await asyncio.sleep(0.3)
     assert not follower.done()
-    servicer.images.same_file.land(first_claims)  # Generate's finally, no put
+    first_claims.land()  # Generate's finally, no put
     (second,) = await asyncio.wait_for(follower, 10)
     assert second.decoded and second.tier == generation_pb2.CACHE_TIER_MISS
     assert decoded_total() == before + 2 and same_file_waits("miss") == misses_before + 1
@@ -378,13 +381,14 @@ async def test_a_request_holding_a_claim_never_waits_so_two_cannot_wait_on_each_
     not wait for X (were it to wait, and A to wait for Y, neither would ever put)."""
     servicer, _ = gateway_and_cache
     x, y = (stored_file(1, "JPEG", scene(seed=s)) for s in (33, 34))
-    a_claims: list[str] = []
+    a_claims = servicer.images.claims()
     await prepare_claiming(servicer, [x], a_claims)
-    b_claims: list[str] = []
+    b_claims = servicer.images.claims()
     images = await asyncio.wait_for(prepare_claiming(servicer, [x, y], b_claims), 10)
     assert [im.decoded for im in images] == [True, True]
-    assert b_claims == [images[1].bytes_key] and a_claims == [images[0].bytes_key]
-    servicer.images.same_file.land(a_claims + b_claims)
+    assert b_claims.keys == [images[1].bytes_key] and a_claims.keys == [images[0].bytes_key]
+    a_claims.land()
+    b_claims.land()
     assert len(servicer.images.same_file) == 0
 
 
@@ -396,15 +400,15 @@ async def test_a_waiter_leaves_half_its_deadline_for_decoding_and_encoding_itsel
 
     servicer, _ = gateway_and_cache
     png = stored_file(1, "PNG", scene(seed=35))
-    holder: list[str] = []
+    holder = servicer.images.claims()
     await prepare_claiming(servicer, [png], holder)
     misses_before = same_file_waits("miss")
     t0 = time.perf_counter()
-    (im,) = await prepare_claiming(servicer, [png], [], Deadline.after(1.0))
+    (im,) = await prepare_claiming(servicer, [png], servicer.images.claims(), Deadline.after(1.0))
     elapsed = time.perf_counter() - t0
     assert im.decoded and 0.45 < elapsed < 0.9, elapsed  # waited ~0.5 s, then decoded
     assert same_file_waits("miss") == misses_before + 1
-    servicer.images.same_file.land(holder)
+    holder.land()
 
 
 async def test_a_bad_file_beside_one_being_encoded_fails_at_once(gateway_and_cache) -> None:
@@ -412,14 +416,16 @@ async def test_a_bad_file_beside_one_being_encoded_fails_at_once(gateway_and_cac
     the request fails now with INVALID_ARGUMENT, not after the holder's encode."""
     servicer, _ = gateway_and_cache
     good = stored_file(1, "JPEG", scene(seed=36))
-    holder: list[str] = []
+    holder = servicer.images.claims()
     await prepare_claiming(servicer, [good], holder)
     t0 = time.perf_counter()
     with pytest.raises(ServiceError) as err:
-        await asyncio.wait_for(prepare_claiming(servicer, [good, b"not an image"], []), 10)
+        await asyncio.wait_for(
+            prepare_claiming(servicer, [good, b"not an image"], servicer.images.claims()), 10
+        )
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert time.perf_counter() - t0 < 2
-    servicer.images.same_file.land(holder)
+    holder.land()
 
 
 async def test_a_failed_lookup_after_the_wait_stops_asking_the_cache(
@@ -429,7 +435,7 @@ async def test_a_failed_lookup_after_the_wait_stops_asking_the_cache(
     asks the cache no more (no pixel-key lookup into a failing cache)."""
     servicer, _ = gateway_and_cache
     png = stored_file(1, "PNG", scene(seed=37))
-    holder: list[str] = []
+    holder = servicer.images.claims()
     await prepare_claiming(servicer, [png], holder)
     real = servicer.cache.lookup_files
     calls = 0
@@ -443,12 +449,13 @@ async def test_a_failed_lookup_after_the_wait_stops_asking_the_cache(
     lo, hi = SPEC.min_pixels, SPEC.max_pixels
     policy = generation_pb2.CACHE_POLICY_SIMILAR
     follower = asyncio.create_task(
-        servicer.images.prepare([png], lo, hi, policy, NO_DEADLINE, None, [])
+        servicer.images.prepare([png], lo, hi, policy, NO_DEADLINE, None, servicer.images.claims())
     )
     await asyncio.sleep(0.2)
-    servicer.images.same_file.land(holder)
-    (im,), _, ask_cache = await asyncio.wait_for(follower, 10)
-    assert calls == 2 and im.decoded and ask_cache is False
+    holder.land()
+    intake = await asyncio.wait_for(follower, 10)
+    (im,) = intake.images
+    assert calls == 2 and im.decoded and intake.ask_cache is False
 
 
 async def test_same_file_flights_claim_follow_and_land() -> None:
@@ -465,6 +472,24 @@ async def test_same_file_flights_claim_follow_and_land() -> None:
     assert follow[0].done() and len(flights) == 2  # "a" and "c" still held
     flights.land(["b", "a", "c"])  # landing twice is harmless
     assert len(flights) == 0
+
+
+async def test_claims_land_once_by_their_one_owner() -> None:
+    """A request keeps the claims its put will store, hands them to the put, and its own
+    finally then lands nothing the put still holds."""
+    from gateway.pipeline.same_file import SameFileFlights
+
+    flights = SameFileFlights()
+    claims = Claims(flights)
+    assert claims.claim_or_follow(["a", "b"]) == {} and claims.keys == ["a", "b"]
+    follower = flights.claim_or_follow(["a", "b"], [])
+    claims.keep({"b"})  # "a" was a hit after all: its follower looks up now
+    assert follower[0].done() and not follower[1].done() and claims.keys == ["b"]
+    put = claims.hand_over()
+    claims.land()  # the request's finally, before the put has ended
+    assert not claims and not follower[1].done() and len(flights) == 1
+    put.land()  # the put, once the entry is stored
+    assert follower[1].done() and len(flights) == 0 and not put
 
 
 async def test_a_file_whose_header_plan_differs_is_decoded_every_time(gateway_and_cache) -> None:

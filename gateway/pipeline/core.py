@@ -24,9 +24,10 @@ from gateway.pipeline.cache import CacheStage
 from gateway.pipeline.decode import DecodeStage, RefsLost
 from gateway.pipeline.encode import EncodeStage
 from gateway.pipeline.events import GenerateEvent
-from gateway.pipeline.images import ImageIntake, fetch_urls
+from gateway.pipeline.images import ImageFiles, ImageIntake, fetch_urls
 from gateway.pipeline.preprocess import Preprocessor
 from gateway.pipeline.route import DecoderRouter
+from gateway.pipeline.same_file import Claims
 from gateway.pipeline.types import (
     HeldRefs,
     PreparedImage,
@@ -69,8 +70,9 @@ class _Flight:
 
     request: GenerateInput
     held: HeldRefs
-    owned: list[str]  # claims on files being encoded (ImageIntake.same_file)
+    claims: Claims  # on files this request encodes (ImageIntake.same_file), landed once
     timings: pb.StageTimings = field(default_factory=pb.StageTimings)
+    intake: ImageFiles | None = None  # the images between their read, lookup and decode
     datas: list[bytes] = field(default_factory=list)
     images: list[PreparedImage] = field(default_factory=list)
     videos: list[PreparedVideo] = field(default_factory=list)
@@ -177,7 +179,7 @@ class Pipeline:
                 naming it), the deadline (DEADLINE_EXCEEDED); after it, the decoder's
                 status. Never a partial answer presented as whole.
         """
-        flight = _Flight(request, HeldRefs(), [])
+        flight = _Flight(request, HeldRefs(), self.images.claims())
         try:
             async with contextlib.aclosing(self._run(flight)) as events:
                 async for event in events:
@@ -185,7 +187,7 @@ class Pipeline:
         finally:
             # Claims not handed to a put (failed, cancelled, or hits after all): their
             # followers look up again and, missing, decode as before.
-            self.images.same_file.land(flight.owned)
+            flight.claims.land()
             # Failed (or cancelled) before the decoder took its refs over: release them,
             # so no hit stays leased and no segment stays held until its TTL.
             if flight.held.refs:
@@ -193,7 +195,13 @@ class Pipeline:
 
     async def _run(self, f: _Flight) -> AsyncGenerator[GenerateEvent, None]:
         request_span = trace.get_current_span()  # the front's server span
-        await self._preprocess(f, request_span)
+        # Stages 1-3 under the one gateway.preprocess span (the trace's contract,
+        # docs/observability.md); each stage's time lands in its own timing.
+        with tracer.start_as_current_span("gateway.preprocess") as span:
+            await self._read(f)
+            await self._lookup_files(f)
+            await self._decode_images(f)
+            self._describe(f, span, request_span)
         await self._lookup(f)
         await self._encode_misses(f)
         for attempt in (0, 1):
@@ -216,38 +224,13 @@ class Pipeline:
                 await self._encode_again(f)
         self._observe_stages(f)
 
-    # -- 1. preprocess ----------------------------------------------------------------------
-    async def _preprocess(self, f: _Flight, request_span: trace.Span) -> None:
-        req = f.request
-        with tracer.start_as_current_span("gateway.preprocess") as span:
-            f.datas = await fetch_urls(self.fetcher, req.images, req.deadline)
-            # Only a request of one image and no video takes part in the same-file
-            # flights: a waiter waits for its holder's whole encode and put, which is
-            # one image's then.
-            single = len(f.datas) == 1 and not req.videos
-            f.images, bytes_lookup_ms, f.ask_cache = await self.images.prepare(
-                f.datas,
-                req.min_pixels,
-                req.max_pixels,
-                req.cache_policy,
-                req.deadline,
-                f.held,
-                f.owned if single else None,
-            )
-            if req.videos:
-                assert self.videos is not None  # the parser refuses videos without one
-                sources = await self.videos.fetch_urls(req.videos, req.deadline)
-                f.videos = await self.preprocessor.run(
-                    self.videos.prepare, sources, deadline=req.deadline
-                )
-            span.set_attribute("splitvl.videos", len(f.videos))
-            span.set_attribute("splitvl.images", len(f.images))
-            span.set_attribute("splitvl.grids", [str(im.plan.grid) for im in f.images])
-            span.set_attribute("splitvl.decoded", [im.decoded for im in f.images])
-        # The bytes-key lookup ran inside this span; its time is the lookup stage's.
-        elapsed_ms = (time.perf_counter() - req.arrived) * 1000
-        f.timings.preprocess_ms = elapsed_ms - bytes_lookup_ms
-        f.timings.lookup_ms = bytes_lookup_ms
+    # -- 1-3. preprocess: fetch and read; lookup by the files' bytes; decode the rest -------
+    def _describe(self, f: _Flight, span: trace.Span, request_span: trace.Span) -> None:
+        """What stages 1-3 prepared, on their span, the request span and the counters."""
+        span.set_attribute("splitvl.videos", len(f.videos))
+        span.set_attribute("splitvl.images", len(f.images))
+        span.set_attribute("splitvl.grids", [str(im.plan.grid) for im in f.images])
+        span.set_attribute("splitvl.decoded", [im.decoded for im in f.images])
         metrics.IMAGES.inc(len(f.images))
         metrics.VIDEOS.inc(len(f.videos))
         request_span.set_attribute("splitvl.request.model", self.settings.model)
@@ -257,12 +240,47 @@ class Pipeline:
             "splitvl.request.video_tokens", sum(v.plan.tokens for v in f.videos)
         )
 
-    # -- 2. cache lookup ---------------------------------------------------------------------
+    async def _read(self, f: _Flight) -> None:
+        """1. URLs fetched, image headers and digests read (or, without a lookup by
+        digest, the images decoded), videos decoded; timed from the request's arrival."""
+        req = f.request
+        f.datas = await fetch_urls(self.fetcher, req.images, req.deadline)
+        f.intake = await self.images.read(
+            f.datas, req.min_pixels, req.max_pixels, req.cache_policy, req.deadline
+        )
+        if req.videos:
+            assert self.videos is not None  # the parser refuses videos without one
+            sources = await self.videos.fetch_urls(req.videos, req.deadline)
+            f.videos = await self.preprocessor.run(
+                self.videos.prepare, sources, deadline=req.deadline
+            )
+        f.timings.preprocess_ms = (time.perf_counter() - req.arrived) * 1000
+
+    async def _lookup_files(self, f: _Flight) -> None:
+        """2. The cache asked by the files' digests: an image it answers is never decoded."""
+        assert f.intake is not None
+        t = time.perf_counter()
+        # Only a request of one image and no video takes part in the same-file flights: a
+        # waiter waits for its holder's whole encode and put, which is one image's then.
+        single = len(f.datas) == 1 and not f.request.videos
+        claims = f.claims if single else None
+        await self.images.lookup_files(f.intake, f.request.deadline, f.held, claims)
+        f.timings.lookup_ms += (time.perf_counter() - t) * 1000
+
+    async def _decode_images(self, f: _Flight) -> None:
+        """3. The images their digests did not answer, decoded and resized."""
+        assert f.intake is not None
+        t = time.perf_counter()
+        f.images = await self.images.decode(f.intake, f.request.deadline)
+        f.timings.preprocess_ms += (time.perf_counter() - t) * 1000
+
+    # -- 4. cache lookup by pixel key -------------------------------------------------------
     async def _lookup(self, f: _Flight) -> None:
+        assert f.intake is not None
         policy, deadline = f.request.cache_policy, f.request.deadline
         t = time.perf_counter()
         lookups = []
-        if f.ask_cache:
+        if f.intake.ask_cache:
             decoded = [im for im in f.images if im.decoded]
             claim = self.settings.cache_claims
             lookups.append(self.cache.lookup(decoded, policy, deadline, f.held, claim=claim))
@@ -273,15 +291,12 @@ class Pipeline:
         await asyncio.gather(*lookups)
         f.timings.lookup_ms += (time.perf_counter() - t) * 1000
 
-    # -- 3. encode ---------------------------------------------------------------------------
+    # -- 5. encode ---------------------------------------------------------------------------
     async def _encode_misses(self, f: _Flight) -> None:
         f.misses = [im for im in f.items if im.embedding is None]
-        same_file = self.images.same_file
         # Claims on files that were hits by pixel key after all, or that the put will not
         # store under their digest (a plan that differs from the header's): land them now.
-        put_keys = {im.bytes_key for im in f.misses if im.bytes_key}
-        same_file.land([k for k in f.owned if k not in put_keys])
-        f.owned[:] = [k for k in f.owned if k in put_keys]
+        f.claims.keep({im.bytes_key for im in f.misses if im.bytes_key})
         if not f.misses:
             return
         policy, deadline = f.request.cache_policy, f.request.deadline
@@ -309,12 +324,18 @@ class Pipeline:
         f.timings.encode_ms = (time.perf_counter() - t) * 1000
         # The put runs beside the decode: the decoder already has the embeddings, so
         # TTFT does not wait for the cache (its duration lands in timings.put_ms).
-        put = asyncio.create_task(self.cache.put(f.misses, policy, NO_DEADLINE, f.timings))
+        # The put lands the claims once the entries are stored (or it failed).
+        put = asyncio.create_task(self._put(f.misses, policy, f.timings, f.claims.hand_over()))
         self._background.add(put)
         put.add_done_callback(self._background.discard)
-        # The put lands the claims once the entries are stored (or it failed).
-        landing, f.owned[:] = list(f.owned), []
-        put.add_done_callback(lambda _: same_file.land(landing))
+
+    async def _put(
+        self, misses: list[PreparedImage], policy: int, timings: pb.StageTimings, claims: Claims
+    ) -> None:
+        try:
+            await self.cache.put(misses, policy, NO_DEADLINE, timings)
+        finally:
+            claims.land()
 
     async def _encode_again(self, f: _Flight, positions: list[int] | None = None) -> None:
         """After lost refs: every image and video encoded again, or those at ``positions``
@@ -324,10 +345,10 @@ class Pipeline:
         chosen = list(range(len(f.items))) if positions is None else positions
         undecoded = [p for p in chosen if p < len(f.images) and f.images[p].pixels is None]
         if undecoded:
-            again, _, _ = await self.images.prepare(
+            again = await self.images.prepare(
                 [f.datas[p] for p in undecoded], req.min_pixels, req.max_pixels, OFF, req.deadline
             )
-            for p, im in zip(undecoded, again, strict=True):
+            for p, im in zip(undecoded, again.images, strict=True):
                 im.index = p
                 f.images[p] = im
         items = f.items
@@ -387,7 +408,7 @@ class Pipeline:
         f.held.hand_over()  # the next decoder reads or releases each ref
         return fresh
 
-    # -- 4. decode ---------------------------------------------------------------------------
+    # -- 6. decode ---------------------------------------------------------------------------
     def _decoder_request(self, f: _Flight) -> decoder_service_pb2.GenerateRequest:
         """The decoder's request: the messages and one ref per image and video. The copy
         of the refs is the ``embedding.transfer`` span; the bytes travel from their

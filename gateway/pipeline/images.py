@@ -1,16 +1,16 @@
 """The image intake: URLs fetched, files digested and looked up by digest, the rest decoded.
 
 With a cache and a policy that uses it, each file's header and digest come first (no
-decode), then one ``Lookup`` by bytes key: a file seen before is an exact hit and is never
-decoded. A request of one image whose file another request is encoding waits for that
-request's put instead of decoding it again (:class:`SameFileFlights`). The other images
-are decoded on the preprocess threads.
+decode), then one ``Lookup`` by bytes key (a stage of its own in ``Pipeline._run``): a
+file seen before is an exact hit and is never decoded. A request of one image whose file
+another request is encoding waits for that request's put instead of decoding it again
+(:class:`SameFileFlights`). The other images are decoded on the preprocess threads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from qwenvl.common.v1 import generation_pb2
@@ -20,7 +20,7 @@ from gateway.fetch import UrlFetcher
 from gateway.media import ImageUrl
 from gateway.pipeline.cache import CacheStage
 from gateway.pipeline.preprocess import Preprocessor
-from gateway.pipeline.same_file import SameFileFlights
+from gateway.pipeline.same_file import Claims, SameFileFlights
 from gateway.pipeline.types import EncodedFile, HeldRefs, PreparedImage
 from vlcommon.deadline import Deadline
 
@@ -50,8 +50,41 @@ async def fetch_urls(
     return [fetched[i] if isinstance(src, ImageUrl) else src for i, src in enumerate(sources)]
 
 
+@dataclass
+class ImageFiles:
+    """A request's images between the intake's steps (:class:`ImageIntake`).
+
+    Attributes:
+        datas: The encoded files, in request order.
+        lo: The smallest pixel budget (``min_pixels``) of the resize.
+        hi: The largest (``max_pixels``).
+        files: Each file's header, resize plan and digest (None where the header could not
+            be read); empty when no lookup by digest runs (no cache, or policy off): the
+            images are then decoded at once.
+        done: The images prepared so far, by request position: exact hits by digest
+            (never decoded), then the decoded ones.
+        ask_cache: Whether the cache is to be asked by pixel key next (False without a
+            cache, with policy off, or once a lookup failed: the cache is down or slow).
+    """
+
+    datas: list[bytes]
+    lo: int
+    hi: int
+    files: list[EncodedFile | None] = field(default_factory=list)
+    done: dict[int, PreparedImage] = field(default_factory=dict)
+    ask_cache: bool = False
+
+    @property
+    def images(self) -> list[PreparedImage]:
+        """Every image in request order, once :meth:`ImageIntake.decode` has run."""
+        return [self.done[i] for i in range(len(self.datas))]
+
+
 class ImageIntake:
-    """Every image of a request, prepared; decoded only where its file's digest missed.
+    """The images of a request in three steps, each a stage of the pipeline:
+    :meth:`read` (headers and digests; no decode), :meth:`lookup_files` (one ``Lookup`` by
+    digest), :meth:`decode` (the images it did not answer). Without a cache (or with
+    policy off) :meth:`read` decodes every image and computes no digest.
 
     Args:
         preprocessor: The preprocess threads.
@@ -65,6 +98,81 @@ class ImageIntake:
         # that put instead of decoding and encoding them again.
         self.same_file = SameFileFlights()
 
+    def claims(self) -> Claims:
+        """An empty set of claims for one request (:class:`Claims`)."""
+        return Claims(self.same_file)
+
+    async def read(
+        self, datas: list[bytes], lo: int, hi: int, policy: int, deadline: Deadline
+    ) -> ImageFiles:
+        """Headers, resize plans and digests (no pixel decoded), or, without a cache or
+        with policy off, every image decoded (no digest computed).
+
+        Raises:
+            ServiceError: as :meth:`Preprocessor.read_files`,
+                :meth:`Preprocessor.prepare_images` and :meth:`Preprocessor.run`.
+        """
+        intake = ImageFiles(datas, lo, hi)
+        pre = self.preprocessor
+        if not datas:
+            return intake
+        if self.cache.cache is None or policy == generation_pb2.CACHE_POLICY_OFF:
+            images = await pre.run(pre.prepare_images, datas, lo, hi, deadline=deadline)
+            intake.done = {im.index: im for im in images}
+            return intake
+        intake.files = await pre.run(
+            pre.read_files, datas, lo, hi, True, deadline=deadline, headers_only=True
+        )
+        intake.ask_cache = True
+        return intake
+
+    async def lookup_files(
+        self,
+        intake: ImageFiles,
+        deadline: Deadline,
+        held: HeldRefs | None = None,
+        claims: Claims | None = None,
+    ) -> None:
+        """One ``Lookup`` by digest: the files it answers are exact hits, added to
+        ``intake.done`` and never decoded. A failed lookup sets ``intake.ask_cache``
+        False (the cache is asked no more).
+
+        With ``claims`` (a request of one image, :class:`SameFileFlights`): a request whose
+        missed files are all being encoded by other requests waits for their puts and
+        looks them up again; otherwise it claims the missed files no one holds.
+        """
+        if not intake.files:
+            return
+        hits = await self.cache.lookup_files(intake.files, deadline, held)
+        if hits is not None and claims is not None:
+            if not await self._follow_same_files(intake.files, hits, deadline, held, claims):
+                hits = None  # the second lookup failed: the cache is asked no more
+        if hits is None:
+            intake.ask_cache = False
+        else:
+            intake.done.update(hits)
+
+    async def decode(self, intake: ImageFiles, deadline: Deadline) -> list[PreparedImage]:
+        """Decode the images no lookup answered; every image, in request order.
+
+        Raises:
+            ServiceError: as :meth:`Preprocessor.decode_images` and :meth:`Preprocessor.run`.
+        """
+        todo = [i for i in range(len(intake.datas)) if i not in intake.done]
+        if todo:
+            pre = self.preprocessor
+            decoded = await pre.run(
+                pre.decode_images,
+                [intake.datas[i] for i in todo],
+                todo,
+                [intake.files[i] if intake.files else None for i in todo],
+                intake.lo,
+                intake.hi,
+                deadline=deadline,
+            )
+            intake.done.update((im.index, im) for im in decoded)
+        return intake.images
+
     async def prepare(
         self,
         datas: list[bytes],
@@ -73,60 +181,13 @@ class ImageIntake:
         policy: int,
         deadline: Deadline,
         held: HeldRefs | None = None,
-        owned: list[str] | None = None,
-    ) -> tuple[list[PreparedImage], float, bool]:
-        """Every image of the request, prepared.
-
-        With a cache and a policy that uses it: headers and file digests first (no
-        decode), one ``Lookup`` by bytes key, then the decode of the images it did not
-        answer. Without: every image decoded, no digest computed.
-
-        With ``owned`` (the request's claims, :class:`SameFileFlights`): a request whose
-        missed files are all being encoded by other requests waits for their puts and
-        looks them up again (the wait counts as lookup time); otherwise it claims the
-        missed files no one holds (appended to ``owned``, which the caller must land).
-
-        Returns:
-            The images in request order; the milliseconds spent in the bytes-key lookup
-            and any wait for the same files (part of ``lookup_ms``, not of
-            ``preprocess_ms``); and whether the cache is to be asked by pixel key (False
-            without a cache, with policy off, or when the bytes-key lookup failed: the
-            cache is then down or slow, asked no more).
-
-        Raises:
-            ServiceError: as :meth:`Preprocessor.read_files`,
-                :meth:`Preprocessor.decode_images` and :meth:`Preprocessor.run`.
-        """
-        pre = self.preprocessor
-        if not datas:
-            return [], 0.0, False
-        if self.cache.cache is None or policy == generation_pb2.CACHE_POLICY_OFF:
-            images = await pre.run(pre.prepare_images, datas, lo, hi, deadline=deadline)
-            return images, 0.0, False
-        files = await pre.run(
-            pre.read_files, datas, lo, hi, True, deadline=deadline, headers_only=True
-        )
-        t = time.perf_counter()
-        hits = await self.cache.lookup_files(files, deadline, held)
-        if hits is not None and owned is not None:
-            if not await self._follow_same_files(files, hits, deadline, held, owned):
-                hits = None  # the second lookup failed: the cache is asked no more
-        lookup_ms = (time.perf_counter() - t) * 1000
-        todo = [i for i in range(len(datas)) if hits is None or i not in hits]
-        decoded: list[PreparedImage] = []
-        if todo:
-            decoded = await pre.run(
-                pre.decode_images,
-                [datas[i] for i in todo],
-                todo,
-                [files[i] for i in todo],
-                lo,
-                hi,
-                deadline=deadline,
-            )
-        by_index = {im.index: im for im in decoded}
-        by_index.update(hits or {})
-        return [by_index[i] for i in range(len(datas))], lookup_ms, hits is not None
+        claims: Claims | None = None,
+    ) -> ImageFiles:
+        """The three steps in a row (tests, and images decoded again after lost refs)."""
+        intake = await self.read(datas, lo, hi, policy, deadline)
+        await self.lookup_files(intake, deadline, held, claims)
+        await self.decode(intake, deadline)
+        return intake
 
     async def _follow_same_files(
         self,
@@ -134,7 +195,7 @@ class ImageIntake:
         hits: dict[int, PreparedImage],
         deadline: Deadline,
         held: HeldRefs | None,
-        owned: list[str],
+        claims: Claims,
     ) -> bool:
         """Claims the missed files no request holds; when it claimed none, waits for the
         requests encoding them and adds what a second bytes-key lookup answers to
@@ -152,8 +213,8 @@ class ImageIntake:
         if not missed:
             return True
         keys = [files[i].bytes_key for i in missed]  # type: ignore[union-attr]
-        follow = self.same_file.claim_or_follow(keys, owned)
-        if not follow or owned:
+        follow = claims.claim_or_follow(keys)
+        if not follow or claims:
             return True  # nothing to wait for, or a holder of claims: it never waits
         waited = {missed[pos] for pos in follow}
         left = deadline.remaining()

@@ -55,3 +55,40 @@ class SameFileFlights:
 
     def __len__(self) -> int:
         return len(self._flights)
+
+
+class Claims:
+    """One request's claims on the files it is encoding (:class:`SameFileFlights`).
+
+    One owner at a time lands them, once: the request (its ``finally``), or the put it
+    hands them to (:meth:`hand_over`), which lands them when the entries are stored or the
+    put failed, so followers look up only once there is something to find.
+    """
+
+    def __init__(self, flights: SameFileFlights) -> None:
+        self.flights = flights
+        self.keys: list[str] = []
+
+    def claim_or_follow(self, keys: Sequence[str]) -> dict[int, asyncio.Future[None]]:
+        """:meth:`SameFileFlights.claim_or_follow`, claiming into this set."""
+        return self.flights.claim_or_follow(keys, self.keys)
+
+    def keep(self, keys: set[str]) -> None:
+        """Lands the claims not in ``keys`` now (files that were hits after all, or that
+        the put will not store under their digest)."""
+        self.flights.land([k for k in self.keys if k not in keys])
+        self.keys = [k for k in self.keys if k in keys]
+
+    def hand_over(self) -> Claims:
+        """Moves every claim to a new set, for the put to land; this one is left empty."""
+        taken = Claims(self.flights)
+        taken.keys, self.keys = self.keys, []
+        return taken
+
+    def land(self) -> None:
+        """Ends every claim of this set: their followers look up again."""
+        keys, self.keys = self.keys, []
+        self.flights.land(keys)
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
