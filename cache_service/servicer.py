@@ -28,9 +28,10 @@ from cache_service.entries import (
 )
 from vlcommon import handoff, tensors
 from vlcommon.deadline import Deadline
-from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
-from vlcommon.handoff import Holder, Reader, transport_name
-from vlcommon.request_rules import CACHE_POLICIES, CACHE_TIERS, check_grid
+from vlcommon.errors import ServiceError
+from vlcommon.handoff import Holder, Reader, check_transport, transport_name
+from vlcommon.refusals import Refusal
+from vlcommon.request_rules import CACHE_POLICIES, CACHE_TIERS, check_cache_policy, check_grid
 from vlcommon.verification import (
     CHROMA_SCALE,
     JPEG_MAX_CLIPPED_SHARE,
@@ -77,8 +78,7 @@ def _check_video(msg: pb.LookupQuery | pb.PutEntry, field: str) -> None:
     for name in names + lists:
         value = getattr(msg, name)
         if len(value) if name in lists else (value.shape or value.data):
-            raise invalid_argument(
-                "VIDEO_NOT_EXACT",
+            raise Refusal.VIDEO_NOT_EXACT.error(
                 f"{field}.{name} is set on a video ({field}.video); a video is found only "
                 "by its exact key",
                 field=f"{field}.{name}",
@@ -106,8 +106,7 @@ def _reusable(
 ) -> frozenset[tuple[int, int, int]]:
     """The grids of ``LookupQuery.reusable_grids``, each checked like ``grid``."""
     if len(msgs) > MAX_REUSABLE_GRIDS:
-        raise invalid_argument(
-            "TOO_MANY_REUSABLE_GRIDS",
+        raise Refusal.TOO_MANY_REUSABLE_GRIDS.error(
             f"{field} has {len(msgs)} grids; at most {MAX_REUSABLE_GRIDS}",
             field=field,
             limit=MAX_REUSABLE_GRIDS,
@@ -155,10 +154,9 @@ MAX_KEY_CHARS = 256
 def _key(key: str, field: str, *, name: str = "key", optional: bool = False) -> str:
     """A key (or, with ``name="alias_key"`` and ``optional``, an alias key; empty allowed)."""
     if not key and not optional:
-        raise invalid_argument("KEY_MISSING", f"{field}.{name} is empty", field=f"{field}.{name}")
+        raise Refusal.KEY_MISSING.error(f"{field}.{name} is empty", field=f"{field}.{name}")
     if len(key) > MAX_KEY_CHARS:
-        raise invalid_argument(
-            "KEY_TOO_LONG",
+        raise Refusal.KEY_TOO_LONG.error(
             f"{field}.{name} has {len(key)} characters; at most {MAX_KEY_CHARS} are allowed",
             field=f"{field}.{name}",
             limit=MAX_KEY_CHARS,
@@ -173,8 +171,7 @@ def _descriptor(msg: tensor_pb2.Tensor, dim: int, field: str) -> np.ndarray | No
         return None
     data = tensors.validate(msg, field=field, dtypes=(tensor_pb2.DATA_TYPE_FP32,), ndim=1)
     if msg.shape[0] != dim:
-        raise invalid_argument(
-            "DESCRIPTOR_SHAPE_INVALID",
+        raise Refusal.DESCRIPTOR_SHAPE_INVALID.error(
             f"{field}.shape is {list(msg.shape)}; expected [{dim}]",
             field=f"{field}.shape",
             expected=dim,
@@ -204,8 +201,7 @@ def _verification(msg: pb.LookupQuery | pb.PutEntry, prefix: str) -> Verificatio
         if len(getattr(msg, name))
     ]
     if jpeg_set and not (luma.shape or luma.data):
-        raise invalid_argument(
-            "VERIFICATION_JPEG_INVALID",
+        raise Refusal.VERIFICATION_JPEG_INVALID.error(
             f"{prefix}.{jpeg_set[0]} is set without {field}: it describes the verification "
             "image's JPEG",
             field=f"{prefix}.{jpeg_set[0]}",
@@ -214,8 +210,7 @@ def _verification(msg: pb.LookupQuery | pb.PutEntry, prefix: str) -> Verificatio
         return None
     data = tensors.validate(luma, field=field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=2)
     if min(luma.shape) <= 0 or len(data) > MAX_VERIFICATION_BYTES:
-        raise invalid_argument(
-            "VERIFICATION_SHAPE_INVALID",
+        raise Refusal.VERIFICATION_SHAPE_INVALID.error(
             f"{field}.shape is {list(luma.shape)}; both sides must be > 0 and the image at "
             f"most {MAX_VERIFICATION_BYTES} bytes",
             field=f"{field}.shape",
@@ -229,8 +224,7 @@ def _verification(msg: pb.LookupQuery | pb.PutEntry, prefix: str) -> Verificatio
         chroma, field=chroma_field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=3
     )
     if list(chroma.shape) != expected:
-        raise invalid_argument(
-            "VERIFICATION_SHAPE_INVALID",
+        raise Refusal.VERIFICATION_SHAPE_INVALID.error(
             f"{chroma_field}.shape is {list(chroma.shape)}; for {field}.shape "
             f"{list(luma.shape)} it must be {expected} (ceil(h / {CHROMA_SCALE}), "
             f"ceil(w / {CHROMA_SCALE}), 2)",
@@ -263,23 +257,19 @@ def _jpeg(
     if not table:
         if index or values:
             name = index_field if index else values_field
-            raise invalid_argument(
-                "VERIFICATION_JPEG_INVALID",
-                f"{name} is set without {table_field} (64 values)",
-                field=name,
+            raise Refusal.VERIFICATION_JPEG_INVALID.error(
+                f"{name} is set without {table_field} (64 values)", field=name
             )
         return None
     if len(table) != 64 or min(table) < 1 or max(table) > 255:
-        raise invalid_argument(
-            "VERIFICATION_JPEG_INVALID",
+        raise Refusal.VERIFICATION_JPEG_INVALID.error(
             f"{table_field} has {len(table)} values from {min(table)} to {max(table)}; it "
             "must be a baseline JPEG luma table: 64 values in 1..255",
             field=table_field,
             limit=64,
         )
     if max(shape) > JPEG_MAX_SIDE:
-        raise invalid_argument(
-            "VERIFICATION_JPEG_INVALID",
+        raise Refusal.VERIFICATION_JPEG_INVALID.error(
             f"{table_field} is set on {prefix}.verification of shape {list(shape)}; a JPEG "
             f"is at most {JPEG_MAX_SIDE} pixels per side",
             field=table_field,
@@ -288,24 +278,21 @@ def _jpeg(
     pixels = shape[0] * shape[1]
     limit = int(JPEG_MAX_CLIPPED_SHARE * pixels)
     if len(index) > limit:
-        raise invalid_argument(
-            "VERIFICATION_JPEG_INVALID",
+        raise Refusal.VERIFICATION_JPEG_INVALID.error(
             f"{index_field} has {len(index)} indices; at most {limit} "
             f"({JPEG_MAX_CLIPPED_SHARE:g} of the {pixels} pixels of {prefix}.verification)",
             field=index_field,
             limit=limit,
         )
     if len(values) != len(index):
-        raise invalid_argument(
-            "VERIFICATION_JPEG_INVALID",
+        raise Refusal.VERIFICATION_JPEG_INVALID.error(
             f"{values_field} has {len(values)} bytes; it must have one per index of "
             f"{index_field} ({len(index)})",
             field=values_field,
         )
     flat = np.asarray(index, dtype=np.int64)
     if flat.size and (flat[-1] >= pixels or (flat.size > 1 and np.any(np.diff(flat) <= 0))):
-        raise invalid_argument(
-            "VERIFICATION_JPEG_INVALID",
+        raise Refusal.VERIFICATION_JPEG_INVALID.error(
             f"{index_field} must be strictly increasing flat indices below {pixels} "
             f"(h * w of {prefix}.verification)",
             field=index_field,
@@ -367,8 +354,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     def _check_count(self, n: int, field: str) -> None:
         if n > self.max_queries:
-            raise invalid_argument(
-                "TOO_MANY_ITEMS",
+            raise Refusal.TOO_MANY_ITEMS.error(
                 f"{field} has {n} entries; the limit is {self.max_queries}",
                 field=field,
                 limit=self.max_queries,
@@ -408,18 +394,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         context.add_done_callback(lambda _ctx: leases.release_all())
         try:
             self._check_count(len(request.queries), "queries")
-            if request.policy not in generation_pb2.CachePolicy.values():
-                raise invalid_argument(
-                    "CACHE_POLICY_INVALID",
-                    f"policy {request.policy} is not a CachePolicy value",
-                    field="policy",
-                )
-            if request.transport not in tensor_pb2.Transport.values():
-                raise invalid_argument(
-                    "TRANSPORT_UNSUPPORTED",
-                    f"transport {request.transport} is not a Transport value",
-                    field="transport",
-                )
+            check_cache_policy(request.policy, "policy")
+            check_transport(request.transport)
             # A cache built without a holder (embedded in a tool or a test) answers inline.
             by_ref = request.include_embeddings and request.transport != 0
             by_ref = by_ref and self.holder is not None
@@ -612,8 +588,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         hits = [m.entry for m in matches if m.entry is not None]
         total = sum(len(e.data) for e in hits) + RESULT_OVERHEAD_BYTES * len(matches)
         if total > self.max_response_bytes:
-            raise resource_exhausted(
-                "LOOKUP_RESPONSE_TOO_LARGE",
+            raise Refusal.LOOKUP_RESPONSE_TOO_LARGE.error(
                 f"the {len(hits)} hits of queries hold about {total} bytes of embeddings; "
                 f"a response is limited to {self.max_response_bytes} bytes "
                 "(max_message_bytes): look them up in smaller batches, or with "
@@ -746,8 +721,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self._check_rows(emb.embeddings, grid, rows, f"{field}.embedding.embeddings")
         if emb.ref.nbytes > self.store.capacity_bytes:
             metrics.PUTS_REFUSED.labels(reason="too_large").inc()
-            raise resource_exhausted(
-                "ENTRY_TOO_LARGE",
+            raise Refusal.ENTRY_TOO_LARGE.error(
                 f"{field}.embedding.ref holds {emb.ref.nbytes} bytes; the cache's byte "
                 f"budget (capacity_bytes) is {self.store.capacity_bytes}",
                 field=f"{field}.embedding.ref",
@@ -764,17 +738,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         """
         shape = list(emb.shape)
         if len(shape) != 2 or shape[0] != rows:
-            raise invalid_argument(
-                "EMBEDDING_SHAPE_MISMATCH",
+            raise Refusal.EMBEDDING_SHAPE_MISMATCH.error(
                 f"{field} has shape {shape}; grid {list(grid)} needs {rows} rows "
                 f"(t*h*w/{self.merge}**2)",
                 field=field,
             )
         if shape[1] <= 0:
-            raise invalid_argument(
-                "EMBEDDING_SHAPE_MISMATCH",
-                f"{field} has shape {shape}; its width must be > 0",
-                field=field,
+            raise Refusal.EMBEDDING_SHAPE_MISMATCH.error(
+                f"{field} has shape {shape}; its width must be > 0", field=field
             )
 
     def _put(
@@ -810,17 +781,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             )
             rows = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
             self._check_rows(emb, grid, rows, f"{field}.embedding.embeddings")
-            if not tensors.all_finite(emb, data):
-                raise invalid_argument(
-                    "EMBEDDING_NOT_FINITE",
-                    f"{field}.embedding.embeddings holds NaN or inf",
-                    field=f"{field}.embedding.embeddings",
-                )
+            tensors.check_finite(emb, data, f"{field}.embedding.embeddings")
             size = len(data) + (0 if verification is None else verification.nbytes)
             if size > self.store.capacity_bytes:
                 metrics.PUTS_REFUSED.labels(reason="too_large").inc()
-                raise resource_exhausted(
-                    "ENTRY_TOO_LARGE",
+                raise Refusal.ENTRY_TOO_LARGE.error(
                     f"{field}.embedding.embeddings holds {len(data)} bytes; the "
                     f"cache's byte budget (capacity_bytes) is {self.store.capacity_bytes}; "
                     f"with its verification image the entry needs {size} bytes",
@@ -859,8 +824,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     alias=alias_key,
                 )
             except KeyGridConflictError as err:
-                raise invalid_argument(
-                    "KEY_GRID_CONFLICT",
+                raise Refusal.KEY_GRID_CONFLICT.error(
                     f"entries[{i}].embedding.grid is {list(grid)} but entries[{i}].key is "
                     f"already stored with grid {list(err.stored_grid)} (a key is a digest "
                     f"over the pixels and the resize plan); the {i} entries before it "
@@ -872,8 +836,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 continue
             except CacheFullError as err:
                 metrics.PUTS_REFUSED.labels(reason="leased").inc()
-                raise resource_exhausted(
-                    "CACHE_FULL_LEASED",
+                raise Refusal.CACHE_FULL_LEASED.error(
                     f"entries[{i}] needs {err.needed} bytes but {err.leased_bytes} of the "
                     f"{err.capacity_bytes}-byte budget (capacity_bytes) are leased by "
                     f"lookups in flight; the {i} entries before it were stored; retry later",

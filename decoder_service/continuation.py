@@ -33,9 +33,7 @@ from typing import Any
 
 from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 
-from vlcommon.errors import invalid_argument
-
-REASON = "CONTINUATION_INVALID"
+from vlcommon.refusals import Refusal
 
 
 def check_continuation(
@@ -64,14 +62,12 @@ def check_continuation(
         return []
     ids = list(request.continuation.token_ids)
     if not ids:
-        raise invalid_argument(
-            REASON,
+        raise Refusal.CONTINUATION_INVALID.error(
             "continuation.token_ids is empty: a continuation needs the answer's tokens",
             field="continuation.token_ids",
         )
     if len(ids) >= max_tokens:
-        raise invalid_argument(
-            REASON,
+        raise Refusal.CONTINUATION_INVALID.error(
             f"continuation.token_ids holds {len(ids)} tokens; max_tokens is {max_tokens}, "
             "so nothing is left to generate",
             field="continuation.token_ids",
@@ -84,8 +80,7 @@ def check_continuation(
                 if t in placeholder_ids
                 else f"outside [0, {vocab_size})"
             )
-            raise invalid_argument(
-                REASON,
+            raise Refusal.CONTINUATION_INVALID.error(
                 f"continuation.token_ids[{i}] is {t}, {what}",
                 field=f"continuation.token_ids[{i}]",
                 limit=vocab_size,
@@ -125,8 +120,7 @@ class ContinuedText:
         self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=True)
         self.text = "".join(self._steps(continuation))
         if text_chars > len(self.text):
-            raise invalid_argument(
-                REASON,
+            raise Refusal.CONTINUATION_INVALID.error(
                 f"continuation.text_chars is {text_chars}; the continuation's tokens make "
                 f"{len(self.text)} characters",
                 field="continuation.text_chars",

@@ -46,9 +46,9 @@ from decoder_service.validation import (
     video_order,
 )
 from vlcommon.deadline import Deadline
-from vlcommon.errors import invalid_argument
 from vlcommon.handoff import Fetched, Reader
 from vlcommon.model_info import VisionSpec
+from vlcommon.refusals import Refusal
 from vlcommon.sampling import check_max_tokens, check_sampling_ranges
 
 tracer = trace.get_tracer("splitvl.decoder")
@@ -90,8 +90,8 @@ def sampling_params(msg: generation_pb2.SamplingParams, limits: Limits, continue
             output_kind=RequestOutputKind.DELTA,
         )
     except ValueError as exc:  # any check of vLLM's own that ours did not anticipate
-        raise invalid_argument(
-            "SAMPLING_INVALID", f"sampling is invalid: {exc}", field="sampling"
+        raise Refusal.SAMPLING_INVALID.error(
+            f"sampling is invalid: {exc}", field="sampling"
         ) from exc
 
 

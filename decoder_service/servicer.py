@@ -29,9 +29,10 @@ from decoder_service.engine import DecoderEngine, Delta
 from decoder_service.prepare import Prepared, Preparer
 from decoder_service.validation import Limits
 from vlcommon.deadline import Deadline
-from vlcommon.errors import ServiceError, abort, invalid_argument
+from vlcommon.errors import ServiceError, abort
 from vlcommon.handoff import Reader
 from vlcommon.model_info import VisionSpec
+from vlcommon.refusals import Refusal
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.decoder")
@@ -136,10 +137,8 @@ def _response(delta: Delta, record: _StreamRecord) -> pb.GenerateResponse:
 
 def _draining() -> ServiceError:
     """The status of a stream handed back as the decoder stops: the gateway moves it."""
-    return ServiceError(
-        grpc.StatusCode.UNAVAILABLE,
-        "DECODER_DRAINING",
-        "the decoder is stopping; the answer moves to another replica",
+    return Refusal.DECODER_DRAINING.error(
+        "the decoder is stopping; the answer moves to another replica"
     )
 
 
@@ -256,16 +255,10 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 also calls ``on_engine_dead``).
         """
         if self.engine.llm is None or self.engine.spec is None:
-            raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE, "ENGINE_NOT_READY", "decoder engine is not ready"
-            )
+            raise Refusal.ENGINE_NOT_READY.error("decoder engine is not ready")
         if self.engine.dead:
             self.on_engine_dead()
-            raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
-                "ENGINE_DEAD",
-                "decoder engine has died; the service is restarting",
-            )
+            raise Refusal.ENGINE_DEAD.error("decoder engine has died; the service is restarting")
         return self.engine.spec
 
     async def _stream(
@@ -337,16 +330,12 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         if isinstance(exc, VLLMClientError | ValueError):
             await abort(
                 context,
-                invalid_argument(
-                    "ENGINE_REJECTED", f"vLLM rejected the request: {exc}", field="request"
-                ),
+                Refusal.ENGINE_REJECTED.error(f"vLLM rejected the request: {exc}", field="request"),
             )
         if isinstance(exc, EngineDeadError) or self.engine.dead:
             log.error("vLLM engine died: %s", exc)
             self.on_engine_dead()
             await abort(
                 context,
-                ServiceError(
-                    grpc.StatusCode.UNAVAILABLE, "ENGINE_DEAD", f"decoder engine died: {exc}"
-                ),
+                Refusal.ENGINE_DEAD.error(f"decoder engine died: {exc}"),
             )

@@ -17,8 +17,8 @@ from qwenvl.decoder.v1 import decoder_service_pb2 as pb
 
 from decoder_service.engine import ImageInput, VideoInput
 from vlcommon import tensors
-from vlcommon.errors import invalid_argument
 from vlcommon.model_info import VisionSpec
+from vlcommon.refusals import Refusal
 from vlcommon.request_rules import (
     check_grid,
     check_media_count,
@@ -96,17 +96,14 @@ def to_chat_messages(
             elif kind == "image_index":
                 idx = part.image_index
                 if not 0 <= idx < len(request.images):
-                    raise invalid_argument(
-                        "IMAGE_INDEX_INVALID",
+                    raise Refusal.IMAGE_INDEX_INVALID.error(
                         f"{field}.image_index is {idx}; the request has "
                         f"{len(request.images)} images",
                         field=f"{field}.image_index",
                     )
                 if idx in order:
-                    raise invalid_argument(
-                        "IMAGE_INDEX_REUSED",
-                        f"{field}.image_index {idx} is used twice",
-                        field=f"{field}.image_index",
+                    raise Refusal.IMAGE_INDEX_REUSED.error(
+                        f"{field}.image_index {idx} is used twice", field=f"{field}.image_index"
                     )
                 order.append(idx)
                 content.append({"type": "image"})
@@ -122,10 +119,8 @@ def to_chat_messages(
     check_text_length(chars, limits.max_text_chars)
     if len(order) != len(request.images):
         unused = sorted(set(range(len(request.images))) - set(order))
-        raise invalid_argument(
-            "IMAGE_UNUSED",
-            f"images {unused} are not referenced by any message part",
-            field="images",
+        raise Refusal.IMAGE_UNUSED.error(
+            f"images {unused} are not referenced by any message part", field="images"
         )
     check_media_count(len(order), noun="images", limit=limits.max_images, where=" per prompt")
     return messages, order
@@ -146,22 +141,16 @@ def video_order(request: pb.GenerateRequest, max_videos: int) -> list[int]:
             field = f"messages[{i}].parts[{j}].video_index"
             idx = part.video_index
             if not 0 <= idx < len(request.videos):
-                raise invalid_argument(
-                    "VIDEO_INDEX_INVALID",
-                    f"{field} is {idx}; the request has {len(request.videos)} videos",
-                    field=field,
+                raise Refusal.VIDEO_INDEX_INVALID.error(
+                    f"{field} is {idx}; the request has {len(request.videos)} videos", field=field
                 )
             if idx in order:
-                raise invalid_argument(
-                    "VIDEO_INDEX_REUSED", f"{field} {idx} is used twice", field=field
-                )
+                raise Refusal.VIDEO_INDEX_REUSED.error(f"{field} {idx} is used twice", field=field)
             order.append(idx)
     if len(order) != len(request.videos):
         unused = sorted(set(range(len(request.videos))) - set(order))
-        raise invalid_argument(
-            "VIDEO_UNUSED",
-            f"videos {unused} are not referenced by any message part",
-            field="videos",
+        raise Refusal.VIDEO_UNUSED.error(
+            f"videos {unused} are not referenced by any message part", field="videos"
         )
     check_media_count(len(order), noun="videos", limit=max_videos, where=" per prompt")
     return order
@@ -190,8 +179,7 @@ def check_video(
     )
     stamps = list(msg.timestamps)
     if len(stamps) != image.grid[0]:
-        raise invalid_argument(
-            "VIDEO_TIMESTAMPS_MISMATCH",
+        raise Refusal.VIDEO_TIMESTAMPS_MISMATCH.error(
             f"{field}.timestamps has {len(stamps)} entries; grid {list(image.grid)} needs "
             f"{image.grid[0]} (one per temporal patch)",
             field=f"{field}.timestamps",
@@ -199,10 +187,8 @@ def check_video(
             actual=len(stamps),
         )
     if not all(math.isfinite(t) and t >= 0 for t in stamps):
-        raise invalid_argument(
-            "VIDEO_TIMESTAMPS_INVALID",
-            f"{field}.timestamps holds a negative or non-finite time",
-            field=f"{field}.timestamps",
+        raise Refusal.VIDEO_TIMESTAMPS_INVALID.error(
+            f"{field}.timestamps holds a negative or non-finite time", field=f"{field}.timestamps"
         )
     return VideoInput(
         embeddings=image.embeddings, grid=image.grid, uuid=image.uuid, timestamps=tuple(stamps)
@@ -245,16 +231,15 @@ def check_embedding_shape(
     """
     field = field or f"images[{index}]"
     if not msg.HasField("grid"):
-        raise invalid_argument(
-            "GRID_MISSING",
+        raise Refusal.GRID_MISSING.error(
             f"{field}.grid is missing; image_grid_thw is required for every image",
             field=f"{field}.grid",
         )
     m = spec.spatial_merge_size
     grid = check_grid(msg.grid, f"{field}.grid", m, video=video)
     if not msg.HasField("embeddings"):
-        raise invalid_argument(
-            "EMBEDDINGS_MISSING", f"{field}.embeddings is missing", field=f"{field}.embeddings"
+        raise Refusal.EMBEDDINGS_MISSING.error(
+            f"{field}.embeddings is missing", field=f"{field}.embeddings"
         )
     emb = msg.embeddings
     if emb.dtype not in EMBEDDING_DTYPES or len(emb.shape) != 2:
@@ -262,8 +247,7 @@ def check_embedding_shape(
         tensors.validate(emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES, ndim=2)
     expected = [math.prod(grid) // (m * m), spec.embedding_width]
     if list(emb.shape) != expected:
-        raise invalid_argument(
-            "EMBEDDING_SHAPE_MISMATCH",
+        raise Refusal.EMBEDDING_SHAPE_MISMATCH.error(
             f"{field}.embeddings has shape {list(emb.shape)}; grid {list(grid)} needs "
             f"{expected} (rows = t*h*w/{m}**2, width = out_hidden {spec.out_hidden_size} x "
             f"(1 + {spec.n_deepstack} deepstack))",
@@ -272,8 +256,7 @@ def check_embedding_shape(
             actual=str(list(emb.shape)),
         )
     if expected[0] > max_tokens:
-        raise invalid_argument(
-            "IMAGE_TOO_MANY_TOKENS",
+        raise Refusal.IMAGE_TOO_MANY_TOKENS.error(
             f"{field} has {expected[0]} image tokens; the limit is {max_tokens} per image "
             "(the decoder's encoder cache size)",
             field=field,
@@ -308,12 +291,7 @@ def check_image(
     data = tensors.validate(
         emb, field=f"{field}.embeddings", dtypes=EMBEDDING_DTYPES, ndim=2, data=data
     )
-    if not tensors.all_finite(emb, data):
-        raise invalid_argument(
-            "EMBEDDING_NOT_FINITE",
-            f"{field}.embeddings holds NaN or inf",
-            field=f"{field}.embeddings",
-        )
+    tensors.check_finite(emb, data, f"{field}.embeddings")
     uuid = content_uuid(data, emb.dtype, grid)
     return ImageInput(embeddings=tensors.to_torch(emb, data), grid=grid, uuid=uuid)
 
@@ -344,8 +322,7 @@ def check_control_tokens(
     """
     for token in forbidden:
         if actual.count(token) != expected.count(token):
-            raise invalid_argument(
-                "TEXT_CONTAINS_SPECIAL_TOKEN",
+            raise Refusal.TEXT_CONTAINS_SPECIAL_TOKEN.error(
                 f"the text of messages forms the special token {token!r} (across parts); "
                 "control tokens may not appear in text",
                 field="messages",
@@ -363,16 +340,14 @@ def check_prompt_length(prompt_tokens: int, max_tokens: int, max_model_len: int)
             ``sampling.max_tokens``.
     """
     if prompt_tokens >= max_model_len:
-        raise invalid_argument(
-            "PROMPT_TOO_LONG",
+        raise Refusal.PROMPT_TOO_LONG.error(
             f"the prompt is {prompt_tokens} tokens (images included); max_model_len is "
             f"{max_model_len}, and at least one token must be generated: shorten the messages",
             field="messages",
             limit=max_model_len,
         )
     if prompt_tokens > max_model_len - max_tokens:
-        raise invalid_argument(
-            "PROMPT_TOO_LONG",
+        raise Refusal.PROMPT_TOO_LONG.error(
             f"the prompt is {prompt_tokens} tokens (images included) and max_tokens "
             f"{max_tokens}; together they exceed max_model_len {max_model_len}",
             field="sampling.max_tokens",

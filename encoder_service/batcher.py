@@ -26,7 +26,8 @@ from opentelemetry import trace
 from encoder_service import metrics
 from encoder_service.engine import Preprocessed
 from vlcommon.cpus import name_this_thread
-from vlcommon.errors import ServiceError, resource_exhausted
+from vlcommon.errors import ServiceError
+from vlcommon.refusals import Refusal
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.encoder")
@@ -143,8 +144,7 @@ class Batcher:
                     item.span.add_link(caller)
         else:
             if self._queue.qsize() >= self.max_queue:
-                raise resource_exhausted(
-                    "ENCODER_QUEUE_FULL",
+                raise Refusal.ENCODER_QUEUE_FULL.error(
                     f"encoder queue is full ({self.max_queue} images waiting); retry later",
                     field="images",
                     limit=self.max_queue,
@@ -286,8 +286,7 @@ class Batcher:
             if len(images) == 1:
                 patches = int(images[0].pixel_values.shape[0])
                 return [
-                    resource_exhausted(
-                        "IMAGE_OUT_OF_MEMORY",
+                    Refusal.IMAGE_OUT_OF_MEMORY.error(
                         f"an image of {patches} patches does not fit in the encoder's memory "
                         "even alone; send a smaller image or a smaller pixel_budget",
                         field="images",

@@ -19,13 +19,9 @@ from encoder_service import metrics
 from encoder_service.batcher import Batcher
 from encoder_service.engine import Preprocessed, VisionEngine
 from vlcommon import handoff, tensors
-from vlcommon.errors import (
-    ServiceError,
-    invalid_argument,
-    resource_exhausted,
-)
-from vlcommon.handoff import MAX_READERS, Holder, transport_name
+from vlcommon.handoff import MAX_READERS, Holder, check_transport, transport_name
 from vlcommon.imaging import MAX_ASPECT_RATIO, ResizePlan
+from vlcommon.refusals import Refusal
 from vlcommon.request_rules import check_count
 
 log = logging.getLogger(__name__)
@@ -50,15 +46,13 @@ def plan_from_proto(
     spec = engine.spec
     h, w = msg.resized_height, msg.resized_width
     if h <= 0 or w <= 0 or h % spec.factor or w % spec.factor:
-        raise invalid_argument(
-            "RESIZE_PLAN_INVALID",
+        raise Refusal.RESIZE_PLAN_INVALID.error(
             f"{field}: resized size {h}x{w} must be positive multiples of {spec.factor}",
             field=field,
             limit=spec.factor,
         )
     if frames and frames % spec.temporal_patch_size:
-        raise invalid_argument(
-            "VIDEO_FRAMES_INVALID",
+        raise Refusal.VIDEO_FRAMES_INVALID.error(
             f"{field}: a video of {frames} frames; the count must be a multiple of the "
             f"temporal patch size {spec.temporal_patch_size} (the gateway pads)",
             field=field,
@@ -69,14 +63,11 @@ def plan_from_proto(
     expected = (grid_t, h // spec.patch_size, w // spec.patch_size)
     if grid != expected:
         what = f"a video of {frames} frames of {h}x{w}" if frames else f"a {h}x{w} image"
-        raise invalid_argument(
-            "RESIZE_PLAN_INVALID",
-            f"{field}.grid is {grid}; {what} has {expected}",
-            field=f"{field}.grid",
+        raise Refusal.RESIZE_PLAN_INVALID.error(
+            f"{field}.grid is {grid}; {what} has {expected}", field=f"{field}.grid"
         )
     if max(h, w) / min(h, w) > MAX_ASPECT_RATIO:
-        raise invalid_argument(
-            "RESIZE_PLAN_INVALID",
+        raise Refusal.RESIZE_PLAN_INVALID.error(
             f"{field}: resized size {h}x{w} has an aspect ratio over {MAX_ASPECT_RATIO:g}",
             field=field,
             limit=f"{MAX_ASPECT_RATIO:g}",
@@ -108,9 +99,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
 
     def _ready(self) -> tuple[VisionEngine, Batcher]:
         if self.engine is None or self.batcher is None:
-            raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE, "ENCODER_LOADING", "encoder is loading the model"
-            )
+            raise Refusal.ENCODER_LOADING.error("encoder is loading the model")
         return self.engine, self.batcher
 
     def _prepare(
@@ -130,8 +119,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             )
             shape = list(image.pixels.shape)
             if shape[-1] != 3 or min(shape[:-1]) < 1:
-                raise invalid_argument(
-                    "PIXELS_SHAPE_INVALID",
+                raise Refusal.PIXELS_SHAPE_INVALID.error(
                     f"{field}.pixels.shape is {shape}; expected [height, width, 3] (an image) "
                     "or [frames, height, width, 3] (a video)",
                     field=f"{field}.pixels.shape",
@@ -139,8 +127,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             plan = plan_from_proto(image.plan, engine, f"{field}.plan", shape[0] if video else 0)
             if video and shape[1:3] != [plan.resized_height, plan.resized_width]:
                 # Frames come resized by the gateway (one resize per frame, its plan).
-                raise invalid_argument(
-                    "PIXELS_SHAPE_INVALID",
+                raise Refusal.PIXELS_SHAPE_INVALID.error(
                     f"{field}.pixels.shape is {shape}; a video's frames must already have the "
                     f"plan's size {plan.resized_height}x{plan.resized_width}",
                     field=f"{field}.pixels.shape",
@@ -148,8 +135,10 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             patches = plan.grid_t * plan.grid_h * plan.grid_w
             limit = self.max_video_patches if video else self.max_patches
             if patches > limit:
-                raise resource_exhausted(
-                    "VIDEO_TOO_MANY_PATCHES" if video else "IMAGE_TOO_MANY_PATCHES",
+                too_many = (
+                    Refusal.VIDEO_TOO_MANY_PATCHES if video else Refusal.IMAGE_TOO_MANY_PATCHES
+                )
+                raise too_many.error(
                     f"{field} has {patches} patches; the limit is {limit}",
                     field=field,
                     limit=limit,
@@ -183,22 +172,14 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             tensor_pb2.DATA_TYPE_FP32,
             tensor_pb2.DATA_TYPE_BF16,
         ):
-            raise invalid_argument(
-                "OUTPUT_DTYPE_UNSUPPORTED",
-                "output_dtype must be FP32 or BF16",
-                field="output_dtype",
+            raise Refusal.OUTPUT_DTYPE_UNSUPPORTED.error(
+                "output_dtype must be FP32 or BF16", field="output_dtype"
             )
-        if request.transport not in tensor_pb2.Transport.values():
-            raise invalid_argument(
-                "TRANSPORT_UNSUPPORTED",
-                f"transport {request.transport} is not a Transport value",
-                field="transport",
-            )
+        check_transport(request.transport)
         # An encoder built without a holder (embedded in a tool or a test) answers inline.
         by_ref = request.transport != tensor_pb2.TRANSPORT_UNSPECIFIED and self.holder is not None
         if not 0 <= request.readers <= MAX_READERS:
-            raise invalid_argument(
-                "READERS_OUT_OF_RANGE",
+            raise Refusal.READERS_OUT_OF_RANGE.error(
                 f"readers is {request.readers}; allowed 0..{MAX_READERS}",
                 field="readers",
                 limit=MAX_READERS,

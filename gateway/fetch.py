@@ -41,11 +41,15 @@ import ssl
 from collections.abc import Iterable
 
 import aiohttp
-import grpc
 from yarl import URL
 
+from gateway.media import bytes_too_large
 from gateway.settings import GatewaySettings
-from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
+from vlcommon.deadline import expired_error
+from vlcommon.errors import ServiceError
+from vlcommon.refusals import Refusal
+
+_URLS_DISABLED = {"image": Refusal.IMAGE_URLS_DISABLED, "video": Refusal.VIDEO_URLS_DISABLED}
 
 # Cloud metadata and credential endpoints: AWS/GCP/Azure/OpenStack instance metadata
 # (169.254.169.254, AWS's IPv6 fd00:ec2::254), AWS ECS task credentials (169.254.170.2),
@@ -198,8 +202,7 @@ class UrlFetcher:
             self.check_url(url, index=index)
         if self.inflight + len(pending) > s.url_max_inflight:
             # Each fetch may buffer max_image_bytes: a bound on memory, answered at once.
-            raise resource_exhausted(
-                "URL_FETCHES_BUSY",
+            raise Refusal.URL_FETCHES_BUSY.error(
                 f"{self.inflight} {self.item} URL fetches are in flight; this request's "
                 f"{len(pending)} would pass the limit of {s.url_max_inflight}; retry shortly",
                 field=self.noun,
@@ -252,26 +255,18 @@ class UrlFetcher:
                 if isinstance(first, ServiceError):
                     raise first from None
                 # Anything unforeseen is still the upstream's doing: never INTERNAL.
-                raise ServiceError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "URL_FETCH_FAILED",
-                    f"fetching {self.item} URLs failed ({type(first).__name__})",
-                    {"field": self.noun},
+                raise Refusal.URL_FETCH_FAILED.error(
+                    f"fetching {self.item} URLs failed ({type(first).__name__})", field=self.noun
                 ) from first
             except TimeoutError as exc:
                 if deadline_bound:
-                    raise ServiceError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        "DEADLINE_EXCEEDED",
-                        f"the request's deadline expired while fetching {self.item} URLs",
-                    ) from exc
+                    raise expired_error(f"fetching {self.item} URLs") from exc
                 hosts = ", ".join(sorted({_host(URL(u)) for _, u in pending}))
-                raise ServiceError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "URL_FETCH_FAILED",
+                raise Refusal.URL_FETCH_FAILED.error(
                     f"fetching {self.item} URLs from {hosts} took longer than the limit of "
                     f"{s.url_total_timeout_s:g} s",
-                    {"field": self.noun, "limit": f"{s.url_total_timeout_s:g}s"},
+                    field=self.noun,
+                    limit=f"{s.url_total_timeout_s:g}s",
                 ) from exc
         return {index: task.result() for (index, _), task in zip(pending, tasks, strict=True)}
 
@@ -280,17 +275,14 @@ class UrlFetcher:
         s = self.settings
         field = f"{self.noun}[{index}].url"
         if not s.allow_urls:
-            raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{self.item.upper()}_URLS_DISABLED",
+            raise _URLS_DISABLED[self.item].error(
                 f"{field}: {self.item} URLs are disabled on this server "
                 "(GATEWAY_ALLOW_URLS); "
                 "send the bytes or a data URL",
-                {"field": field},
+                field=field,
             )
         if len(url) > s.url_max_chars:
-            raise invalid_argument(
-                "URL_TOO_LONG",
+            raise Refusal.URL_TOO_LONG.error(
                 f"{field} is {len(url)} characters; the limit is {s.url_max_chars}",
                 field=field,
                 limit=s.url_max_chars,
@@ -302,10 +294,9 @@ class UrlFetcher:
             parsed = url if isinstance(url, URL) else URL(url)
         except (ValueError, TypeError) as exc:
             message = f"{what} is not a valid URL"
-            raise invalid_argument("URL_INVALID", message, field=field) from exc
+            raise Refusal.URL_INVALID.error(message, field=field) from exc
         if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise invalid_argument(
-                "URL_INVALID",
+            raise Refusal.URL_INVALID.error(
                 f"{what} must be an http or https URL with a host (scheme {parsed.scheme!r})",
                 field=field,
             )
@@ -319,8 +310,7 @@ class UrlFetcher:
                 str(parsed)
                 (parsed.raw_host or "").encode("idna")
             except (UnicodeError, ValueError) as exc:
-                raise invalid_argument(
-                    "URL_INVALID",
+                raise Refusal.URL_INVALID.error(
                     f"{what} has a host name that cannot be encoded (IDNA: each label 1-63 "
                     "characters)",
                     field=field,
@@ -332,8 +322,7 @@ class UrlFetcher:
         return parsed
 
     def _forbidden(self, field: str, url: URL, kind: str) -> ServiceError:
-        return invalid_argument(
-            "URL_ADDRESS_FORBIDDEN",
+        return Refusal.URL_ADDRESS_FORBIDDEN.error(
             f"{field}: host {_host(url)} is refused: its address is {kind} "
             f"({self.item} URLs may reach only public addresses)",
             field=field,
@@ -350,8 +339,7 @@ class UrlFetcher:
                     if response.status in _REDIRECTS:
                         location = response.headers.get("Location")
                         if not location:
-                            raise invalid_argument(
-                                "URL_FETCH_REJECTED",
+                            raise Refusal.URL_FETCH_REJECTED.error(
                                 f"{field}: host {_host(url)} answered HTTP {response.status} "
                                 "without a Location",
                                 field=field,
@@ -362,8 +350,8 @@ class UrlFetcher:
                         try:
                             target = url.join(URL(location))
                         except ValueError as exc:
-                            raise invalid_argument(
-                                "URL_INVALID", f"{what} has an invalid Location", field=field
+                            raise Refusal.URL_INVALID.error(
+                                f"{what} has an invalid Location", field=field
                             ) from exc
                         url = self._check_target(target, field=field, what=what)
                         continue
@@ -383,8 +371,7 @@ class UrlFetcher:
             except (aiohttp.InvalidURL, UnicodeError) as exc:
                 # Whatever URL the client library cannot parse or encode is the caller's
                 # (e.g. a legacy numeric IPv4 form, or a host the resolver cannot encode).
-                raise invalid_argument(
-                    "URL_INVALID",
+                raise Refusal.URL_INVALID.error(
                     f"{field}: host {_host(url)} is not a valid host name or canonical address",
                     field=field,
                 ) from exc
@@ -392,33 +379,26 @@ class UrlFetcher:
                 raise self._unavailable(field, url, "timed out") from exc
             except aiohttp.ClientError as exc:
                 raise self._unavailable(field, url, f"failed ({type(exc).__name__})") from exc
-        raise invalid_argument(
-            "URL_TOO_MANY_REDIRECTS",
+        raise Refusal.URL_TOO_MANY_REDIRECTS.error(
             f"{field}: more than {s.url_max_redirects} redirects (last host {_host(url)})",
             field=field,
             limit=s.url_max_redirects,
         )
 
     def _unavailable(self, field: str, url: URL, what: str) -> ServiceError:
-        return ServiceError(
-            grpc.StatusCode.UNAVAILABLE,
-            "URL_FETCH_FAILED",
-            f"{field}: host {_host(url)} {what}",
-            {"field": field, "host": _host(url)},
+        return Refusal.URL_FETCH_FAILED.error(
+            f"{field}: host {_host(url)} {what}", field=field, host=_host(url)
         )
 
     def _check_status(self, status: int, url: URL, field: str) -> None:
         if 200 <= status < 300:
             return
-        code = grpc.StatusCode.INVALID_ARGUMENT
-        reason = "URL_FETCH_REJECTED"
-        if status >= 500:
-            code, reason = grpc.StatusCode.UNAVAILABLE, "URL_FETCH_FAILED"
-        raise ServiceError(
-            code,
-            reason,
+        refusal = Refusal.URL_FETCH_FAILED if status >= 500 else Refusal.URL_FETCH_REJECTED
+        raise refusal.error(
             f"{field}: host {_host(url)} answered HTTP {status}",
-            {"field": field, "host": _host(url), "http_status": str(status)},
+            field=field,
+            host=_host(url),
+            http_status=status,
         )
 
     async def _read(self, response: aiohttp.ClientResponse, url: URL, field: str) -> bytes:
@@ -436,8 +416,8 @@ class UrlFetcher:
         return b"".join(chunks)
 
     def _too_large(self, field: str, url: URL, what: str, limit: int) -> ServiceError:
-        return resource_exhausted(
-            "IMAGE_BYTES_TOO_LARGE" if self.noun == "images" else "VIDEO_BYTES_TOO_LARGE",
+        return bytes_too_large(
+            self.item,
             f"{field}: host {_host(url)} {what}; the {self.item} limit is {limit} bytes",
             field=field,
             limit=limit,

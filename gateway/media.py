@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 
-from vlcommon.errors import invalid_argument, resource_exhausted
+from vlcommon.errors import ServiceError
+from vlcommon.refusals import Refusal
 
 # RFC 2397 / RFC 2045: the scheme, the media type and the "base64" token are
 # case-insensitive (``DATA:IMAGE/PNG;BASE64,...`` is the same URL).
@@ -33,21 +34,54 @@ class ImageUrl:
     url: str
 
 
+_BYTES_TOO_LARGE = {"image": Refusal.IMAGE_BYTES_TOO_LARGE, "video": Refusal.VIDEO_BYTES_TOO_LARGE}
+
+
+def bytes_too_large(
+    item: str, message: str, *, field: str, limit: int, host: str | None = None
+) -> ServiceError:
+    """RESOURCE_EXHAUSTED ``IMAGE_BYTES_TOO_LARGE`` / ``VIDEO_BYTES_TOO_LARGE`` (``item``:
+    ``image`` or ``video``): the one rule of GATEWAY_MAX_IMAGE_BYTES /
+    GATEWAY_MAX_VIDEO_BYTES, whose ``message`` says where the bytes were measured (a data
+    URL's length, the bytes sent, a URL's body as it streams in: gateway.fetch, which
+    names the ``host``)."""
+    refusal = _BYTES_TOO_LARGE[item]
+    if host is None:
+        return refusal.error(message, field=field, limit=limit)
+    return refusal.error(message, field=field, limit=limit, host=host)
+
+
+def check_bytes(data: bytes, *, item: str, field: str, limit: int, where: str = "") -> bytes:
+    """``data``, if it holds at most ``limit`` bytes (``where``: the setting to name).
+
+    Raises:
+        ServiceError: as :func:`bytes_too_large`, naming ``field`` and ``limit``.
+    """
+    if len(data) > limit:
+        raise bytes_too_large(
+            item,
+            f"{field} is {len(data)} bytes; the limit is {limit}{where}",
+            field=field,
+            limit=limit,
+        )
+    return data
+
+
 def _data_url_bytes(
     url: str, field: str, noun: str, max_bytes: int, mimes: tuple[str, ...], expected: str
 ) -> bytes:
     """The bytes of a base64 data URL (``<field>.data_url``) of an image or a video.
 
     Raises:
-        ServiceError: RESOURCE_EXHAUSTED ``<NOUN>_BYTES_TOO_LARGE`` when the URL alone is
+        ServiceError: RESOURCE_EXHAUSTED :func:`bytes_too_large` when the URL alone is
             too long for ``max_bytes`` (checked before decoding); INVALID_ARGUMENT
             ``DATA_URL_INVALID`` for a malformed URL, a media type not starting with one of
             ``mimes``, or invalid base64.
     """
     # base64 inflates by 4/3: refuse before decoding when the result must be too large.
     if len(url) > max_bytes * 4 // 3 + 1024:
-        raise resource_exhausted(
-            f"{noun.upper()}_BYTES_TOO_LARGE",
+        raise bytes_too_large(
+            noun,
             f"{field}.data_url is {len(url)} characters, about "
             f"{(len(url) - url.find(',') - 1) * 3 // 4} bytes once base64-decoded; the "
             f"{noun} limit is {max_bytes} bytes",
@@ -56,25 +90,21 @@ def _data_url_bytes(
         )
     match = _DATA_URL.match(url)
     if match is None or ";base64" not in (match.group("params") or "").lower():
-        raise invalid_argument(
-            "DATA_URL_INVALID",
+        raise Refusal.DATA_URL_INVALID.error(
             f"{field}.data_url is not a base64 data URL (expected 'data:{noun}/...;base64,...')",
             field=f"{field}.data_url",
         )
     mime = (match.group("mime") or "").lower()
     if mime and not mime.startswith(mimes):
-        raise invalid_argument(
-            "DATA_URL_INVALID",
+        raise Refusal.DATA_URL_INVALID.error(
             f"{field}.data_url has media type {mime!r}; expected {expected}",
             field=f"{field}.data_url",
         )
     try:
         return base64.b64decode(match.group("data"), validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise invalid_argument(
-            "DATA_URL_INVALID",
-            f"{field}.data_url has invalid base64: {exc}",
-            field=f"{field}.data_url",
+        raise Refusal.DATA_URL_INVALID.error(
+            f"{field}.data_url has invalid base64: {exc}", field=f"{field}.data_url"
         ) from exc
 
 
@@ -94,17 +124,10 @@ def image_bytes(image: pb.ImageInput, *, index: int, max_bytes: int) -> bytes | 
     elif kind == "data_url":
         data = _data_url_bytes(image.data_url, field, "image", max_bytes, ("image/",), "image/*")
     else:
-        raise invalid_argument(
-            "IMAGE_SOURCE_MISSING", f"{field} has none of data, data_url, url", field=field
+        raise Refusal.IMAGE_SOURCE_MISSING.error(
+            f"{field} has none of data, data_url, url", field=field
         )
-    if len(data) > max_bytes:
-        raise resource_exhausted(
-            "IMAGE_BYTES_TOO_LARGE",
-            f"{field} is {len(data)} bytes; the limit is {max_bytes}",
-            field=field,
-            limit=max_bytes,
-        )
-    return data
+    return check_bytes(data, item="image", field=field, limit=max_bytes)
 
 
 def video_file_bytes(video: pb.VideoFile, *, index: int, max_bytes: int) -> bytes | ImageUrl:
@@ -132,14 +155,9 @@ def video_file_bytes(video: pb.VideoFile, *, index: int, max_bytes: int) -> byte
             "video/*",
         )
     else:
-        raise invalid_argument(
-            "VIDEO_SOURCE_MISSING", f"{field}.file has none of data, data_url, url", field=field
+        raise Refusal.VIDEO_SOURCE_MISSING.error(
+            f"{field}.file has none of data, data_url, url", field=field
         )
-    if len(data) > max_bytes:
-        raise resource_exhausted(
-            "VIDEO_BYTES_TOO_LARGE",
-            f"{field} is {len(data)} bytes; the limit is {max_bytes} (GATEWAY_MAX_VIDEO_BYTES)",
-            field=field,
-            limit=max_bytes,
-        )
-    return data
+    return check_bytes(
+        data, item="video", field=field, limit=max_bytes, where=" (GATEWAY_MAX_VIDEO_BYTES)"
+    )

@@ -63,7 +63,6 @@ import ssl
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -80,7 +79,8 @@ from gateway.pipeline import Pipeline
 from gateway.reasoning import ReasoningParser
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import AuthInterceptor
-from vlcommon.errors import ConfigError, ServiceError, invalid_argument
+from vlcommon.errors import ConfigError
+from vlcommon.refusals import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ async def _invalid_body(request: Request, exc: Exception) -> JSONResponse:
         message, field = "the body must be a JSON object (Content-Type: application/json)", "body"
     else:
         message = f"{field}: {first.get('msg', 'invalid value')}"
-    return error_response(invalid_argument("REQUEST_INVALID", message, field=field))
+    return error_response(Refusal.REQUEST_INVALID.error(message, field=field))
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -218,9 +218,9 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     }.get(status, str(exc.detail))
     if status == 400 and "parsing the body" in str(exc.detail):
         message = "the body could not be parsed as JSON (invalid UTF-8 or too deeply nested)"
-    codes = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
+    codes = {404: Refusal.NOT_FOUND, 405: Refusal.METHOD_NOT_ALLOWED}
     param = "body" if status == 400 else None
-    return http_error_response(status, codes.get(status, "REQUEST_INVALID"), message, param)
+    return http_error_response(status, codes.get(status, Refusal.REQUEST_INVALID), message, param)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -231,7 +231,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
             "message": "internal error (see the gateway's log)",
             "type": "server_error",
             "param": None,
-            "code": "INTERNAL",
+            "code": Refusal.INTERNAL,
         }
     }
     return JSONResponse(body, status_code=500)
@@ -268,19 +268,18 @@ class BodyGuard:
         if kind == "timeout":
             return http_error_response(
                 408,
-                "BODY_READ_TIMEOUT",
+                Refusal.BODY_READ_TIMEOUT,
                 f"the request body stopped arriving: no byte for {self.read_timeout_s:g} s "
                 "before it was complete (Content-Length larger than the body sent?)",
                 "body",
                 {"Connection": "close"},
             )
         return error_response(
-            ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "REQUEST_TOO_LARGE",
+            Refusal.REQUEST_TOO_LARGE.error(
                 f"the request body is over the limit of {self.max_bytes} bytes "
                 "(GATEWAY_MAX_MESSAGE_BYTES)",
-                {"field": "body", "limit": str(self.max_bytes)},
+                field="body",
+                limit=str(self.max_bytes),
             )
         )
 
@@ -294,7 +293,7 @@ class BodyGuard:
             name = encoding.decode("latin-1")
             await http_error_response(
                 415,
-                "CONTENT_ENCODING_UNSUPPORTED",
+                Refusal.CONTENT_ENCODING_UNSUPPORTED,
                 f"Content-Encoding {name!r} is not supported; "
                 "send the JSON body uncompressed (identity)",
                 "body",

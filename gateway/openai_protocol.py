@@ -21,20 +21,19 @@ the gRPC path's messages.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from qwenvl.common.v1 import generation_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
 
-from vlcommon.errors import ServiceError, invalid_argument
-from vlcommon.sampling import check_max_tokens
+from vlcommon.errors import ServiceError
+from vlcommon.refusals import Refusal
+from vlcommon.sampling import check_float32, check_max_tokens, check_top_p
 
 #: HTTP status of each gRPC status code (OpenAI's and vLLM's choices where they have one).
 HTTP_STATUS = {
@@ -228,8 +227,7 @@ def to_generate_request(
     _set_sampling(request.sampling, body, names.fields, max_tokens_limit)
     if body.priority is not None:
         if not -INT32_MAX - 1 <= body.priority <= INT32_MAX:
-            raise invalid_argument(
-                "PRIORITY_OUT_OF_RANGE",
+            raise Refusal.PRIORITY_OUT_OF_RANGE.error(
                 f"priority is {body.priority}; allowed {-INT32_MAX - 1}..{INT32_MAX} (32-bit)",
                 field="priority",
             )
@@ -240,11 +238,9 @@ def to_generate_request(
 def _check_parameters(body: ChatCompletionRequest, served: Sequence[str]) -> None:
     """Refuse the top-level fields splitvl does not serve (see to_generate_request)."""
     if body.model is not None and body.model not in served:
-        raise ServiceError(
-            grpc.StatusCode.NOT_FOUND,
-            "MODEL_NOT_FOUND",
+        raise Refusal.MODEL_NOT_FOUND.error(
             f"model {body.model!r} is not served here; this server serves {served[0]!r}",
-            {"field": "model"},
+            field="model",
         )
     _check_extra(body.model_extra, NO_OP_DEFAULTS, "")
     if body.stream_options is not None:
@@ -378,21 +374,15 @@ def _set_sampling(
     fields["sampling"] = ""
     # OpenAI's and vLLM's default temperature is 1.0; the gRPC API's 0 means greedy.
     sampling.temperature = (
-        1.0 if body.temperature is None else _float32(body.temperature, "temperature")
+        1.0 if body.temperature is None else check_float32(body.temperature, "temperature")
     )
     if body.top_p is not None:
-        _float32(body.top_p, "top_p")
-        if not 0.0 < body.top_p <= 1.0:  # the gRPC API's 0 means "unset"; vLLM refuses 0
-            raise invalid_argument(
-                "TOP_P_OUT_OF_RANGE", f"top_p is {body.top_p}; allowed (0, 1]", field="top_p"
-            )
-        sampling.top_p = body.top_p
+        # The rule's owner, named as the client sent it (the gateway checks it again).
+        sampling.top_p = check_top_p(check_float32(body.top_p, "top_p"), "top_p")
     if body.seed is not None:
         if not -INT64_MAX - 1 <= body.seed <= INT64_MAX:
-            raise invalid_argument(
-                "SEED_OUT_OF_RANGE",
-                f"seed is {body.seed}; allowed {-INT64_MAX - 1}..{INT64_MAX} (64-bit)",
-                field="seed",
+            raise Refusal.SEED_OUT_OF_RANGE.error(
+                f"seed is {body.seed}; allowed {-INT64_MAX - 1}..{INT64_MAX} (64-bit)", field="seed"
             )
         sampling.seed = body.seed
     if body.stop is not None:
@@ -416,7 +406,7 @@ def _check_extra(
 
 
 def _refused(field: str, message: str) -> ServiceError:
-    return invalid_argument("PARAMETER_UNSUPPORTED", message, field=field)
+    return Refusal.PARAMETER_UNSUPPORTED.error(message, field=field)
 
 
 def _utf8(text: str, field: str) -> str:
@@ -425,28 +415,11 @@ def _utf8(text: str, field: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise invalid_argument(
-            "TEXT_NOT_UTF8",
+        raise Refusal.TEXT_NOT_UTF8.error(
             f"{field} holds a lone surrogate (\\ud800-\\udfff): it is not valid UTF-8 text",
             field=field,
         ) from None
     return text
-
-
-def _float32(value: float, field: str) -> float:
-    """``value`` unchanged, if the gRPC API's 32-bit float keeps it: one that would become
-    infinite (``1e300``) or zero (``1e-50``, and the gRPC API's 0 means "unset") is
-    refused with INVALID_ARGUMENT naming ``field``, before the range rules see the wrong
-    value."""
-    with np.errstate(over="ignore"):
-        single = float(np.float32(value)) if math.isfinite(value) else value
-    if math.isfinite(value) and (math.isinf(single) or (value != 0 and single == 0)):
-        raise invalid_argument(
-            f"{field.upper()}_OUT_OF_RANGE",
-            f"{field} is {value!r}; not representable as a 32-bit float",
-            field=field,
-        )
-    return value
 
 
 # -- errors -------------------------------------------------------------------------------
@@ -489,7 +462,7 @@ def error_body(
     return status, body, headers
 
 
-def http_error_body(status: int, code: str, message: str, param: str | None) -> dict[str, Any]:
+def http_error_body(status: int, code: Refusal, message: str, param: str | None) -> dict[str, Any]:
     """OpenAI's error shape for an error of the HTTP layer itself, which no gRPC code maps
     to (a 404 path, 405, 408, 415, an unparsable body)."""
     return {

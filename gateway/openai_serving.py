@@ -45,6 +45,7 @@ from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import bearer_token
 from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError
+from vlcommon.refusals import Refusal
 
 tracer = trace.get_tracer("splitvl.gateway.http")
 T = TypeVar("T")
@@ -62,7 +63,11 @@ def error_response(err: ServiceError, converted: Converted | None = None) -> JSO
 
 
 def http_error_response(
-    status: int, code: str, message: str, param: str | None, headers: dict[str, str] | None = None
+    status: int,
+    code: Refusal,
+    message: str,
+    param: str | None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """An error of the HTTP layer itself (no gRPC code maps to it: 404 path, 405, 408,
     415, an unparsable body) in OpenAI's shape."""

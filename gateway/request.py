@@ -17,7 +17,6 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import grpc
 from qwenvl.common.v1 import generation_pb2
 from qwenvl.decoder.v1 import decoder_service_pb2
 from qwenvl.gateway.v1 import gateway_service_pb2 as pb
@@ -26,13 +25,14 @@ from gateway.fetch import UrlFetcher
 from gateway.media import ImageUrl, image_bytes, video_file_bytes
 from gateway.priority import PriorityRules
 from gateway.settings import GatewaySettings
-from gateway.video import VideoLimits, VideoRequest, check_request
+from gateway.video import VideoLimits, VideoRequest, check_frames_present, check_request
 from gateway.video_config import VideoConfig
 from vlcommon.deadline import Deadline
-from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
 from vlcommon.model_info import VisionSpec
+from vlcommon.refusals import Refusal
 from vlcommon.request_rules import (
     CACHE_POLICIES,
+    check_cache_policy,
     check_media_count,
     check_message_counts,
     check_no_control_tokens,
@@ -154,12 +154,7 @@ class RequestParser:
         if sampling.HasField("max_tokens"):
             check_max_tokens(sampling.max_tokens, self.settings.max_tokens_limit)
         check_sampling_ranges(sampling)
-        if request.cache_policy not in generation_pb2.CachePolicy.values():
-            raise invalid_argument(
-                "CACHE_POLICY_INVALID",
-                f"cache_policy {request.cache_policy} is not a CachePolicy value",
-                field="cache_policy",
-            )
+        check_cache_policy(request.cache_policy, "cache_policy")
         videos: list[VideoSource] = []
         messages, images = self._messages(request, videos)
         lo, hi = self._budget(request)
@@ -269,11 +264,8 @@ class RequestParser:
                 a URL with URLs off.
         """
         if self.video_config is None:
-            raise ServiceError(
-                grpc.StatusCode.UNIMPLEMENTED,
-                "VIDEO_NOT_SUPPORTED",
-                f"{field}: this server has no video processor config",
-                {"field": field},
+            raise Refusal.VIDEO_NOT_SUPPORTED.error(
+                f"{field}: this server has no video processor config", field=field
             )
         s = self.settings
         overrides = VideoRequest(
@@ -281,17 +273,14 @@ class RequestParser:
         )
         check_request(overrides, self.video_config, self.video_limits, field)
         if not math.isfinite(video.fps) or video.fps < 0:
-            raise invalid_argument(
-                "VIDEO_FPS_OUT_OF_RANGE",
+            raise Refusal.VIDEO_FPS_OUT_OF_RANGE.error(
                 f"{field}.fps is {video.fps}; it must be >= 0 (0: 2 frames per second)",
                 field=f"{field}.fps",
             )
         if video.HasField("file"):
             if video.frames:
-                raise invalid_argument(
-                    "VIDEO_SOURCE_AMBIGUOUS",
-                    f"{field} has both file and frames; send one",
-                    field=field,
+                raise Refusal.VIDEO_SOURCE_AMBIGUOUS.error(
+                    f"{field} has both file and frames; send one", field=field
                 )
             source = video_file_bytes(video.file, index=index, max_bytes=s.max_video_bytes)
             if isinstance(source, ImageUrl):
@@ -302,16 +291,9 @@ class RequestParser:
     def _frames(self, video: pb.VideoInput, field: str) -> tuple[bytes | ImageUrl, ...]:
         """A video given as frames: each frame's bytes (by value only)."""
         s = self.settings
-        if not video.frames:
-            raise invalid_argument(
-                "VIDEO_TOO_FEW_FRAMES",
-                f"{field} has neither a file nor frames (0 frames)",
-                field=f"{field}.frames",
-                limit=1,
-            )
+        check_frames_present(len(video.frames), field)
         if len(video.frames) > s.video_max_frames:
-            raise resource_exhausted(
-                "VIDEO_TOO_MANY_FRAMES",
+            raise Refusal.VIDEO_TOO_MANY_FRAMES.error(
                 f"{field}.frames has {len(video.frames)} frames; the limit is "
                 f"{s.video_max_frames} (GATEWAY_VIDEO_MAX_FRAMES)",
                 field=f"{field}.frames",
@@ -321,8 +303,7 @@ class RequestParser:
         for j, frame in enumerate(video.frames):
             data = image_bytes(frame, index=j, max_bytes=s.max_image_bytes)
             if isinstance(data, ImageUrl):
-                raise invalid_argument(
-                    "VIDEO_FRAME_URL",
+                raise Refusal.VIDEO_FRAME_URL.error(
                     f"{field}.frames[{j}] is a URL; send video frames by value, or the video "
                     "file by URL",
                     field=f"{field}.frames[{j}]",
@@ -348,8 +329,7 @@ class RequestParser:
                 given = "set" if getattr(budget, name) else "model default"
                 return f"{name}={value} ({given})"
 
-            raise invalid_argument(
-                "PIXEL_BUDGET_INVALID",
+            raise Refusal.PIXEL_BUDGET_INVALID.error(
                 f"pixel_budget is out of range: {origin(lo, 'min_pixels')}, "
                 f"{origin(hi, 'max_pixels')}; it needs min_pixels >= {floor} and "
                 f"min_pixels <= max_pixels <= {self.spec.max_pixels} (an unset field takes "

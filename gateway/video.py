@@ -33,11 +33,13 @@ from typing import Any
 
 import numpy as np
 
+from gateway.media import check_bytes
 from gateway.video_config import VideoConfig
 from vlcommon.deadline import Deadline
-from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
+from vlcommon.errors import ServiceError
 from vlcommon.imaging import ResizePlan, resize_to_plan
 from vlcommon.model_info import VisionSpec
+from vlcommon.refusals import Refusal
 
 # qwen-vl-utils' sample_fps for a list of frames given without a rate.
 DEFAULT_FRAMES_FPS = 2.0
@@ -134,34 +136,41 @@ def _field(index: int) -> str:
 
 
 def _undecodable(index: int, what: str) -> ServiceError:
-    return invalid_argument(
-        "VIDEO_UNDECODABLE",
-        f"{_field(index)} could not be decoded: {what}",
-        field=_field(index),
+    return Refusal.VIDEO_UNDECODABLE.error(
+        f"{_field(index)} could not be decoded: {what}", field=_field(index)
     )
 
 
 def _truncated(index: int, what: str) -> ServiceError:
-    return invalid_argument(
-        "VIDEO_TRUNCATED",
-        f"{_field(index)} is truncated or undecodable: {what}",
-        field=_field(index),
+    return Refusal.VIDEO_TRUNCATED.error(
+        f"{_field(index)} is truncated or undecodable: {what}", field=_field(index)
     )
+
+
+def check_frames_present(n: int, field: str) -> None:
+    """Refuse a video of no frames (``field``: the video; ``n``: its frames), the one rule
+    of the gateway's request and of :func:`frames_video`.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``VIDEO_TOO_FEW_FRAMES`` naming ``<field>.frames``.
+    """
+    if n == 0:
+        raise Refusal.VIDEO_TOO_FEW_FRAMES.error(
+            f"{field} has neither a file nor frames (0 frames)", field=f"{field}.frames", limit=1
+        )
 
 
 def check_request(req: VideoRequest, config: VideoConfig, limits: VideoLimits, field: str) -> None:
     """Refuse per-request overrides outside the server's bounds (INVALID_ARGUMENT)."""
     if not (0 <= req.sample_fps <= limits.max_fps) or math.isnan(req.sample_fps):
-        raise invalid_argument(
-            "VIDEO_FPS_OUT_OF_RANGE",
+        raise Refusal.VIDEO_FPS_OUT_OF_RANGE.error(
             f"{field}.sample_fps is {req.sample_fps}; allowed 0 (default {config.fps:g}) to "
             f"{limits.max_fps:g} (GATEWAY_VIDEO_MAX_FPS)",
             field=f"{field}.sample_fps",
             limit=limits.max_fps,
         )
     if not (0 <= req.max_frames <= limits.max_frames):
-        raise invalid_argument(
-            "VIDEO_MAX_FRAMES_OUT_OF_RANGE",
+        raise Refusal.VIDEO_MAX_FRAMES_OUT_OF_RANGE.error(
             f"{field}.max_frames is {req.max_frames}; allowed 0 (default) to "
             f"{limits.max_frames} (GATEWAY_VIDEO_MAX_FRAMES)",
             field=f"{field}.max_frames",
@@ -169,8 +178,7 @@ def check_request(req: VideoRequest, config: VideoConfig, limits: VideoLimits, f
         )
     floor = config.frame_min_pixels
     if req.max_pixels and not (floor <= req.max_pixels <= config.frame_max_pixels):
-        raise invalid_argument(
-            "VIDEO_MAX_PIXELS_OUT_OF_RANGE",
+        raise Refusal.VIDEO_MAX_PIXELS_OUT_OF_RANGE.error(
             f"{field}.max_pixels is {req.max_pixels}; allowed 0 (default) or {floor} to "
             f"{config.frame_max_pixels} (the per-frame bounds of the checkpoint's video "
             "processor)",
@@ -226,8 +234,7 @@ def plan_video(
 
     ratio = max(height, width) / max(1, min(height, width))
     if ratio > MAX_RATIO:
-        raise invalid_argument(
-            "VIDEO_ASPECT_RATIO_TOO_LARGE",
+        raise Refusal.VIDEO_ASPECT_RATIO_TOO_LARGE.error(
             f"{_field(index)} is {width}x{height}: aspect ratio {ratio:.1f} exceeds the limit "
             f"of {MAX_RATIO}",
             field=_field(index),
@@ -280,14 +287,13 @@ def _open(data: bytes, limits: VideoLimits, index: int) -> Any:
     INVALID_ARGUMENT ``VIDEO_UNDECODABLE`` (empty, or not a container FFmpeg reads)."""
     import av
 
-    if len(data) > limits.max_bytes:
-        raise resource_exhausted(
-            "VIDEO_BYTES_TOO_LARGE",
-            f"{_field(index)} is {len(data)} bytes; the limit is {limits.max_bytes} "
-            "(GATEWAY_MAX_VIDEO_BYTES)",
-            field=_field(index),
-            limit=limits.max_bytes,
-        )
+    check_bytes(
+        data,
+        item="video",
+        field=_field(index),
+        limit=limits.max_bytes,
+        where=" (GATEWAY_MAX_VIDEO_BYTES)",
+    )
     if not data:
         raise _undecodable(index, "the file is empty")
     try:
@@ -303,19 +309,15 @@ def _video_stream(container: Any, index: int) -> Any:
     streams = [s for s in container.streams if s.type == "video"]
     if not streams:
         kinds = sorted({str(s.type) for s in container.streams}) or ["none"]
-        raise invalid_argument(
-            "VIDEO_NO_VIDEO_STREAM",
-            f"{field} has no video stream (streams: {', '.join(kinds)})",
-            field=field,
+        raise Refusal.VIDEO_NO_VIDEO_STREAM.error(
+            f"{field} has no video stream (streams: {', '.join(kinds)})", field=field
         )
     fmt = container.format.name
     if fmt.endswith("_pipe"):
         # FFmpeg's image demuxers (png_pipe, jpeg_pipe, ...) read a photo as a one-frame video.
         kind = fmt.removesuffix("_pipe").upper()  # an animated GIF ("gif") stays a video
-        raise invalid_argument(
-            "VIDEO_IS_AN_IMAGE",
-            f"{field} is a still image ({kind}), not a video; send it as an image part",
-            field=field,
+        raise Refusal.VIDEO_IS_AN_IMAGE.error(
+            f"{field} is a still image ({kind}), not a video; send it as an image part", field=field
         )
     return streams[0]
 
@@ -347,8 +349,7 @@ def _demux(
     times = [(pts - packets[0][0]) * time_base for pts, _ in packets]
     duration = times[-1] + ((times[-1] / (total - 1)) if total > 1 else 0.0)
     if duration > limits.max_duration_s:
-        raise resource_exhausted(
-            "VIDEO_TOO_LONG",
+        raise Refusal.VIDEO_TOO_LONG.error(
             f"{field} lasts {duration:.1f} s; the limit is {limits.max_duration_s:g} s "
             "(GATEWAY_MAX_VIDEO_DURATION_S)",
             field=field,
@@ -358,8 +359,7 @@ def _demux(
     video_fps = float(rate) if rate else (total / duration if duration > 0 else 1.0)
     width, height = stream.codec_context.width, stream.codec_context.height
     if width * height > limits.max_decoded_pixels:
-        raise resource_exhausted(
-            "VIDEO_FRAME_TOO_LARGE",
+        raise Refusal.VIDEO_FRAME_TOO_LARGE.error(
             f"{field} has {width}x{height} frames ({width * height} pixels); the limit is "
             f"{limits.max_decoded_pixels} per frame (GATEWAY_VIDEO_MAX_DECODED_PIXELS)",
             field=field,
@@ -424,8 +424,7 @@ def _resize(
             n = len(sampling.indices)
             plan = plan_video(h, w, n, spec, config, index=index, max_pixels=request.max_pixels)
             if max_tokens is not None and plan.tokens > max_tokens:
-                raise resource_exhausted(
-                    "VIDEO_TOKENS_TOO_MANY",
+                raise Refusal.VIDEO_TOKENS_TOO_MANY.error(
                     f"{_field(index)} needs {plan.tokens} video tokens (grid {list(plan.grid)}); "
                     f"the request has {max_tokens} left of GATEWAY_MAX_VIDEO_TOKENS: lower "
                     "sample_fps, max_frames or max_pixels",
@@ -434,8 +433,7 @@ def _resize(
                 )
             digest.update(f"{h}x{w}\0".encode())
         elif rgb.shape[:2] != first_shape:
-            raise invalid_argument(
-                "VIDEO_FRAME_SIZE_MISMATCH",
+            raise Refusal.VIDEO_FRAME_SIZE_MISMATCH.error(
                 f"{_field(index)} changes frame size mid-stream ({first_shape} to "
                 f"{rgb.shape[:2]}); splitvl takes videos of one frame size",
                 field=_field(index),
@@ -530,15 +528,11 @@ def frames_video(
             in size, ``VIDEO_TOO_FEW_FRAMES`` when there is none.
     """
     field = _field(index)
-    if not images:
-        raise invalid_argument(
-            "VIDEO_TOO_FEW_FRAMES", f"{field}.frames is empty", field=f"{field}.frames", limit=1
-        )
+    check_frames_present(len(images), field)
     h, w = images[0].shape[:2]
     for j, im in enumerate(images):
         if im.shape[:2] != (h, w):
-            raise invalid_argument(
-                "VIDEO_FRAME_SIZE_MISMATCH",
+            raise Refusal.VIDEO_FRAME_SIZE_MISMATCH.error(
                 f"{field}.frames[{j}] is {im.shape[1]}x{im.shape[0]}; frames[0] is {w}x{h}: "
                 "every frame of a video must have one size",
                 field=f"{field}.frames[{j}]",

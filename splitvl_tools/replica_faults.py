@@ -63,6 +63,7 @@ from splitvl.argtypes import positive_float, positive_int
 from splitvl.launcher import Cluster
 from splitvl_tools.load import BAD_CODES, HUNG, CallResult, build_requests, one_call
 from splitvl_tools.plan import percentile
+from vlcommon.refusals import Refusal
 
 STEPS = (
     "baseline",
@@ -80,7 +81,7 @@ STEPS = (
 REPLICAS = {"encoder": 2, "cache": 2, "decoder": 2}
 #: The only failure a client may see: an answer whose decoder died and that could not
 #: move to the other (its ErrorInfo reason).
-LOST_MID_STREAM = "DECODER_LOST_MID_STREAM"
+LOST_MID_STREAM = Refusal.DECODER_LOST_MID_STREAM
 
 
 @dataclass

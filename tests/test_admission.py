@@ -29,12 +29,12 @@ from vlcommon import tensors
 from vlcommon.errors import (
     ServiceError,
     error_info,
-    from_rpc_error,
     resource_exhausted,
     retry_info,
     to_status,
 )
 from vlcommon.imaging import plan_resize
+from vlcommon.refusals import from_rpc_error
 from vlcommon.settings import ServerSettings
 
 LIMIT = 2

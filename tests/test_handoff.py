@@ -216,7 +216,7 @@ async def test_read_embedding_errors_name_the_ticket(shm_dir: Path) -> None:
             async for _ in stub.ReadEmbedding(hpb.ReadEmbeddingRequest(ticket="ab" * 16)):
                 pass
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        assert error_info(err.value).reason == "EMBEDDING_REF_GONE"
+        assert error_info(err.value).reason == "TICKET_UNKNOWN"
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in stub.ReadEmbedding(hpb.ReadEmbeddingRequest(ticket="x" * 200)):
                 pass

@@ -177,7 +177,8 @@ def test_from_rpc_error_ignores_details_whose_code_disagrees_with_the_call() -> 
     from google.rpc import code_pb2, error_details_pb2, status_pb2
     from grpc.aio import AioRpcError, Metadata
 
-    from vlcommon.errors import error_info, from_rpc_error, retry_info
+    from vlcommon.errors import error_info, retry_info
+    from vlcommon.refusals import from_rpc_error
 
     detail = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message="queue full")
     detail.details.add().Pack(error_details_pb2.RetryInfo())
@@ -201,11 +202,11 @@ def test_from_rpc_error_reads_a_dependency_cancel_as_its_unavailability() -> Non
     of that dependency, which callers retry."""
     from grpc.aio import AioRpcError, Metadata
 
-    from vlcommon.errors import from_rpc_error
+    from vlcommon.refusals import from_rpc_error
 
     err = AioRpcError(grpc.StatusCode.CANCELLED, Metadata(), Metadata(), details="CANCELLED")
-    mapped = from_rpc_error(err, dependency="cache")
+    mapped = from_rpc_error(err, dependency="encoder")
     assert mapped.code == grpc.StatusCode.UNAVAILABLE
-    assert mapped.message == "cache cancelled the call (shutting down?): CANCELLED"
-    assert mapped.metadata["dependency"] == "cache"
-    assert mapped.reason == "CACHE_UNAVAILABLE"
+    assert mapped.message == "encoder cancelled the call (shutting down?): CANCELLED"
+    assert mapped.metadata["dependency"] == "encoder"
+    assert mapped.reason == "ENCODER_UNAVAILABLE"

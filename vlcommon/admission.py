@@ -11,8 +11,9 @@ from typing import Any
 
 import grpc
 
-from vlcommon.errors import ServiceError, abort, resource_exhausted
+from vlcommon.errors import ServiceError, abort
 from vlcommon.interceptors import Around, AroundInterceptor
+from vlcommon.refusals import Refusal
 
 
 class AdmissionInterceptor(AroundInterceptor):
@@ -39,8 +40,7 @@ class AdmissionInterceptor(AroundInterceptor):
         self._idle.set()
 
     def _error(self) -> ServiceError:
-        return resource_exhausted(
-            "TOO_MANY_REQUESTS",
+        return Refusal.TOO_MANY_REQUESTS.error(
             f"the service is at its limit of {self.max_in_flight} concurrent requests; "
             f"retry after {self.retry_after_ms} ms",
             field="max_concurrent_rpcs",

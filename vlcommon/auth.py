@@ -23,6 +23,7 @@ import grpc
 
 from vlcommon.errors import ConfigError, ServiceError, abort
 from vlcommon.interceptors import Around, AroundInterceptor, is_open_method
+from vlcommon.refusals import Refusal
 
 if TYPE_CHECKING:
     from vlcommon.settings import ServerSettings
@@ -154,33 +155,29 @@ class AuthInterceptor(AroundInterceptor):
         if self._internal:
             presented = _metadata_value(metadata, INTERNAL_TOKEN_KEY)
             if presented is None:
-                return _unauthenticated(
-                    "INTERNAL_TOKEN_MISSING",
+                return Refusal.INTERNAL_TOKEN_MISSING.error(
                     f"this service accepts calls only from splitvl's own services: metadata "
                     f"{INTERNAL_TOKEN_KEY!r} is missing",
-                    INTERNAL_TOKEN_KEY,
+                    field=INTERNAL_TOKEN_KEY,
                 )
             if not token_matches(presented, self._internal):
-                return _unauthenticated(
-                    "INTERNAL_TOKEN_INVALID",
+                return Refusal.INTERNAL_TOKEN_INVALID.error(
                     f"metadata {INTERNAL_TOKEN_KEY!r} does not match this cluster's token",
-                    INTERNAL_TOKEN_KEY,
+                    field=INTERNAL_TOKEN_KEY,
                 )
         if self._bearer:
             value = _metadata_value(metadata, "authorization")
             token = _bearer(value)
             if token is None:
-                return _unauthenticated(
-                    "AUTH_TOKEN_MISSING",
+                return Refusal.AUTH_TOKEN_MISSING.error(
                     "metadata 'authorization' must be 'Bearer <token>'"
                     + ("" if value is None else " (the scheme is not Bearer)"),
-                    "authorization",
+                    field="authorization",
                 )
             if not token_matches(token, self._bearer):
-                return _unauthenticated(
-                    "AUTH_TOKEN_INVALID",
+                return Refusal.AUTH_TOKEN_INVALID.error(
                     "the bearer token in metadata 'authorization' is not accepted",
-                    "authorization",
+                    field="authorization",
                 )
         return None
 
@@ -196,7 +193,3 @@ class AuthInterceptor(AroundInterceptor):
             yield  # pragma: no cover - abort raises
 
         return refuse
-
-
-def _unauthenticated(reason: str, message: str, field: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.UNAUTHENTICATED, reason, message, {"field": field})

@@ -20,20 +20,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
 from vlcommon.errors import ServiceError
+from vlcommon.refusals import Refusal
 
 
 def expired_error(what: str = "") -> ServiceError:
     """DEADLINE_EXCEEDED, saying while what (``what``: e.g. ``its images were prepared``)."""
     message = "the request's deadline expired" + (f" while {what}" if what else "")
-    return ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED", message)
+    return Refusal.DEADLINE_EXCEEDED.error(message)
 
 
 def cancelled_error() -> ServiceError:
     """CANCELLED: the client went away (or cancelled) before its request was served."""
-    return ServiceError(grpc.StatusCode.CANCELLED, "CANCELLED", "the request was cancelled")
+    return Refusal.CANCELLED.error("the request was cancelled")
 
 
 @dataclass(frozen=True)

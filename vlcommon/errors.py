@@ -5,6 +5,11 @@ server's :class:`~vlcommon.interceptors.ErrorInterceptor` turns it into the call
 with :func:`abort`, so servicers map nothing by hand. The status carries a
 ``google.rpc.ErrorInfo`` (reason in UPPER_SNAKE, metadata naming the field and the
 limit), packed with grpcio-status as in grpc's ``examples/python/errors/``.
+
+Services name each reason through the registry, :class:`vlcommon.refusals.Refusal`
+(``Refusal.IMAGE_DECODE_FAILED.error(message, field=...)``), which gives it its one
+status; :func:`invalid_argument`, :func:`resource_exhausted` and :func:`unavailable` stay
+for tests and tools that build an error of their own.
 """
 
 from __future__ import annotations
@@ -195,35 +200,3 @@ def error_info(error: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2
 def retry_info(error: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.RetryInfo | None:
     """The RetryInfo carried by a failed call, or None."""
     return _detail(error, error_details_pb2.RetryInfo)
-
-
-def from_rpc_error(error: grpc.aio.AioRpcError, *, dependency: str) -> ServiceError:
-    """Re-raise a downstream failure with its own code, message and ErrorInfo.
-
-    Bad input found downstream stays INVALID_ARGUMENT; a dependency that cannot be
-    reached is UNAVAILABLE naming it; an INTERNAL error downstream is reported as
-    UNAVAILABLE of that dependency rather than as our own INTERNAL; a call the dependency
-    cancelled (a replica shutting down) is UNAVAILABLE of it, never CANCELLED, which the
-    caller would read as its own cancel.
-    """
-    info = error_info(error)
-    code = error.code()
-    message = error.details() or code.name
-    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-        code = grpc.StatusCode.UNAVAILABLE
-        message = f"{dependency} failed: {message}"
-    elif code == grpc.StatusCode.UNAVAILABLE:
-        message = f"{dependency} unavailable: {message}"
-    elif code == grpc.StatusCode.CANCELLED:
-        # Our own cancel never comes back as a status: the dependency cancelled the call
-        # (a replica stopping). That is its unavailability, not the caller's cancel.
-        code = grpc.StatusCode.UNAVAILABLE
-        message = f"{dependency} cancelled the call (shutting down?): {message}"
-    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        message = f"{dependency} did not answer in time: {message}"
-    reason = info.reason if info is not None else f"{dependency.upper()}_{code.name}"
-    metadata = dict(info.metadata) if info is not None else {}
-    metadata.setdefault("dependency", dependency)
-    retry = retry_info(error)  # a full queue downstream keeps its retry hint
-    retry_ms = retry.retry_delay.ToMilliseconds() if retry is not None else None
-    return ServiceError(code, reason, message, metadata, retry_after_ms=retry_ms)

@@ -47,7 +47,8 @@ from qwenvl.handoff.v1 import handoff_service_pb2 as pb
 from qwenvl.handoff.v1 import handoff_service_pb2_grpc as pb_grpc
 
 from vlcommon import tensors
-from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
+from vlcommon.errors import ServiceError
+from vlcommon.refusals import Refusal
 from vlcommon.settings import MiB, channel_options
 from vlcommon.tls import ClientSecurity, aio_channel
 
@@ -82,6 +83,19 @@ _SEGMENT = re.compile(r"^splitvl-([a-z]+)-(\d+)-([0-9a-f]{32})$")
 MAX_READ_S = 60.0
 # Holder channels a Reader keeps open (one per address; the oldest closed beyond).
 MAX_CHANNELS = 64
+
+
+def check_transport(transport: int, field: str = "transport") -> None:
+    """Refuse a number that is not a ``Transport`` value (the encoder's ``Encode``, the
+    cache's ``Lookup``).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``TRANSPORT_UNSUPPORTED`` naming ``field``.
+    """
+    if transport not in tensor_pb2.Transport.values():
+        raise Refusal.TRANSPORT_UNSUPPORTED.error(
+            f"{field} {transport} is not a Transport value", field=field
+        )
 
 
 def transport_name(transport: int) -> str:
@@ -354,8 +368,7 @@ class Holder:
             self.expire()
         with self._lock:
             if self._bytes + nbytes > self.max_bytes:
-                raise resource_exhausted(
-                    "HANDOFF_FULL",
+                raise Refusal.HANDOFF_FULL.error(
                     f"the {self.service} holds {self._bytes} bytes of embeddings for readers "
                     f"that have not fetched them; {nbytes} more would exceed its hand-off "
                     f"budget of {self.max_bytes} bytes ({self.service.upper()}_HANDOFF_MAX_BYTES)",
@@ -520,8 +533,7 @@ class HandoffServicer(pb_grpc.HandoffServiceServicer):
     @staticmethod
     def _ticket(ticket: str) -> str:
         if not ticket or len(ticket) > MAX_TICKET_CHARS:
-            raise invalid_argument(
-                "TICKET_INVALID",
+            raise Refusal.TICKET_INVALID.error(
                 f"ticket has {len(ticket)} characters; 1..{MAX_TICKET_CHARS} are allowed",
                 field="ticket",
                 limit=MAX_TICKET_CHARS,
@@ -534,12 +546,11 @@ class HandoffServicer(pb_grpc.HandoffServiceServicer):
         ticket = self._ticket(request.ticket)
         found = await asyncio.to_thread(self.holder.read_bytes, ticket)
         if found is None:
-            raise ServiceError(
-                grpc.StatusCode.NOT_FOUND,
-                "EMBEDDING_REF_GONE",
+            raise Refusal.TICKET_UNKNOWN.error(
                 f"ticket {ticket[:16]}: the {self.holder.service} holds no such embeddings "
                 "(released, expired, or the holder restarted)",
-                {"field": "ticket", "service": self.holder.service},
+                field="ticket",
+                service=self.holder.service,
             )
         held, view = found
         header = tensor_pb2.Tensor(dtype=held.dtype, shape=list(held.shape))
@@ -640,21 +651,18 @@ class Reader:
         ref = msg.ref
         expected = tensors.payload_nbytes(msg.embeddings)
         if not ref.ticket or len(ref.ticket) > MAX_TICKET_CHARS or not ref.holder:
-            raise invalid_argument(
-                "EMBEDDING_REF_INVALID",
+            raise Refusal.EMBEDDING_REF_INVALID.error(
                 f"{field}.ref needs a holder and a ticket of 1..{MAX_TICKET_CHARS} characters",
                 field=f"{field}.ref",
             )
         if ref.nbytes > MAX_REF_BYTES:
-            raise invalid_argument(
-                "EMBEDDING_REF_TOO_LARGE",
+            raise Refusal.EMBEDDING_REF_TOO_LARGE.error(
                 f"{field}.ref holds {ref.nbytes} bytes; one ref may hold at most {MAX_REF_BYTES}",
                 field=f"{field}.ref",
                 limit=MAX_REF_BYTES,
             )
         if ref.nbytes != expected or msg.embeddings.data:
-            raise invalid_argument(
-                "EMBEDDING_REF_INVALID",
+            raise Refusal.EMBEDDING_REF_INVALID.error(
                 f"{field}.ref holds {ref.nbytes} bytes but {field}.embeddings "
                 f"({tensors.dtype_name(msg.embeddings.dtype)} {list(msg.embeddings.shape)}) "
                 f"needs {expected}, and embeddings.data must be empty",
@@ -682,8 +690,7 @@ class Reader:
         if m is None or m.group(3) != ref.ticket or m.group(1) != ref.service:
             # The service in the name is the holder's: a segment of another holder would
             # be read here and released there, at a holder that never held it.
-            raise invalid_argument(
-                "EMBEDDING_REF_INVALID",
+            raise Refusal.EMBEDDING_REF_INVALID.error(
                 f"{field}.ref.shm_name {ref.shm_name[:80]!r} is not a splitvl segment of "
                 f"its ticket held by its service ({ref.service!r})",
                 field=f"{field}.ref.shm_name",
@@ -725,11 +732,10 @@ class Reader:
         except grpc.aio.AioRpcError as err:
             raise self._unavailable(ref, field, err) from err
         if got != ref.nbytes:
-            raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
-                "EMBEDDING_REF_GONE",
+            raise Refusal.EMBEDDING_REF_GONE.error(
                 f"{field}.ref: the {ref.service} at {ref.holder} sent {got} of {ref.nbytes} bytes",
-                {"field": f"{field}.ref", "service": ref.service},
+                field=f"{field}.ref",
+                service=ref.service,
             )
         return out
 
@@ -737,17 +743,18 @@ class Reader:
     def _unavailable(
         ref: tensor_pb2.EmbeddingRef, field: str, err: grpc.aio.AioRpcError
     ) -> ServiceError:
-        gone = err.code() == grpc.StatusCode.NOT_FOUND
-        return ServiceError(
-            grpc.StatusCode.UNAVAILABLE,
-            "EMBEDDING_REF_GONE" if gone else "EMBEDDING_HOLDER_UNAVAILABLE",
+        gone = err.code() == grpc.StatusCode.NOT_FOUND  # the holder's TICKET_UNKNOWN
+        refusal = Refusal.EMBEDDING_REF_GONE if gone else Refusal.EMBEDDING_HOLDER_UNAVAILABLE
+        return refusal.error(
             f"{field}.ref: the {ref.service or 'holder'} at {ref.holder} "
             + (
                 "no longer holds these embeddings (restarted, expired or released)"
                 if gone
                 else f"could not be read: {err.code().name} {err.details() or ''}".rstrip()
             ),
-            {"field": f"{field}.ref", "service": ref.service, "holder": ref.holder},
+            field=f"{field}.ref",
+            service=ref.service,
+            holder=ref.holder,
         )
 
     async def _release(self, ref: tensor_pb2.EmbeddingRef) -> None:

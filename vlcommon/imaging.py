@@ -26,8 +26,9 @@ import numpy as np
 import PIL
 from PIL import ExifTags, Image, ImageOps, features
 
-from vlcommon.errors import ServiceError, invalid_argument, resource_exhausted
+from vlcommon.errors import ServiceError
 from vlcommon.model_info import VisionSpec
+from vlcommon.refusals import Refusal
 
 if TYPE_CHECKING:
     import torch
@@ -147,18 +148,15 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
     """
     field = f"images[{index}]"
     if not data:
-        raise invalid_argument(
-            "IMAGE_DECODE_FAILED",
-            f"{field} could not be decoded: the image data is empty",
-            field=field,
+        raise Refusal.IMAGE_DECODE_FAILED.error(
+            f"{field} could not be decoded: the image data is empty", field=field
         )
     im: Image.Image | None = None
     try:
         im = Image.open(io.BytesIO(data))
         width, height = im.size
         if width * height > max_decoded_pixels:
-            raise resource_exhausted(
-                "IMAGE_TOO_LARGE",
+            raise Refusal.IMAGE_TOO_LARGE.error(
                 f"{field} is {width}x{height} = {width * height} pixels; the limit is "
                 f"{max_decoded_pixels} decoded pixels",
                 field=field,
@@ -188,8 +186,7 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
         # put its limit beside ours: two limits in one refusal).
         found = re.search(r"\((\d+) pixels\)", str(exc))
         size = f"{found.group(1)} pixels" if found else "larger than the limit"
-        raise resource_exhausted(
-            "IMAGE_TOO_LARGE",
+        raise Refusal.IMAGE_TOO_LARGE.error(
             f"{field} is {size}; the limit is {max_decoded_pixels} decoded pixels",
             field=field,
             limit=max_decoded_pixels,
@@ -205,8 +202,8 @@ def decode_image(data: bytes, *, index: int, max_decoded_pixels: int) -> Image.I
             if isinstance(exc, Image.UnidentifiedImageError)
             else _clean(exc)
         )
-        raise invalid_argument(
-            "IMAGE_DECODE_FAILED", f"{field} could not be decoded: {reason}", field=field
+        raise Refusal.IMAGE_DECODE_FAILED.error(
+            f"{field} could not be decoded: {reason}", field=field
         ) from exc
 
 
@@ -282,8 +279,7 @@ def plan_resize(
     hi = spec.max_pixels if max_pixels is None else max_pixels
     ratio = max(height, width) / max(1, min(height, width))
     if ratio > MAX_ASPECT_RATIO:
-        raise invalid_argument(
-            "IMAGE_ASPECT_RATIO_TOO_LARGE",
+        raise Refusal.IMAGE_ASPECT_RATIO_TOO_LARGE.error(
             f"{field} is {width}x{height}: aspect ratio {ratio:.1f} exceeds the limit of "
             f"{MAX_ASPECT_RATIO:g}",
             field=field,
@@ -296,8 +292,7 @@ def plan_resize(
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     if lo < spec.factor**2 or hi < lo:
-        raise invalid_argument(
-            "PIXEL_BUDGET_INVALID",
+        raise Refusal.PIXEL_BUDGET_INVALID.error(
             f"pixel budget [{lo}, {hi}] is invalid: min_pixels must be >= {spec.factor**2} "
             "and max_pixels >= min_pixels",
             field="pixel_budget",

@@ -28,7 +28,8 @@ from typing import Any
 
 import grpc
 
-from vlcommon.errors import ServiceError, abort, unavailable
+from vlcommon.errors import ServiceError, abort
+from vlcommon.refusals import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -187,10 +188,8 @@ class ReadinessInterceptor(AroundInterceptor):
         async def starting(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
             await abort(
                 context,
-                unavailable(
-                    "SERVICE_STARTING",
-                    f"{service} is starting (its engine is loading); retry shortly",
-                    service=service,
+                Refusal.SERVICE_STARTING.error(
+                    f"{service} is starting (its engine is loading); retry shortly", service=service
                 ),
             )
             yield  # pragma: no cover - abort raises

@@ -16,7 +16,8 @@ from typing import Any
 
 from qwenvl.common.v1 import generation_pb2
 
-from vlcommon.errors import ServiceError, invalid_argument
+from vlcommon.errors import ServiceError
+from vlcommon.refusals import Refusal
 
 #: Cache policy names (settings, the OpenAI front's ``cache_policy``) and their enum values.
 CACHE_POLICIES = {
@@ -34,21 +35,42 @@ CACHE_TIERS = {
 TIER_NAMES = {value: name for name, value in CACHE_TIERS.items()}
 
 
-def check_count(n: int, *, field: str, limit: int, noun: str = "entries") -> None:
-    """Refuse an empty or over-long repeated field.
+def check_cache_policy(value: int, field: str) -> None:
+    """Refuse a number that is not a ``CachePolicy`` value (the gateway's ``cache_policy``,
+    the cache's ``Lookup.policy``; unspecified is the server's default).
 
     Raises:
-        ServiceError: INVALID_ARGUMENT naming ``field`` (and ``limit`` when over it).
+        ServiceError: INVALID_ARGUMENT ``CACHE_POLICY_INVALID`` naming ``field``.
     """
-    if n == 0:
-        raise invalid_argument(
-            f"{field.upper().replace('.', '_')}_EMPTY",
-            f"{field} is empty; send at least one",
-            field=field,
+    if value not in generation_pb2.CachePolicy.values():
+        raise Refusal.CACHE_POLICY_INVALID.error(
+            f"{field} {value} is not a CachePolicy value", field=field
         )
+
+
+#: The refusals of :func:`check_count` by field: (empty, over the limit).
+_COUNT_REFUSALS = {
+    "messages": (Refusal.MESSAGES_EMPTY, Refusal.TOO_MANY_MESSAGES),
+    "images": (Refusal.IMAGES_EMPTY, Refusal.TOO_MANY_IMAGES),
+}
+#: The refusal of :func:`check_media_count` by noun.
+_TOO_MANY_MEDIA = {"images": Refusal.TOO_MANY_IMAGES, "videos": Refusal.TOO_MANY_VIDEOS}
+
+
+def check_count(n: int, *, field: str, limit: int, noun: str = "entries") -> None:
+    """Refuse an empty or over-long repeated field (``field``: ``messages``, or an Encode
+    call's ``images``).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``MESSAGES_EMPTY`` / ``TOO_MANY_MESSAGES`` (or
+            ``IMAGES_EMPTY`` / ``TOO_MANY_IMAGES``) naming ``field`` (and ``limit`` when
+            over it).
+    """
+    empty, too_many = _COUNT_REFUSALS[field]
+    if n == 0:
+        raise empty.error(f"{field} is empty; send at least one", field=field)
     if n > limit:
-        raise invalid_argument(
-            f"TOO_MANY_{field.upper().replace('.', '_')}",
+        raise too_many.error(
             f"{field} has {n} {noun}; the limit is {limit}",
             field=field,
             limit=limit,
@@ -65,8 +87,7 @@ def check_message_counts(messages: Sequence[Any], *, max_messages: int, max_part
     check_count(len(messages), field="messages", limit=max_messages)
     parts = sum(len(m.parts) for m in messages)
     if parts > max_parts:
-        raise invalid_argument(
-            "TOO_MANY_PARTS",
+        raise Refusal.TOO_MANY_PARTS.error(
             f"messages hold {parts} parts; the limit is {max_parts}",
             field="messages",
             limit=max_parts,
@@ -83,8 +104,7 @@ def check_media_count(n: int, *, noun: str, limit: int, where: str = "") -> None
             ``images`` / ``videos`` and the limit.
     """
     if n > limit:
-        raise invalid_argument(
-            f"TOO_MANY_{noun.upper()}",
+        raise _TOO_MANY_MEDIA[noun].error(
             f"the request has {n} {noun}; the limit is {limit}{where}",
             field=noun,
             limit=limit,
@@ -98,8 +118,7 @@ def check_text_length(chars: int, limit: int) -> None:
         ServiceError: INVALID_ARGUMENT ``TEXT_TOO_LONG`` naming ``messages`` and the limit.
     """
     if chars > limit:
-        raise invalid_argument(
-            "TEXT_TOO_LONG",
+        raise Refusal.TEXT_TOO_LONG.error(
             f"messages hold {chars} characters of text; the limit is {limit}",
             field="messages",
             limit=limit,
@@ -115,12 +134,12 @@ def check_parts_present(
     an empty content."""
     if not parts and not has_reasoning:
         field = f"messages[{message_index}].parts"
-        raise invalid_argument("PARTS_EMPTY", f"{field} is empty", field=field)
+        raise Refusal.PARTS_EMPTY.error(f"{field} is empty", field=field)
 
 
 def part_empty(field: str, kinds: str) -> ServiceError:
     """The error for a part that sets none of its oneof's ``kinds`` (``PART_EMPTY``)."""
-    return invalid_argument("PART_EMPTY", f"{field} has none of {kinds}", field=field)
+    return Refusal.PART_EMPTY.error(f"{field} has none of {kinds}", field=field)
 
 
 ROLES = ("system", "user", "assistant")
@@ -129,10 +148,8 @@ ROLES = ("system", "user", "assistant")
 def check_role(role: str, field: str) -> None:
     """Refuse a chat role other than system, user or assistant (INVALID_ARGUMENT)."""
     if role not in ROLES:
-        raise invalid_argument(
-            "ROLE_INVALID",
-            f"{field} is {role!r}; expected one of {', '.join(ROLES)}",
-            field=field,
+        raise Refusal.ROLE_INVALID.error(
+            f"{field} is {role!r}; expected one of {', '.join(ROLES)}", field=field
         )
 
 
@@ -196,8 +213,7 @@ def check_no_control_tokens(text: str, forbidden: tuple[str, ...], field: str) -
         return
     for token in forbidden:
         if token in text:
-            raise invalid_argument(
-                "TEXT_CONTAINS_SPECIAL_TOKEN",
+            raise Refusal.TEXT_CONTAINS_SPECIAL_TOKEN.error(
                 f"{field} contains the special token {token!r}; images are given as image "
                 "parts, and control tokens may not appear in text",
                 field=field,
@@ -218,8 +234,7 @@ def check_reasoning_content(
     """
     field = f"messages[{message_index}].reasoning_content"
     if role != "assistant":
-        raise invalid_argument(
-            "REASONING_CONTENT_NOT_ASSISTANT",
+        raise Refusal.REASONING_CONTENT_NOT_ASSISTANT.error(
             f"{field} is set on a {role!r} message; only assistant messages carry the "
             "reasoning of an earlier turn",
             field=field,
@@ -250,15 +265,13 @@ def check_grid(grid: Any, field: str, merge: int, *, video: bool = False) -> tup
     thw = (int(grid.t), int(grid.h), int(grid.w))
     if (thw[0] != 1 and not video) or min(thw) <= 0 or thw[1] % merge or thw[2] % merge:
         what = "a video has t >= 1" if video else "an image has t = 1"
-        raise invalid_argument(
-            "GRID_INVALID",
+        raise Refusal.GRID_INVALID.error(
             f"{field} is {list(thw)}; {what} and h, w > 0, multiples of spatial_merge_size {merge}",
             field=field,
         )
     patches = thw[0] * thw[1] * thw[2]
     if patches > MAX_GRID_PATCHES:
-        raise invalid_argument(
-            "GRID_TOO_LARGE",
+        raise Refusal.GRID_TOO_LARGE.error(
             f"{field} is {list(thw)}: {patches} patches; the limit is {MAX_GRID_PATCHES} "
             "patches (t*h*w)",
             field=field,

@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from vlcommon import telemetry
 from vlcommon.admission import AdmissionInterceptor
 from vlcommon.auth import AuthInterceptor, auth_settings
-from vlcommon.errors import ConfigError, ServiceError, abort, invalid_argument
+from vlcommon.errors import ConfigError, ServiceError, abort
 from vlcommon.interceptors import (
     AroundChain,
     AroundInterceptor,
@@ -36,6 +36,7 @@ from vlcommon.interceptors import (
     ReadinessInterceptor,
 )
 from vlcommon.metrics import MetricsInterceptor
+from vlcommon.refusals import Refusal
 from vlcommon.settings import ServerSettings, server_options
 from vlcommon.tls import is_loopback
 from vlcommon.tls import server_credentials as tls_server_credentials
@@ -363,10 +364,8 @@ def _safe_deserializer(deserialize: Callable[[bytes], Any]) -> Callable[[bytes],
 
 
 def _refuse(request: _Undecodable) -> ServiceError:
-    return invalid_argument(
-        "REQUEST_UNDECODABLE",
-        f"the request could not be parsed as protobuf: {request.error}",
-        field="request",
+    return Refusal.REQUEST_UNDECODABLE.error(
+        f"the request could not be parsed as protobuf: {request.error}", field="request"
     )
 
 

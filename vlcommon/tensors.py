@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from qwenvl.common.v1 import tensor_pb2
 
-from vlcommon.errors import invalid_argument
+from vlcommon.refusals import Refusal
 
 if TYPE_CHECKING:
     import torch
@@ -83,38 +83,32 @@ def validate(
             differs, or ``len(data)`` is not ``prod(shape) * itemsize``.
     """
     if len(msg.shape) > MAX_NDIM:
-        raise invalid_argument(
-            "TENSOR_SHAPE_INVALID",
+        raise Refusal.TENSOR_SHAPE_INVALID.error(
             f"{field}.shape has {len(msg.shape)} dimensions; at most {MAX_NDIM} are allowed",
             field=f"{field}.shape",
             limit=MAX_NDIM,
         )
     if msg.dtype not in ITEMSIZE or (dtypes is not None and msg.dtype not in dtypes):
         allowed = ", ".join(dtype_name(d) for d in (dtypes or tuple(ITEMSIZE)))
-        raise invalid_argument(
-            "TENSOR_DTYPE_UNSUPPORTED",
+        raise Refusal.TENSOR_DTYPE_UNSUPPORTED.error(
             f"{field}.dtype is {dtype_name(msg.dtype) if msg.dtype in ITEMSIZE else msg.dtype}; "
             f"expected one of {allowed}",
             field=f"{field}.dtype",
         )
     if ndim is not None and len(msg.shape) != ndim:
-        raise invalid_argument(
-            "TENSOR_SHAPE_INVALID",
+        raise Refusal.TENSOR_SHAPE_INVALID.error(
             f"{field}.shape is {list(msg.shape)}; expected {ndim} dimensions",
             field=f"{field}.shape",
         )
     if any(s < 0 for s in msg.shape):
-        raise invalid_argument(
-            "TENSOR_SHAPE_INVALID",
-            f"{field}.shape {list(msg.shape)} has a negative dimension",
-            field=f"{field}.shape",
+        raise Refusal.TENSOR_SHAPE_INVALID.error(
+            f"{field}.shape {list(msg.shape)} has a negative dimension", field=f"{field}.shape"
         )
     expected = numel(msg.shape) * ITEMSIZE[msg.dtype]
     if data is None:
         data = msg.data
     if len(data) != expected:
-        raise invalid_argument(
-            "TENSOR_SIZE_MISMATCH",
+        raise Refusal.TENSOR_SIZE_MISMATCH.error(
             f"{field}.data has {len(data)} bytes; shape {list(msg.shape)} of "
             f"{dtype_name(msg.dtype)} needs {expected}",
             field=f"{field}.data",
@@ -189,6 +183,17 @@ def all_finite(msg: tensor_pb2.Tensor, data: bytes | bytearray | None = None) ->
     if msg.dtype == tensor_pb2.DATA_TYPE_FP32:
         return bool(np.isfinite(np.frombuffer(data, dtype="<f4")).all())
     return True
+
+
+def check_finite(msg: tensor_pb2.Tensor, data: bytes | bytearray | None, field: str) -> None:
+    """Refuse embeddings holding NaN or inf (the decoder's inputs, the cache's entries):
+    :func:`all_finite` over ``data`` (as for :func:`to_numpy`).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT ``EMBEDDING_NOT_FINITE`` naming ``field``.
+    """
+    if not all_finite(msg, data):
+        raise Refusal.EMBEDDING_NOT_FINITE.error(f"{field} holds NaN or inf", field=field)
 
 
 def from_torch(tensor: torch.Tensor) -> tensor_pb2.Tensor:

@@ -17,13 +17,14 @@ from gateway.pipeline.route import AFFINITY_HEADER, DecoderRouter, Endpoint
 from gateway.pipeline.types import release
 from vlcommon import handoff
 from vlcommon.deadline import Deadline
-from vlcommon.errors import ServiceError, error_info, from_rpc_error
+from vlcommon.errors import ServiceError, error_info
+from vlcommon.refusals import Refusal, from_rpc_error
 
 log = logging.getLogger(__name__)
 
 # The decoder could not read an image's held embeddings: their holder lost them (restart,
 # expiry) or could not be reached. Encoding again (a new holder) can still answer.
-REF_LOST_REASONS = frozenset({"EMBEDDING_REF_GONE", "EMBEDDING_HOLDER_UNAVAILABLE"})
+REF_LOST_REASONS = frozenset({Refusal.EMBEDDING_REF_GONE, Refusal.EMBEDDING_HOLDER_UNAVAILABLE})
 
 
 class RefsLost(Exception):
@@ -41,7 +42,7 @@ class RefsLost(Exception):
 
 # A decoder's own statuses that mean "this replica cannot go on with the answer, another
 # can": it handed the stream back as it stopped, or its vLLM engine died.
-MOVE_REASONS = {"DECODER_DRAINING": "draining", "ENGINE_DEAD": "engine_dead"}
+MOVE_REASONS = {Refusal.DECODER_DRAINING: "draining", Refusal.ENGINE_DEAD: "engine_dead"}
 
 # Builds the decoder request again with fresh refs to the same embeddings (the first
 # decoder read and released the ones it had): Pipeline._refs_again.
@@ -95,11 +96,9 @@ def _check_continued(chunk: decoder_service_pb2.GenerateResponse, answer: _Answe
         ServiceError: FAILED_PRECONDITION when it does not (the answer then ends as lost).
     """
     if chunk.continued_tokens != answer.tokens:
-        raise ServiceError(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "CONTINUATION_NOT_CONFIRMED",
+        raise Refusal.CONTINUATION_NOT_CONFIRMED.error(
             f"the decoder continued from {chunk.continued_tokens} tokens, not "
-            f"{answer.tokens} (a decoder without request migration?)",
+            f"{answer.tokens} (a decoder without request migration?)"
         )
 
 
@@ -325,11 +324,8 @@ class DecodeStage:
                 )
         if not endpoints:  # no call made: the refs are still this stage's to release
             release(self.releaser, [*request.images, *(v.embedding for v in request.videos)])
-        raise ServiceError(
-            grpc.StatusCode.UNAVAILABLE,
-            "DECODER_UNAVAILABLE",
-            "no decoder endpoint is in service",
-            {"dependency": "decoder"},
+        raise Refusal.DECODER_UNAVAILABLE.error(
+            "no decoder endpoint is in service", dependency="decoder"
         )
 
     async def _attempt(
@@ -405,13 +401,12 @@ class DecodeStage:
         if not first and (gone or move):
             why = info.reason if info is not None else err.details() or err.code().name
             raise _Lost(
-                ServiceError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "DECODER_LOST_MID_STREAM",
+                Refusal.DECODER_LOST_MID_STREAM.error(
                     f"decoder {endpoint.address} became unavailable after the answer had "
                     f"started ({why}); the answer is incomplete and could not continue on "
                     "another replica: retry the request",
-                    {"dependency": "decoder", "endpoint": endpoint.address},
+                    dependency="decoder",
+                    endpoint=endpoint.address,
                 ),
                 endpoint,
                 move or "lost",

@@ -19,7 +19,7 @@ from gateway.pipeline.types import (
 )
 from vlcommon import handoff, tensors
 from vlcommon.deadline import Deadline
-from vlcommon.errors import ServiceError, from_rpc_error
+from vlcommon.refusals import Refusal, from_rpc_error
 
 tracer = trace.get_tracer("splitvl.gateway")
 
@@ -64,9 +64,7 @@ class EncodeStage:
         request = encoder_service_pb2.EncodeRequest(transport=self.transport, readers=readers)
         for im in misses:
             if im.pixels is None:  # a file-digest hit has its embedding: never a miss
-                raise ServiceError(
-                    grpc.StatusCode.INTERNAL, "INTERNAL", f"images[{im.index}] has no pixels"
-                )
+                raise Refusal.INTERNAL.error(f"images[{im.index}] has no pixels")
             request.images.add(
                 key=im.key,
                 pixels=tensors.from_numpy(im.pixels),
@@ -90,12 +88,10 @@ class EncodeStage:
                 raise from_rpc_error(err, dependency="encoder") from err
             if len(response.embeddings) != len(misses):
                 release(self.releaser, response.embeddings)
-                raise ServiceError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "ENCODER_BAD_RESPONSE",
+                raise Refusal.ENCODER_BAD_RESPONSE.error(
                     f"encoder answered {len(response.embeddings)} embeddings for "
                     f"{len(misses)} images",
-                    {"dependency": "encoder"},
+                    dependency="encoder",
                 )
             received = sum(inline_bytes(e) for e in response.embeddings)
             metrics.EMBEDDING_RECEIVED_BYTES.labels(source="encoder").inc(received)

@@ -32,7 +32,7 @@ from gateway import metrics
 from gateway.pipeline.types import EncodedFile, PreparedImage
 from gateway.settings import GatewaySettings
 from vlcommon.deadline import NO_DEADLINE, Deadline
-from vlcommon.errors import ServiceError, resource_exhausted
+from vlcommon.errors import ServiceError
 from vlcommon.grid_reuse import reusable_grids
 from vlcommon.imaging import (
     ImageHeader,
@@ -45,6 +45,7 @@ from vlcommon.imaging import (
     similarity_descriptor,
 )
 from vlcommon.model_info import VisionSpec
+from vlcommon.refusals import Refusal
 from vlcommon.verification import verifiable, verification_image
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def check_live(stop: threading.Event | None, deadline: Deadline) -> None:
     try:
         deadline.check(stop, "its images were prepared")
     except ServiceError as err:
-        reason = "cancelled" if err.reason == "CANCELLED" else "deadline"
+        reason = "cancelled" if err.reason == Refusal.CANCELLED else "deadline"
         metrics.PREPROCESS_STOPPED.labels(reason=reason).inc()
         raise
 
@@ -165,8 +166,7 @@ class Preprocessor:
         limit = self.settings.max_request_pixels
         total = sum(h.stored_width * h.stored_height for h in headers if h is not None)
         if total > limit:
-            raise resource_exhausted(
-                "REQUEST_PIXELS_TOO_LARGE",
+            raise Refusal.REQUEST_PIXELS_TOO_LARGE.error(
                 f"the request's {len(headers)} images hold {total} decoded pixels (width*height "
                 f"summed); the limit is {limit} per request (GATEWAY_MAX_REQUEST_PIXELS)",
                 field="images",
@@ -404,8 +404,7 @@ class Preprocessor:
         capacity = s.preprocess_threads + s.preprocess_queue
         with self._lock:
             if self.pending >= capacity:
-                raise resource_exhausted(
-                    "PREPROCESS_BUSY",
+                raise Refusal.PREPROCESS_BUSY.error(
                     f"{self.pending} requests are preparing or waiting to prepare "
                     f"images; the limit is {capacity} (GATEWAY_PREPROCESS_THREADS + "
                     "GATEWAY_PREPROCESS_QUEUE); retry shortly",

@@ -26,7 +26,6 @@ from gateway.video import (
     live_check,
 )
 from vlcommon.deadline import NO_DEADLINE, Deadline
-from vlcommon.errors import resource_exhausted
 from vlcommon.imaging import decode_image
 from vlcommon.model_info import VisionSpec
 
@@ -86,9 +85,9 @@ class VideoIntake:
         its deadline passes.
 
         Raises:
-            ServiceError: as gateway.video; RESOURCE_EXHAUSTED ``VIDEO_TOKENS_TOO_MANY`` when
-                the videos' tokens pass GATEWAY_MAX_VIDEO_TOKENS; CANCELLED /
-                DEADLINE_EXCEEDED when stopped.
+            ServiceError: as gateway.video (RESOURCE_EXHAUSTED ``VIDEO_TOKENS_TOO_MANY``
+                for the video that needs more than the request has left of
+                GATEWAY_MAX_VIDEO_TOKENS); CANCELLED / DEADLINE_EXCEEDED when stopped.
         """
         stop = stop or threading.Event()
         out: list[PreparedVideo] = []
@@ -99,18 +98,11 @@ class VideoIntake:
             t0 = time.perf_counter()
             with tracer.start_as_current_span("video.decode") as span:
                 span.set_attribute("splitvl.video.index", v.index)
+                # With what is left of the budget: gateway.video refuses the video that
+                # passes it at its first frame, before the rest is decoded.
                 decoded = self._decode(v, stop, deadline, limit - tokens, span)
                 _record(span, decoded, time.perf_counter() - t0)
             tokens += decoded.plan.tokens
-            if tokens > limit:
-                raise resource_exhausted(
-                    "VIDEO_TOKENS_TOO_MANY",
-                    f"the request's videos need {tokens} video tokens (videos[0..{v.index}]); "
-                    f"the limit is {limit} per request (GATEWAY_MAX_VIDEO_TOKENS): lower "
-                    "sample_fps, max_frames or max_pixels",
-                    field="videos",
-                    limit=limit,
-                )
             out.append(
                 PreparedVideo(
                     index=v.index,
