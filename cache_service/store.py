@@ -439,37 +439,11 @@ class EmbeddingStore(IndexRebuilds):
             now = self.clock()
             self._expire(now)
             old = self._entries.get(key)
-            if old is not None and old.grid != grid:
-                raise KeyGridConflictError(old.grid)
             if old is not None:
-                old.expires_at = now + self.ttl_s if self.ttl_s > 0 else math.inf
-                self._entries.move_to_end(key)
-                self._by_put.move_to_end(key)
-                if alias:
-                    self._add_alias(old, alias)
+                self._refresh(old, grid, now, alias)
                 return 0
-            victims: list[Entry] = []
-            free = self.capacity_bytes - self.bytes
-            if free < size:
-                for entry in self._entries.values():  # oldest first
-                    if entry.leases:
-                        continue
-                    victims.append(entry)
-                    free += entry.nbytes
-                    if free >= size:
-                        break
-                if free < size:
-                    leased = sum(e.nbytes for e in self._entries.values() if e.leases)
-                    raise CacheFullError(size, leased, self.capacity_bytes)
-            for victim in victims:
-                self._remove(victim, "lru")
-            vec = self.normalise(descriptor) if descriptor is not None else None
-            index_id = -1
-            if vec is not None and vec.shape[0] == self.dim:
-                index_id = next(self._ids)
-                self._index.add(np.array([index_id], np.int64), vec.reshape(1, -1))
-                if self._rebuild is not None:
-                    self._rebuild.adds.append(index_id)
+            evicted = self._make_room(size)
+            index_id = self._index_descriptor(descriptor)
             entry = Entry(
                 key,
                 grid,
@@ -481,18 +455,68 @@ class EmbeddingStore(IndexRebuilds):
                 verification=verification,
                 revision=revision,
             )
-            self._entries[key] = entry
-            self._by_put[key] = None
-            if key in self._aliases:  # the key itself now finds its own entry
-                self._drop_alias(key)
-            if alias:
-                self._add_alias(entry, alias)
-            if index_id >= 0:
-                self._by_id[index_id] = entry
-            self.bytes += size
-            self._maybe_rebuild()
-            self._publish()
-            return len(victims)
+            self._insert(entry, size, alias)
+            return evicted
+
+    def _refresh(self, old: Entry, grid: tuple[int, int, int], now: float, alias: str) -> None:
+        """:meth:`put` of a key already held (under the lock): LRU position and TTL
+        refreshed, ``alias`` added; KeyGridConflictError, nothing changed, for another grid."""
+        if old.grid != grid:
+            raise KeyGridConflictError(old.grid)
+        old.expires_at = now + self.ttl_s if self.ttl_s > 0 else math.inf
+        self._entries.move_to_end(old.key)
+        self._by_put.move_to_end(old.key)
+        if alias:
+            self._add_alias(old, alias)
+
+    def _make_room(self, size: int) -> int:
+        """Evict unleased entries, least recently used first, until ``size`` more bytes fit
+        (under the lock); returns how many. CacheFullError, nothing evicted, when leased
+        entries hold too many bytes for it to fit."""
+        victims: list[Entry] = []
+        free = self.capacity_bytes - self.bytes
+        if free < size:
+            for entry in self._entries.values():  # oldest first
+                if entry.leases:
+                    continue
+                victims.append(entry)
+                free += entry.nbytes
+                if free >= size:
+                    break
+            if free < size:
+                leased = sum(e.nbytes for e in self._entries.values() if e.leases)
+                raise CacheFullError(size, leased, self.capacity_bytes)
+        for victim in victims:
+            self._remove(victim, "lru")
+        return len(victims)
+
+    def _index_descriptor(self, descriptor: np.ndarray | None) -> int:
+        """Index a new entry's descriptor (under the lock, before the entry is stored); its
+        index id, or -1 for none (missing, zero, non-finite or of another length)."""
+        vec = self.normalise(descriptor) if descriptor is not None else None
+        if vec is None or vec.shape[0] != self.dim:
+            return -1
+        index_id = next(self._ids)
+        self._index.add(np.array([index_id], np.int64), vec.reshape(1, -1))
+        if self._rebuild is not None:
+            self._rebuild.adds.append(index_id)
+        return index_id
+
+    def _insert(self, entry: Entry, size: int, alias: str) -> None:
+        """Store a new ``entry`` of ``size`` bytes (room made, its vector indexed) and its
+        ``alias``, under the lock."""
+        key = entry.key
+        self._entries[key] = entry
+        self._by_put[key] = None
+        if key in self._aliases:  # the key itself now finds its own entry
+            self._drop_alias(key)
+        if alias:
+            self._add_alias(entry, alias)
+        if entry.index_id >= 0:
+            self._by_id[entry.index_id] = entry
+        self.bytes += size
+        self._maybe_rebuild()
+        self._publish()
 
     def _add_alias(self, entry: Entry, alias: str) -> None:
         """Make ``alias`` find ``entry`` (called under the lock)."""

@@ -61,7 +61,8 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from vlcommon.verification import JpegLuma, VerificationImage, chroma_shape
+from vlcommon.verification import VerificationImage, chroma_shape
+from vlcommon.verification_common import JpegLuma
 
 VERSION = 2
 ENTRY_MAGIC = b"splitvl.cache.entry\0"

@@ -28,6 +28,12 @@ its first failed read (or the next scan). A store that cannot be reached answers
 this replica's own copies or misses, one that refuses a write keeps the entry as a local
 copy (:class:`cache_service.store_conn.StoreHealth`); an entry that fails its checks is a
 miss counted in ``splitvl_cache_store_integrity_failures_total``; none is ever an error.
+
+Modules: this one holds :class:`RedisStore`'s lookups and puts;
+:mod:`cache_service.store_redis_state` its connections, local copies and bookkeeping (its
+base class); :mod:`cache_service.store_codec` the sealing and key layout;
+:mod:`cache_service.store_conn` the URL, the client and the failure handling;
+:mod:`cache_service.store_follow` the log and the scan.
 """
 
 from __future__ import annotations
@@ -62,14 +68,10 @@ from cache_service.store_conn import (
     StoreAccess,
     StoreHealth,
     as_bytes,
-    classify,
-    config_error,
-    eviction_policy,
-    is_config_error,
-    log,
     parse_store_url,
 )
 from cache_service.store_follow import Follower
+from cache_service.store_redis_state import RedisStoreState
 from vlcommon.errors import ConfigError
 from vlcommon.verification import VerificationImage, verify
 
@@ -82,13 +84,11 @@ MIN_SECRET_CHARS = 16
 # Similarity candidates whose header and verification image one round trip reads (up to
 # ~3 MB each at 2 MP; search_k is 8 by default).
 CANDIDATE_BATCH = 4
-# Alias records remembered per replica (a few hundred bytes each), LRU.
-ALIAS_MEMO = 65_536
 # The index of the store's entries holds no payloads: its byte budget never binds.
 UNBOUNDED_BYTES = 2**62
 
 
-class RedisStore:
+class RedisStore(RedisStoreState):
     """The :class:`cache_service.entries.Store` interface over a shared Redis store.
 
     Args:
@@ -218,93 +218,6 @@ class RedisStore:
             claim_ttl_s=settings.claim_ttl_s,
         )
 
-    # -- lifecycle ------------------------------------------------------------------------
-    def client(self) -> RedisClient:
-        """The Redis client, made at the first call that succeeds (a cluster client reads
-        the slot map when made, so it cannot be made while the cluster is down).
-
-        Raises:
-            redis.RedisError: it could not be made.
-        """
-        with self._client_lock:
-            if self._client is None:
-                self._client = self.access.connect()
-            return self._client
-
-    def follow_client(self, blocking_s: float) -> RedisClient:
-        """The log follower's own client, whose socket timeout allows for its blocking
-        reads of up to ``blocking_s`` (a connection of its own, so a blocked read never
-        holds one a lookup needs)."""
-        with self._client_lock:
-            if self._follow_client is None:
-                self._follow_client = self.access.connect(blocking_s)
-            return self._follow_client
-
-    def start(self, follow: bool = True) -> None:
-        """Connect, check the store's eviction settings, rebuild the similarity index from
-        a scan of the store, then (``follow``) follow the log in a thread. The service
-        calls it before it reports SERVING. A store that cannot be reached is not fatal:
-        the index stays empty until the follower's first successful scan.
-
-        Raises:
-            ConfigError: the store refused the password, user or certificate, or its
-                maxmemory-policy can never make room (:func:`store_conn.eviction_policy`).
-        """
-        shown = self.access.url.shown
-        if not self.secret_set:
-            log.warning(
-                "CACHE_STORE_ALLOW_NO_SECRET: entries in %s are sealed under a public key: "
-                "whoever can reach the store reads every image and can forge embeddings "
-                "(development only; docs/security.md)",
-                shown,
-            )
-        try:
-            client = self.client()
-            client.ping()
-            self.check_policy(client)
-            t0 = time.perf_counter()
-            found = self.follower.sync(client)
-            log.info(
-                "cache store %s: %d entries indexed from a scan in %.2f s",
-                shown,
-                found,
-                time.perf_counter() - t0,
-            )
-        except STORE_FAILURES as err:
-            # A command refused at start (an ACL without it) is a setting to fix too.
-            if is_config_error(err) or classify(err)[0] == "refused":
-                raise config_error(err, shown) from err
-            self.health.failed("start", err)
-            self.follower.resync_due = True
-            log.warning("cache store %s unreachable at start: SERVING with an empty index", shown)
-        if follow:
-            self.follower.start()
-
-    def check_policy(self, client: RedisClient) -> None:
-        """Read the store's eviction policy (:func:`store_conn.eviction_policy`), once: at
-        start, or at the follower's first scan when the store was down at start (then a
-        policy that can never make room is logged as an error instead of refused).
-
-        Raises:
-            ConfigError: at start, a policy that can never make room.
-        """
-        if self.policy_checked:
-            return
-        shown = self.access.url.shown
-        self.ttl_s, warnings = eviction_policy(client, self.ttl_s, shown)
-        self.policy_checked = True
-        for line in warnings:
-            log.warning("cache store %s: %s", shown, line)
-
-    def close(self) -> None:
-        """Stop following the log and close the connections."""
-        self.follower.stop()
-        with self._client_lock:
-            for client in (self._client, self._follow_client):
-                if client is not None:
-                    client.close()
-            self._client = self._follow_client = None
-
     # -- reading --------------------------------------------------------------------------
     def lookup(
         self,
@@ -340,12 +253,6 @@ class RedisStore:
             if self.health.failed("lookup", err) == "refused":
                 return Match("miss", 0.0, None)
             return self._local_only(key, grid, lease)
-
-    def _local_only(self, key: str, grid: tuple[int, int, int], lease: bool) -> Match:
-        """The answer while the store cannot be asked: this replica's own copy of ``key``
-        (its bytes are the ones it put or served; no other replica is asked)."""
-        held = self.local.lookup(key, None, grid, similar=False, lease=lease)
-        return held if held.entry is not None else Match("miss", 0.0, None)
 
     def _exact(
         self, client: RedisClient, key: str, grid: tuple[int, int, int], lease: bool, alias: str
@@ -400,23 +307,6 @@ class RedisStore:
         if alias and target == key and self._aliases.get(alias, (b"", ""))[1] != key:
             self.add_alias(client, alias, key)
         return Match("exact", 1.0, entry)
-
-    def _remember_alias(self, alias: str, record: bytes, key: str) -> None:
-        """Keep an alias's record (written once, so its bytes stay while it lives): the
-        next lookup by the alias reads its target's header in the same round trip."""
-        with self._copies_lock:
-            self._aliases[alias] = (record, key)
-            self._aliases.move_to_end(alias)
-            while len(self._aliases) > ALIAS_MEMO:
-                self._aliases.popitem(last=False)
-
-    def _unshared_copy(self, key: str, grid: tuple[int, int, int], lease: bool) -> Entry | None:
-        """This replica's copy of an entry the store refused to take (served while the
-        store has no entry of its own for the key)."""
-        with self._copies_lock:
-            if self._copies.get(key) != b"":
-                return None
-            return self.local.lookup(key, None, grid, similar=False, lease=lease).entry
 
     def _similar(
         self,
@@ -510,110 +400,6 @@ class RedisStore:
             return None
         metrics.STORE_BYTES.labels(direction="read").inc(len(sealed) + len(data))
         return self._keep(now, payload, lease)
-
-    def _keep(self, header: Header, data: bytes, lease: bool) -> Entry:
-        """A local copy of an entry (or, when leased copies hold the whole budget, an entry
-        held by nobody but its caller)."""
-        with self._copies_lock:
-            try:
-                self._put_local(header, data)
-            except CacheFullError:
-                pass
-            else:
-                held = self.local.lookup(header.key, None, header.grid, similar=False, lease=lease)
-                if held.entry is not None:
-                    return held.entry
-        return Entry(
-            header.key,
-            header.grid,
-            header.dtype,
-            header.shape,
-            data,
-            -1,
-            revision=header.revision,
-        )
-
-    def _put_local(self, header: Header, data: bytes) -> int:
-        """Keep a local copy of the write ``header`` names (``write_id`` b"": one the store
-        refused); returns local copies evicted for it. The caller holds _copies_lock.
-
-        Raises:
-            CacheFullError: leased copies hold the budget, or a leased copy of another
-                write of the key is still read (its readers keep it; this one is not kept).
-        """
-        if not self.local.discard(header.key) and header.key in self.local:
-            self._copies.pop(header.key, None)
-            raise CacheFullError(len(data), len(data), self.capacity_bytes)
-        evicted = self.local.put(
-            header.key, None, header.grid, header.dtype, header.shape, data,
-            revision=header.revision,
-        )  # fmt: skip
-        self._copies[header.key] = header.write_id
-        if len(self._copies) > 2 * len(self.local) + 1024:  # copies the LRU evicted
-            self._copies = {k: w for k, w in self._copies.items() if k in self.local}
-        return evicted
-
-    def refused(
-        self,
-        err: IntegrityError,
-        key: str,
-        client: RedisClient | None = None,
-        sealed: bytes = b"",
-    ) -> None:
-        """Count and log an entry that failed its checks; it leaves the index. One whose
-        header opened but a body field did not (``client`` and the ``sealed`` header
-        given) is deleted from the store if still the same, so a Put writes it again."""
-        metrics.STORE_INTEGRITY_FAILURES.labels(reason=err.reason).inc()
-        self.health.warn(
-            f"integrity:{err.reason}",
-            f"cache store entry refused ({err.reason}: {err}); served as a miss",
-        )
-        self.catalog.discard(key)
-        with self._copies_lock:
-            if self._copies.get(key) != b"":  # a copy the store refused is not its entry's
-                self.local.discard(key)
-                self._copies.pop(key, None)
-        if client is not None and sealed and err.reason == "field":
-            self._drop(client, key, sealed)
-
-    def _drop(self, client: RedisClient, key: str, sealed: bytes) -> None:
-        """Delete ``key``'s entry and payload if its header is still ``sealed`` (a newer
-        Put stays), so that the next Put of the key writes it again."""
-        name = self.codec.entry(key)
-
-        def drop(pipe: Any) -> None:
-            if as_bytes(pipe.hget(name, "h")) == sealed:
-                pipe.multi()
-                pipe.delete(name, self.codec.payload_of(name))
-
-        run: Any = client.transaction
-        run(drop, name)
-
-    def forget(self, key: str, found: str) -> None:
-        """The store no longer holds ``key``: it leaves the index and the local copies
-        (except a copy the store refused to take, which it never held)."""
-        if self.catalog.discard(key):
-            self.dropped += 1
-            metrics.STORE_DROPPED.labels(found=found).inc()
-        with self._copies_lock:
-            if self._copies.get(key) == b"":
-                return
-            self.local.discard(key)
-            self._copies.pop(key, None)
-
-    def index(self, header: Header, vector: np.ndarray | None, source: str = "") -> None:
-        """Add an entry to the similarity index (a key already there is left as it is)."""
-        for _ in range(2):
-            try:
-                self.catalog.put(
-                    header.key, vector, header.grid, header.dtype, header.shape, b"",
-                    revision=header.revision,
-                )  # fmt: skip
-                break
-            except KeyGridConflictError:
-                self.catalog.discard(header.key)
-        if source:
-            metrics.STORE_FOLLOWED.labels(source=source).inc()
 
     # -- writing --------------------------------------------------------------------------
     def put(
@@ -758,31 +544,6 @@ class RedisStore:
                 client.pexpire(name, ttl)
         except STORE_FAILURES as err:
             self.health.failed("alias", err)
-
-    # -- leases and bookkeeping -----------------------------------------------------------
-    def lease(self, entry: Entry) -> bool:
-        """One more lease on a local copy; False for an entry this replica does not hold."""
-        return self.local.lease(entry)
-
-    def release(self, entry: Entry) -> None:
-        """End a lease on a local copy (an entry held by nobody has none to end)."""
-        if self.local.holds(entry):
-            self.local.release(entry)
-
-    def stats(self) -> tuple[int, int, int]:
-        """(entries in this replica's index of the store, bytes of its local copies, local
-        copies evicted plus entries found dropped by the store)."""
-        _, nbytes, evictions = self.local.stats()
-        return len(self.catalog), nbytes, evictions + self.dropped
-
-    def expire(self) -> int:
-        """Nothing to reclaim here: Redis expires entries (their TTL) itself."""
-        return 0
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError when the local copies' or the index's bookkeeping is off."""
-        self.local.check_invariants()
-        self.catalog.check_invariants()
 
 
 def _reply(value: object) -> bytes | Exception | None:
