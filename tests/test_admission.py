@@ -34,7 +34,7 @@ from vlcommon.errors import (
     to_status,
 )
 from vlcommon.imaging import plan_resize
-from vlcommon.refusals import from_rpc_error
+from vlcommon.relay import from_rpc_error
 from vlcommon.settings import ServerSettings
 
 LIMIT = 2

@@ -17,7 +17,8 @@ from qwenvl.common.v1 import generation_pb2
 
 from vlcommon import refusals
 from vlcommon.errors import ServiceError, error_info, to_status
-from vlcommon.refusals import DEPENDENCY_FAILURES, Refusal, from_rpc_error
+from vlcommon.refusals import Refusal
+from vlcommon.relay import DEPENDENCY_FAILURES, from_rpc_error
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = (
@@ -32,6 +33,7 @@ SERVING = (
 #: Builders that take a reason: its position among the arguments.
 HELPERS = {"invalid_argument": 0, "resource_exhausted": 0, "unavailable": 0}
 REGISTRY = ROOT / "vlcommon" / "refusals.py"
+RELAY = ROOT / "vlcommon" / "relay.py"
 ERRORS = ROOT / "vlcommon" / "errors.py"
 
 
@@ -87,7 +89,7 @@ def test_no_reason_is_a_bare_string() -> None:
                 name = _name(node)
                 if name in HELPERS and path != ERRORS:
                     found.append(f"{where}:{node.lineno}: {name}() (use Refusal.X.error)")
-                if name == "ServiceError" and path not in (ERRORS, REGISTRY):
+                if name == "ServiceError" and path not in (ERRORS, REGISTRY, RELAY):
                     reason = _reason_arg(node, 1)
                     if not (isinstance(reason, ast.Attribute) and reason.attr == "reason"):
                         # Only a relay builds one by hand: it keeps a dependency's reason.

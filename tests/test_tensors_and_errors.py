@@ -178,7 +178,7 @@ def test_from_rpc_error_ignores_details_whose_code_disagrees_with_the_call() -> 
     from grpc.aio import AioRpcError, Metadata
 
     from vlcommon.errors import error_info, retry_info
-    from vlcommon.refusals import from_rpc_error
+    from vlcommon.relay import from_rpc_error
 
     detail = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message="queue full")
     detail.details.add().Pack(error_details_pb2.RetryInfo())
@@ -202,7 +202,7 @@ def test_from_rpc_error_reads_a_dependency_cancel_as_its_unavailability() -> Non
     of that dependency, which callers retry."""
     from grpc.aio import AioRpcError, Metadata
 
-    from vlcommon.refusals import from_rpc_error
+    from vlcommon.relay import from_rpc_error
 
     err = AioRpcError(grpc.StatusCode.CANCELLED, Metadata(), Metadata(), details="CANCELLED")
     mapped = from_rpc_error(err, dependency="encoder")

@@ -14,7 +14,7 @@ A rule has one owner (a function in ``vlcommon.sampling``, ``vlcommon.request_ru
 ``gateway.media``, ...) that every front calls; the registry says which reasons exist.
 Relays are the one exception to "one status": a service passing on a dependency's refusal
 keeps its reason under the status its own caller should see
-(:func:`from_rpc_error`; the cache's ``Put`` answers a ref it could not
+(:func:`vlcommon.relay.from_rpc_error`; the cache's ``Put`` answers a ref it could not
 read with FAILED_PRECONDITION).
 
 The table of ``docs/api.md``'s "Errors" section is generated from here
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import grpc
 
-from vlcommon.errors import ServiceError, error_info, retry_info
+from vlcommon.errors import ServiceError
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -110,866 +110,411 @@ class Refusal(StrEnum):
             retry_after_ms=retry_after_ms,
         )
 
+    # One member per line or two (the meaning wrapped): the registry reads as a table.
+    # fmt: off
     # -- shared request rules (gateway gRPC and OpenAI fronts, decoder) ---------------------
     MESSAGES_EMPTY = auto(), _INVALID, "messages", "a request without messages"
-    TOO_MANY_MESSAGES = (
-        auto(),
-        _INVALID,
-        "messages",
-        "more messages than the limit (GATEWAY_MAX_MESSAGES, DECODER_MAX_MESSAGES)",
+    TOO_MANY_MESSAGES = auto(), _INVALID, "messages", (
+        "more messages than the limit (GATEWAY_MAX_MESSAGES, DECODER_MAX_MESSAGES)"
     )
     PARTS_EMPTY = auto(), _INVALID, "messages[i].parts", "a message without content parts"
-    PART_EMPTY = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j]",
-        "a content part with none of text, image, video",
+    PART_EMPTY = auto(), _INVALID, "messages[i].parts[j]", (
+        "a content part with none of text, image, video"
     )
-    TOO_MANY_PARTS = (
-        auto(),
-        _INVALID,
-        "messages",
-        "more content parts over all messages than the limit (GATEWAY_MAX_PARTS)",
+    TOO_MANY_PARTS = auto(), _INVALID, "messages", (
+        "more content parts over all messages than the limit (GATEWAY_MAX_PARTS)"
     )
-    TEXT_TOO_LONG = (
-        auto(),
-        _INVALID,
-        "messages",
-        "more characters of text over all messages than GATEWAY_MAX_TEXT_CHARS",
+    TEXT_TOO_LONG = auto(), _INVALID, "messages", (
+        "more characters of text over all messages than GATEWAY_MAX_TEXT_CHARS"
     )
-    ROLE_INVALID = (
-        auto(),
-        _INVALID,
-        "messages[i].role",
-        "a role other than system, user, assistant",
+    ROLE_INVALID = auto(), _INVALID, "messages[i].role", "a role other than system, user, assistant"
+    REASONING_CONTENT_NOT_ASSISTANT = auto(), _INVALID, "messages[i].reasoning_content", (
+        "reasoning_content on a message that is not the assistant's"
     )
-    REASONING_CONTENT_NOT_ASSISTANT = (
-        auto(),
-        _INVALID,
-        "messages[i].reasoning_content",
-        "reasoning_content on a message that is not the assistant's",
+    TEXT_CONTAINS_SPECIAL_TOKEN = auto(), _INVALID, "messages[i].parts[j].text", (
+        "text that holds, or across parts forms, a control token such as <|image_pad|>"
     )
-    TEXT_CONTAINS_SPECIAL_TOKEN = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].text",
-        "text that holds, or across parts forms, a control token such as <|image_pad|>",
-    )
-    TOO_MANY_IMAGES = (
-        auto(),
-        _INVALID,
-        "images",
+    TOO_MANY_IMAGES = auto(), _INVALID, "images", (
         "more images in one request than the limit (GATEWAY_MAX_IMAGES, per prompt at the "
-        "decoder, per call at the encoder)",
+        "decoder, per call at the encoder)"
     )
-    TOO_MANY_VIDEOS = (
-        auto(),
-        _INVALID,
-        "videos",
-        "more videos in one request than the limit (GATEWAY_MAX_VIDEOS, per prompt)",
+    TOO_MANY_VIDEOS = auto(), _INVALID, "videos", (
+        "more videos in one request than the limit (GATEWAY_MAX_VIDEOS, per prompt)"
     )
     # -- sampling (vlcommon.sampling) -------------------------------------------------------
-    MAX_TOKENS_OUT_OF_RANGE = (
-        auto(),
-        _INVALID,
-        "sampling.max_tokens",
-        "max_tokens outside 1..the limit (GATEWAY_MAX_TOKENS_LIMIT, DECODER_MAX_TOKENS_LIMIT)",
+    MAX_TOKENS_OUT_OF_RANGE = auto(), _INVALID, "sampling.max_tokens", (
+        "max_tokens outside 1..the limit (GATEWAY_MAX_TOKENS_LIMIT, DECODER_MAX_TOKENS_LIMIT)"
     )
-    TEMPERATURE_OUT_OF_RANGE = (
-        auto(),
-        _INVALID,
-        "sampling.temperature",
-        "temperature outside 0..2, not finite, or (OpenAI front) not a 32-bit float",
+    TEMPERATURE_OUT_OF_RANGE = auto(), _INVALID, "sampling.temperature", (
+        "temperature outside 0..2, not finite, or (OpenAI front) not a 32-bit float"
     )
-    TOP_P_OUT_OF_RANGE = (
-        auto(),
-        _INVALID,
-        "sampling.top_p",
-        "top_p set outside (0, 1] (0 included, as vLLM refuses it) or not a 32-bit float",
+    TOP_P_OUT_OF_RANGE = auto(), _INVALID, "sampling.top_p", (
+        "top_p set outside (0, 1] (0 included, as vLLM refuses it) or not a 32-bit float"
     )
-    STOP_INVALID = (
-        auto(),
-        _INVALID,
-        "sampling.stop[k]",
-        "more than 16 stop strings, or one empty or over 256 characters",
+    STOP_INVALID = auto(), _INVALID, "sampling.stop[k]", (
+        "more than 16 stop strings, or one empty or over 256 characters"
     )
-    SAMPLING_INVALID = (
-        auto(),
-        _INVALID,
-        "sampling",
-        "sampling parameters vLLM's SamplingParams refuses (decoder)",
+    SAMPLING_INVALID = auto(), _INVALID, "sampling", (
+        "sampling parameters vLLM's SamplingParams refuses (decoder)"
     )
     # -- the gateway's request --------------------------------------------------------------
-    CACHE_POLICY_INVALID = (
-        auto(),
-        _INVALID,
-        "cache_policy",
-        "a cache policy that is not a CachePolicy value (gateway, cache Lookup)",
+    CACHE_POLICY_INVALID = auto(), _INVALID, "cache_policy", (
+        "a cache policy that is not a CachePolicy value (gateway, cache Lookup)"
     )
-    PIXEL_BUDGET_INVALID = (
-        auto(),
-        _INVALID,
-        "pixel_budget",
-        "min_pixels under (patch_size x merge)^2, or max_pixels under min_pixels or over "
-        "the model's",
+    PIXEL_BUDGET_INVALID = auto(), _INVALID, "pixel_budget", (
+        "min_pixels under (patch_size x merge)^2, or max_pixels under min_pixels or over the "
+        "model's"
     )
-    REQUEST_UNDECODABLE = (
-        auto(),
-        _INVALID,
-        "request",
-        "request bytes that do not parse as the RPC's protobuf message",
+    REQUEST_UNDECODABLE = auto(), _INVALID, "request", (
+        "request bytes that do not parse as the RPC's protobuf message"
     )
     # -- the OpenAI front -------------------------------------------------------------------
-    REQUEST_INVALID = (
-        auto(),
-        _INVALID,
-        "body, or the field",
-        "a body that is not JSON, or does not match the chat completion request's schema",
+    REQUEST_INVALID = auto(), _INVALID, "body, or the field", (
+        "a body that is not JSON, or does not match the chat completion request's schema"
     )
-    REQUEST_TOO_LARGE = (
-        auto(),
-        _EXHAUSTED,
-        "body",
-        "a body over GATEWAY_MAX_MESSAGE_BYTES (HTTP 413)",
+    REQUEST_TOO_LARGE = auto(), _EXHAUSTED, "body", (
+        "a body over GATEWAY_MAX_MESSAGE_BYTES (HTTP 413)"
     )
-    PARAMETER_UNSUPPORTED = (
-        auto(),
-        _INVALID,
-        "the parameter",
-        "a parameter or value the front does not serve (n > 1, tools, logprobs, ...)",
+    PARAMETER_UNSUPPORTED = auto(), _INVALID, "the parameter", (
+        "a parameter or value the front does not serve (n > 1, tools, logprobs, ...)"
     )
     MODEL_NOT_FOUND = auto(), _NOT_FOUND, "model", "a model this server does not serve"
-    PRIORITY_OUT_OF_RANGE = (
-        auto(),
-        _INVALID,
-        "priority",
-        "a priority outside the 32-bit range",
-    )
+    PRIORITY_OUT_OF_RANGE = auto(), _INVALID, "priority", "a priority outside the 32-bit range"
     SEED_OUT_OF_RANGE = auto(), _INVALID, "seed", "a seed outside the 64-bit range"
-    TEXT_NOT_UTF8 = (
-        auto(),
-        _INVALID,
-        "messages[i].content",
-        "text holding a lone surrogate (\\ud800-\\udfff), which UTF-8 cannot carry",
+    TEXT_NOT_UTF8 = auto(), _INVALID, "messages[i].content", (
+        "text holding a lone surrogate (\\ud800-\\udfff), which UTF-8 cannot carry"
     )
-    NOT_FOUND = (
-        auto(),
-        _HTTP_ONLY,
-        "",
-        "a path the front does not serve (HTTP 404)",
-        404,
-    )
-    METHOD_NOT_ALLOWED = (
-        auto(),
-        _HTTP_ONLY,
-        "",
-        "an HTTP method the path does not take (HTTP 405)",
-        405,
-    )
-    BODY_READ_TIMEOUT = (
-        auto(),
-        _HTTP_ONLY,
-        "body",
-        "a body that stopped arriving for GATEWAY_HTTP_BODY_TIMEOUT_S (HTTP 408)",
-        408,
-    )
-    CONTENT_ENCODING_UNSUPPORTED = (
-        auto(),
-        _HTTP_ONLY,
-        "body",
-        "a compressed body (Content-Encoding other than identity; HTTP 415)",
-        415,
-    )
+    NOT_FOUND = auto(), _HTTP_ONLY, "", "a path the front does not serve (HTTP 404)", 404
+    METHOD_NOT_ALLOWED = auto(), _HTTP_ONLY, "", (
+        "an HTTP method the path does not take (HTTP 405)"
+    ), 405
+    BODY_READ_TIMEOUT = auto(), _HTTP_ONLY, "body", (
+        "a body that stopped arriving for GATEWAY_HTTP_BODY_TIMEOUT_S (HTTP 408)"
+    ), 408
+    CONTENT_ENCODING_UNSUPPORTED = auto(), _HTTP_ONLY, "body", (
+        "a compressed body (Content-Encoding other than identity; HTTP 415)"
+    ), 415
     # -- images -----------------------------------------------------------------------------
-    IMAGE_SOURCE_MISSING = (
-        auto(),
-        _INVALID,
-        "images[i]",
-        "an image with none of data, data_url, url",
+    IMAGE_SOURCE_MISSING = auto(), _INVALID, "images[i]", (
+        "an image with none of data, data_url, url"
     )
-    DATA_URL_INVALID = (
-        auto(),
-        _INVALID,
-        "images[i].data_url",
-        "not a base64 data URL, or not of the part's media type (image/*, video/*)",
+    DATA_URL_INVALID = auto(), _INVALID, "images[i].data_url", (
+        "not a base64 data URL, or not of the part's media type (image/*, video/*)"
     )
-    IMAGE_BYTES_TOO_LARGE = (
-        auto(),
-        _EXHAUSTED,
-        "images[i]",
-        "an image's encoded bytes over GATEWAY_MAX_IMAGE_BYTES (by value, data URL or URL)",
+    IMAGE_BYTES_TOO_LARGE = auto(), _EXHAUSTED, "images[i]", (
+        "an image's encoded bytes over GATEWAY_MAX_IMAGE_BYTES (by value, data URL or URL)"
     )
-    IMAGE_DECODE_FAILED = (
-        auto(),
-        _INVALID,
-        "images[i]",
-        "bytes that are empty or not an image Pillow decodes",
+    IMAGE_DECODE_FAILED = auto(), _INVALID, "images[i]", (
+        "bytes that are empty or not an image Pillow decodes"
     )
-    IMAGE_TOO_LARGE = (
-        auto(),
-        _EXHAUSTED,
-        "images[i]",
-        "an image of more decoded pixels than GATEWAY_MAX_DECODED_PIXELS (read from its header)",
+    IMAGE_TOO_LARGE = auto(), _EXHAUSTED, "images[i]", (
+        "an image of more decoded pixels than GATEWAY_MAX_DECODED_PIXELS (read from its "
+        "header)"
     )
-    IMAGE_ASPECT_RATIO_TOO_LARGE = (
-        auto(),
-        _INVALID,
-        "images[i]",
-        "an aspect ratio over 200 (qwen-vl-utils' MAX_RATIO)",
+    IMAGE_ASPECT_RATIO_TOO_LARGE = auto(), _INVALID, "images[i]", (
+        "an aspect ratio over 200 (qwen-vl-utils' MAX_RATIO)"
     )
-    REQUEST_PIXELS_TOO_LARGE = (
-        auto(),
-        _EXHAUSTED,
-        "images",
-        "the request's images hold more decoded pixels together than GATEWAY_MAX_REQUEST_PIXELS",
+    REQUEST_PIXELS_TOO_LARGE = auto(), _EXHAUSTED, "images", (
+        "the request's images hold more decoded pixels together than "
+        "GATEWAY_MAX_REQUEST_PIXELS"
     )
     # -- URLs (gateway.fetch) ---------------------------------------------------------------
-    IMAGE_URLS_DISABLED = (
-        auto(),
-        _PRECONDITION,
-        "images[i].url",
-        "an image URL on a server with GATEWAY_ALLOW_URLS off",
+    IMAGE_URLS_DISABLED = auto(), _PRECONDITION, "images[i].url", (
+        "an image URL on a server with GATEWAY_ALLOW_URLS off"
     )
-    VIDEO_URLS_DISABLED = (
-        auto(),
-        _PRECONDITION,
-        "videos[i].url",
-        "a video URL on a server with GATEWAY_ALLOW_URLS off",
+    VIDEO_URLS_DISABLED = auto(), _PRECONDITION, "videos[i].url", (
+        "a video URL on a server with GATEWAY_ALLOW_URLS off"
     )
-    URL_INVALID = (
-        auto(),
-        _INVALID,
-        "images[i].url",
-        "not an http(s) URL with a valid host (or a redirect to one that is not)",
+    URL_INVALID = auto(), _INVALID, "images[i].url", (
+        "not an http(s) URL with a valid host (or a redirect to one that is not)"
     )
     URL_TOO_LONG = auto(), _INVALID, "images[i].url", "a URL over GATEWAY_URL_MAX_CHARS"
-    URL_ADDRESS_FORBIDDEN = (
-        auto(),
-        _INVALID,
-        "images[i].url",
-        "a host that resolves to a private, loopback or reserved address (SSRF guard)",
+    URL_ADDRESS_FORBIDDEN = auto(), _INVALID, "images[i].url", (
+        "a host that resolves to a private, loopback or reserved address (SSRF guard)"
     )
-    URL_TOO_MANY_REDIRECTS = (
-        auto(),
-        _INVALID,
-        "images[i].url",
-        "more redirects than GATEWAY_URL_MAX_REDIRECTS",
+    URL_TOO_MANY_REDIRECTS = auto(), _INVALID, "images[i].url", (
+        "more redirects than GATEWAY_URL_MAX_REDIRECTS"
     )
-    URL_FETCH_REJECTED = (
-        auto(),
-        _INVALID,
-        "images[i].url",
-        "the host answered 4xx, or a redirect without a Location",
+    URL_FETCH_REJECTED = auto(), _INVALID, "images[i].url", (
+        "the host answered 4xx, or a redirect without a Location"
     )
-    URL_FETCH_FAILED = (
-        auto(),
-        _UNAVAILABLE,
-        "images[i].url",
+    URL_FETCH_FAILED = auto(), _UNAVAILABLE, "images[i].url", (
         "the host could not be reached, answered 5xx, or the fetches outlasted "
-        "GATEWAY_URL_TOTAL_TIMEOUT_S",
+        "GATEWAY_URL_TOTAL_TIMEOUT_S"
     )
-    URL_FETCHES_BUSY = (
-        auto(),
-        _EXHAUSTED,
-        "images",
-        "more URL fetches in flight than GATEWAY_URL_MAX_INFLIGHT (with a retry hint)",
+    URL_FETCHES_BUSY = auto(), _EXHAUSTED, "images", (
+        "more URL fetches in flight than GATEWAY_URL_MAX_INFLIGHT (with a retry hint)"
     )
     # -- videos (gateway.video, gateway.request) --------------------------------------------
-    VIDEO_NOT_SUPPORTED = (
-        auto(),
-        _UNIMPLEMENTED,
-        "messages[i].parts[j].video",
-        "a video on a server without the checkpoint's video processor config",
+    VIDEO_NOT_SUPPORTED = auto(), _UNIMPLEMENTED, "messages[i].parts[j].video", (
+        "a video on a server without the checkpoint's video processor config"
     )
-    VIDEO_SOURCE_MISSING = (
-        auto(),
-        _INVALID,
-        "videos[i]",
-        "a video file with none of data, data_url, url",
+    VIDEO_SOURCE_MISSING = auto(), _INVALID, "videos[i]", (
+        "a video file with none of data, data_url, url"
     )
-    VIDEO_SOURCE_AMBIGUOUS = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].video",
-        "a video with both a file and frames",
+    VIDEO_SOURCE_AMBIGUOUS = auto(), _INVALID, "messages[i].parts[j].video", (
+        "a video with both a file and frames"
     )
-    VIDEO_TOO_FEW_FRAMES = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].video.frames",
-        "a video with neither a file nor frames",
+    VIDEO_TOO_FEW_FRAMES = auto(), _INVALID, "messages[i].parts[j].video.frames", (
+        "a video with neither a file nor frames"
     )
-    VIDEO_TOO_MANY_FRAMES = (
-        auto(),
-        _EXHAUSTED,
-        "messages[i].parts[j].video.frames",
-        "a video sent as more frames than GATEWAY_VIDEO_MAX_FRAMES",
+    VIDEO_TOO_MANY_FRAMES = auto(), _EXHAUSTED, "messages[i].parts[j].video.frames", (
+        "a video sent as more frames than GATEWAY_VIDEO_MAX_FRAMES"
     )
-    VIDEO_FRAME_URL = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].video.frames[k]",
-        "a video frame given by URL (frames go by value, a video file may be a URL)",
+    VIDEO_FRAME_URL = auto(), _INVALID, "messages[i].parts[j].video.frames[k]", (
+        "a video frame given by URL (frames go by value, a video file may be a URL)"
     )
-    VIDEO_FPS_OUT_OF_RANGE = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].video.sample_fps",
-        "sample_fps outside 0..GATEWAY_VIDEO_MAX_FPS, or a frames video's fps negative or "
-        "not finite",
+    VIDEO_FPS_OUT_OF_RANGE = auto(), _INVALID, "messages[i].parts[j].video.sample_fps", (
+        "sample_fps outside 0..GATEWAY_VIDEO_MAX_FPS, or a frames video's fps negative or not"
+        " finite"
     )
-    VIDEO_MAX_FRAMES_OUT_OF_RANGE = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].video.max_frames",
-        "max_frames outside 0..GATEWAY_VIDEO_MAX_FRAMES",
+    VIDEO_MAX_FRAMES_OUT_OF_RANGE = auto(), _INVALID, "messages[i].parts[j].video.max_frames", (
+        "max_frames outside 0..GATEWAY_VIDEO_MAX_FRAMES"
     )
-    VIDEO_MAX_PIXELS_OUT_OF_RANGE = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].video.max_pixels",
-        "max_pixels outside the video processor's bounds",
+    VIDEO_MAX_PIXELS_OUT_OF_RANGE = auto(), _INVALID, "messages[i].parts[j].video.max_pixels", (
+        "max_pixels outside the video processor's bounds"
     )
-    VIDEO_BYTES_TOO_LARGE = (
-        auto(),
-        _EXHAUSTED,
-        "videos[i]",
-        "a video file's bytes over GATEWAY_MAX_VIDEO_BYTES (by value, data URL or URL)",
+    VIDEO_BYTES_TOO_LARGE = auto(), _EXHAUSTED, "videos[i]", (
+        "a video file's bytes over GATEWAY_MAX_VIDEO_BYTES (by value, data URL or URL)"
     )
-    VIDEO_UNDECODABLE = (
-        auto(),
-        _INVALID,
-        "videos[i]",
-        "an empty file, or not a container FFmpeg reads",
+    VIDEO_UNDECODABLE = auto(), _INVALID, "videos[i]", (
+        "an empty file, or not a container FFmpeg reads"
     )
-    VIDEO_NO_VIDEO_STREAM = (
-        auto(),
-        _INVALID,
-        "videos[i]",
-        "a container without a video stream (audio only)",
+    VIDEO_NO_VIDEO_STREAM = auto(), _INVALID, "videos[i]", (
+        "a container without a video stream (audio only)"
     )
-    VIDEO_IS_AN_IMAGE = (
-        auto(),
-        _INVALID,
-        "videos[i]",
-        "a still image sent as a video",
+    VIDEO_IS_AN_IMAGE = auto(), _INVALID, "videos[i]", "a still image sent as a video"
+    VIDEO_TRUNCATED = auto(), _INVALID, "videos[i]", (
+        "a video whose frames stop before its index says"
     )
-    VIDEO_TRUNCATED = (
-        auto(),
-        _INVALID,
-        "videos[i]",
-        "a video whose frames stop before its index says",
+    VIDEO_TOO_LONG = auto(), _EXHAUSTED, "videos[i]", (
+        "a video longer than GATEWAY_MAX_VIDEO_DURATION_S"
     )
-    VIDEO_TOO_LONG = (
-        auto(),
-        _EXHAUSTED,
-        "videos[i]",
-        "a video longer than GATEWAY_MAX_VIDEO_DURATION_S",
+    VIDEO_FRAME_TOO_LARGE = auto(), _EXHAUSTED, "videos[i]", (
+        "frames of more pixels than GATEWAY_VIDEO_MAX_DECODED_PIXELS"
     )
-    VIDEO_FRAME_TOO_LARGE = (
-        auto(),
-        _EXHAUSTED,
-        "videos[i]",
-        "frames of more pixels than GATEWAY_VIDEO_MAX_DECODED_PIXELS",
+    VIDEO_FRAME_SIZE_MISMATCH = auto(), _INVALID, "videos[i]", "a video whose frames change size"
+    VIDEO_ASPECT_RATIO_TOO_LARGE = auto(), _INVALID, "videos[i]", (
+        "a frame aspect ratio over 200 (qwen-vl-utils' MAX_RATIO)"
     )
-    VIDEO_FRAME_SIZE_MISMATCH = (
-        auto(),
-        _INVALID,
-        "videos[i]",
-        "a video whose frames change size",
-    )
-    VIDEO_ASPECT_RATIO_TOO_LARGE = (
-        auto(),
-        _INVALID,
-        "videos[i]",
-        "a frame aspect ratio over 200 (qwen-vl-utils' MAX_RATIO)",
-    )
-    VIDEO_TOKENS_TOO_MANY = (
-        auto(),
-        _EXHAUSTED,
-        "videos[i]",
-        "a video needing more tokens than the request has left of GATEWAY_MAX_VIDEO_TOKENS",
+    VIDEO_TOKENS_TOO_MANY = auto(), _EXHAUSTED, "videos[i]", (
+        "a video needing more tokens than the request has left of GATEWAY_MAX_VIDEO_TOKENS"
     )
     # -- tensors, grids, embeddings (internal contracts) ------------------------------------
-    TENSOR_DTYPE_UNSUPPORTED = (
-        auto(),
-        _INVALID,
-        "<tensor>.dtype",
-        "a tensor dtype the field does not take",
+    TENSOR_DTYPE_UNSUPPORTED = auto(), _INVALID, "<tensor>.dtype", (
+        "a tensor dtype the field does not take"
     )
-    TENSOR_SHAPE_INVALID = (
-        auto(),
-        _INVALID,
-        "<tensor>.shape",
-        "a tensor of the wrong rank, too many dimensions or a negative one",
+    TENSOR_SHAPE_INVALID = auto(), _INVALID, "<tensor>.shape", (
+        "a tensor of the wrong rank, too many dimensions or a negative one"
     )
-    TENSOR_SIZE_MISMATCH = (
-        auto(),
-        _INVALID,
-        "<tensor>.data",
-        "a tensor whose bytes are not its shape times its dtype's size",
+    TENSOR_SIZE_MISMATCH = auto(), _INVALID, "<tensor>.data", (
+        "a tensor whose bytes are not its shape times its dtype's size"
     )
-    GRID_MISSING = (
-        auto(),
-        _INVALID,
-        "images[i].grid",
-        "an image without its image_grid_thw (decoder)",
+    GRID_MISSING = auto(), _INVALID, "images[i].grid", (
+        "an image without its image_grid_thw (decoder)"
     )
-    GRID_INVALID = (
-        auto(),
-        _INVALID,
-        "images[i].grid",
-        "a grid that is not [t, h, w] with h, w positive multiples of spatial_merge_size",
+    GRID_INVALID = auto(), _INVALID, "images[i].grid", (
+        "a grid that is not [t, h, w] with h, w positive multiples of spatial_merge_size"
     )
-    GRID_TOO_LARGE = (
-        auto(),
-        _INVALID,
-        "images[i].grid",
-        "a grid of more patches than the limit (t*h*w)",
+    GRID_TOO_LARGE = auto(), _INVALID, "images[i].grid", (
+        "a grid of more patches than the limit (t*h*w)"
     )
-    EMBEDDINGS_MISSING = (
-        auto(),
-        _INVALID,
-        "images[i].embeddings",
-        "an image without its embeddings (decoder)",
+    EMBEDDINGS_MISSING = auto(), _INVALID, "images[i].embeddings", (
+        "an image without its embeddings (decoder)"
     )
-    EMBEDDING_SHAPE_MISMATCH = (
-        auto(),
-        _INVALID,
-        "images[i].embeddings",
-        "embeddings whose rows are not the grid's tokens, or whose width is not the model's",
+    EMBEDDING_SHAPE_MISMATCH = auto(), _INVALID, "images[i].embeddings", (
+        "embeddings whose rows are not the grid's tokens, or whose width is not the model's"
     )
-    EMBEDDING_NOT_FINITE = (
-        auto(),
-        _INVALID,
-        "images[i].embeddings",
-        "embeddings holding NaN or inf (decoder, cache Put)",
+    EMBEDDING_NOT_FINITE = auto(), _INVALID, "images[i].embeddings", (
+        "embeddings holding NaN or inf (decoder, cache Put)"
     )
-    IMAGE_TOO_MANY_TOKENS = (
-        auto(),
-        _INVALID,
-        "images[i]",
-        "an image of more tokens than the decoder takes per image",
+    IMAGE_TOO_MANY_TOKENS = auto(), _INVALID, "images[i]", (
+        "an image of more tokens than the decoder takes per image"
     )
-    EMBEDDING_REF_INVALID = (
-        auto(),
-        _INVALID,
-        "images[i].ref",
-        "an embedding ref without holder or ticket, or whose size or segment disagrees",
+    EMBEDDING_REF_INVALID = auto(), _INVALID, "images[i].ref", (
+        "an embedding ref without holder or ticket, or whose size or segment disagrees"
     )
-    EMBEDDING_REF_TOO_LARGE = (
-        auto(),
-        _INVALID,
-        "images[i].ref",
-        "an embedding ref of more bytes than one ref may hold",
+    EMBEDDING_REF_TOO_LARGE = auto(), _INVALID, "images[i].ref", (
+        "an embedding ref of more bytes than one ref may hold"
     )
-    EMBEDDING_REF_GONE = (
-        auto(),
-        _UNAVAILABLE,
-        "images[i].ref",
+    EMBEDDING_REF_GONE = auto(), _UNAVAILABLE, "images[i].ref", (
         "the holder of an embedding ref no longer has its bytes (released, expired, "
-        "restarted); encode again",
+        "restarted); encode again"
     )
-    EMBEDDING_HOLDER_UNAVAILABLE = (
-        auto(),
-        _UNAVAILABLE,
-        "images[i].ref",
-        "the holder of an embedding ref could not be read in time",
+    EMBEDDING_HOLDER_UNAVAILABLE = auto(), _UNAVAILABLE, "images[i].ref", (
+        "the holder of an embedding ref could not be read in time"
     )
-    TICKET_INVALID = (
-        auto(),
-        _INVALID,
-        "ticket",
-        "a ReadEmbedding or ReleaseEmbedding ticket of the wrong length",
+    TICKET_INVALID = auto(), _INVALID, "ticket", (
+        "a ReadEmbedding or ReleaseEmbedding ticket of the wrong length"
     )
-    TICKET_UNKNOWN = (
-        auto(),
-        _NOT_FOUND,
-        "ticket",
+    TICKET_UNKNOWN = auto(), _NOT_FOUND, "ticket", (
         "a ticket the holder has no embeddings for (ReadEmbedding; its reader answers "
-        "EMBEDDING_REF_GONE)",
+        "EMBEDDING_REF_GONE)"
     )
-    HANDOFF_FULL = (
-        auto(),
-        _EXHAUSTED,
-        "images",
-        "the embeddings held for readers are at their byte budget (with a retry hint)",
+    HANDOFF_FULL = auto(), _EXHAUSTED, "images", (
+        "the embeddings held for readers are at their byte budget (with a retry hint)"
     )
-    TRANSPORT_UNSUPPORTED = (
-        auto(),
-        _INVALID,
-        "transport",
-        "a transport that is not a Transport value (encoder, cache)",
+    TRANSPORT_UNSUPPORTED = auto(), _INVALID, "transport", (
+        "a transport that is not a Transport value (encoder, cache)"
     )
     # -- the cache --------------------------------------------------------------------------
     KEY_MISSING = auto(), _INVALID, "queries[i].key", "an empty key"
     KEY_TOO_LONG = auto(), _INVALID, "queries[i].key", "a key over the key length limit"
-    KEY_GRID_CONFLICT = (
-        auto(),
-        _INVALID,
-        "entries[i].embedding.grid",
-        "an entry whose key is already stored with another grid",
+    KEY_GRID_CONFLICT = auto(), _INVALID, "entries[i].embedding.grid", (
+        "an entry whose key is already stored with another grid"
     )
-    DESCRIPTOR_SHAPE_INVALID = (
-        auto(),
-        _INVALID,
-        "queries[i].descriptor.shape",
-        "a similarity descriptor that is not of the cache's dimension",
+    DESCRIPTOR_SHAPE_INVALID = auto(), _INVALID, "queries[i].descriptor.shape", (
+        "a similarity descriptor that is not of the cache's dimension"
     )
-    VIDEO_NOT_EXACT = (
-        auto(),
-        _INVALID,
-        "queries[i]",
-        "a similarity field on a video (videos are found by their exact key only)",
+    VIDEO_NOT_EXACT = auto(), _INVALID, "queries[i]", (
+        "a similarity field on a video (videos are found by their exact key only)"
     )
-    TOO_MANY_ITEMS = (
-        auto(),
-        _INVALID,
-        "queries",
-        "more queries or entries in one call than the cache's limit",
+    TOO_MANY_ITEMS = auto(), _INVALID, "queries", (
+        "more queries or entries in one call than the cache's limit"
     )
-    TOO_MANY_REUSABLE_GRIDS = (
-        auto(),
-        _INVALID,
-        "queries[i].reusable_grids",
-        "more reusable grids on one query than the limit",
+    TOO_MANY_REUSABLE_GRIDS = auto(), _INVALID, "queries[i].reusable_grids", (
+        "more reusable grids on one query than the limit"
     )
-    VERIFICATION_SHAPE_INVALID = (
-        auto(),
-        _INVALID,
-        "entries[i].verification.shape",
-        "a verification image of an empty or too large shape, or chroma of the wrong size",
+    VERIFICATION_SHAPE_INVALID = auto(), _INVALID, "entries[i].verification.shape", (
+        "a verification image of an empty or too large shape, or chroma of the wrong size"
     )
-    VERIFICATION_JPEG_INVALID = (
-        auto(),
-        _INVALID,
-        "entries[i].verification",
-        "a verification image's JPEG description (tables, clipped pixels) that is "
-        "incomplete or out of range",
+    VERIFICATION_JPEG_INVALID = auto(), _INVALID, "entries[i].verification", (
+        "a verification image's JPEG description (tables, clipped pixels) that is incomplete "
+        "or out of range"
     )
-    LOOKUP_RESPONSE_TOO_LARGE = (
-        auto(),
-        _EXHAUSTED,
-        "queries",
-        "the hits' embeddings would pass the response size limit",
+    LOOKUP_RESPONSE_TOO_LARGE = auto(), _EXHAUSTED, "queries", (
+        "the hits' embeddings would pass the response size limit"
     )
-    ENTRY_TOO_LARGE = (
-        auto(),
-        _EXHAUSTED,
-        "entries[i].embedding",
-        "an entry larger than the cache's whole byte budget",
+    ENTRY_TOO_LARGE = auto(), _EXHAUSTED, "entries[i].embedding", (
+        "an entry larger than the cache's whole byte budget"
     )
-    CACHE_FULL_LEASED = (
-        auto(),
-        _EXHAUSTED,
-        "entries[i]",
-        "no room: the cache's bytes are leased to lookups in flight (with a retry hint)",
+    CACHE_FULL_LEASED = auto(), _EXHAUSTED, "entries[i]", (
+        "no room: the cache's bytes are leased to lookups in flight (with a retry hint)"
     )
     # -- the encoder ------------------------------------------------------------------------
     IMAGES_EMPTY = auto(), _INVALID, "images", "an Encode call without images"
-    OUTPUT_DTYPE_UNSUPPORTED = (
-        auto(),
-        _INVALID,
-        "output_dtype",
-        "an output dtype other than FP32 or BF16",
+    OUTPUT_DTYPE_UNSUPPORTED = auto(), _INVALID, "output_dtype", (
+        "an output dtype other than FP32 or BF16"
     )
-    READERS_OUT_OF_RANGE = (
-        auto(),
-        _INVALID,
-        "readers",
-        "a readers count outside 0..the limit",
+    READERS_OUT_OF_RANGE = auto(), _INVALID, "readers", "a readers count outside 0..the limit"
+    PIXELS_SHAPE_INVALID = auto(), _INVALID, "images[i].pixels.shape", (
+        "pixels that are not [h, w, 3] or [frames, h, w, 3] of the plan's size"
     )
-    PIXELS_SHAPE_INVALID = (
-        auto(),
-        _INVALID,
-        "images[i].pixels.shape",
-        "pixels that are not [h, w, 3] or [frames, h, w, 3] of the plan's size",
-    )
-    RESIZE_PLAN_INVALID = (
-        auto(),
-        _INVALID,
-        "images[i]",
+    RESIZE_PLAN_INVALID = auto(), _INVALID, "images[i]", (
         "a resize plan not of multiples of patch_size x merge, over the aspect ratio limit, "
-        "or whose grid disagrees",
+        "or whose grid disagrees"
     )
-    VIDEO_FRAMES_INVALID = (
-        auto(),
-        _INVALID,
-        "images[i]",
-        "a video whose frame count is not a multiple of the temporal patch size",
+    VIDEO_FRAMES_INVALID = auto(), _INVALID, "images[i]", (
+        "a video whose frame count is not a multiple of the temporal patch size"
     )
-    IMAGE_TOO_MANY_PATCHES = (
-        auto(),
-        _EXHAUSTED,
-        "images[i]",
-        "an image of more patches than the encoder takes",
+    IMAGE_TOO_MANY_PATCHES = auto(), _EXHAUSTED, "images[i]", (
+        "an image of more patches than the encoder takes"
     )
-    VIDEO_TOO_MANY_PATCHES = (
-        auto(),
-        _EXHAUSTED,
-        "images[i]",
-        "a video of more patches than the encoder takes",
+    VIDEO_TOO_MANY_PATCHES = auto(), _EXHAUSTED, "images[i]", (
+        "a video of more patches than the encoder takes"
     )
-    ENCODER_QUEUE_FULL = (
-        auto(),
-        _EXHAUSTED,
-        "images",
-        "the encoder's queue is full (with a retry hint)",
+    ENCODER_QUEUE_FULL = auto(), _EXHAUSTED, "images", (
+        "the encoder's queue is full (with a retry hint)"
     )
-    IMAGE_OUT_OF_MEMORY = (
-        auto(),
-        _EXHAUSTED,
-        "images",
-        "an image too large for the encoder's accelerator memory even alone",
+    IMAGE_OUT_OF_MEMORY = auto(), _EXHAUSTED, "images", (
+        "an image too large for the encoder's accelerator memory even alone"
     )
     ENCODER_LOADING = auto(), _UNAVAILABLE, "", "the encoder is still loading its model"
     # -- the decoder ------------------------------------------------------------------------
-    IMAGE_INDEX_INVALID = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].image_index",
-        "an image_index outside the request's images",
+    IMAGE_INDEX_INVALID = auto(), _INVALID, "messages[i].parts[j].image_index", (
+        "an image_index outside the request's images"
     )
-    IMAGE_INDEX_REUSED = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].image_index",
-        "one image referenced by two parts",
+    IMAGE_INDEX_REUSED = auto(), _INVALID, "messages[i].parts[j].image_index", (
+        "one image referenced by two parts"
     )
     IMAGE_UNUSED = auto(), _INVALID, "images", "an image no part references"
-    VIDEO_INDEX_INVALID = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].video_index",
-        "a video_index outside the request's videos",
+    VIDEO_INDEX_INVALID = auto(), _INVALID, "messages[i].parts[j].video_index", (
+        "a video_index outside the request's videos"
     )
-    VIDEO_INDEX_REUSED = (
-        auto(),
-        _INVALID,
-        "messages[i].parts[j].video_index",
-        "one video referenced by two parts",
+    VIDEO_INDEX_REUSED = auto(), _INVALID, "messages[i].parts[j].video_index", (
+        "one video referenced by two parts"
     )
     VIDEO_UNUSED = auto(), _INVALID, "videos", "a video no part references"
-    VIDEO_TIMESTAMPS_INVALID = (
-        auto(),
-        _INVALID,
-        "videos[i].timestamps",
-        "a negative or non-finite timestamp",
+    VIDEO_TIMESTAMPS_INVALID = auto(), _INVALID, "videos[i].timestamps", (
+        "a negative or non-finite timestamp"
     )
-    VIDEO_TIMESTAMPS_MISMATCH = (
-        auto(),
-        _INVALID,
-        "videos[i].timestamps",
-        "not one timestamp per temporal patch of the grid",
+    VIDEO_TIMESTAMPS_MISMATCH = auto(), _INVALID, "videos[i].timestamps", (
+        "not one timestamp per temporal patch of the grid"
     )
-    PROMPT_TOO_LONG = (
-        auto(),
-        _INVALID,
-        "messages",
-        "the prompt (images included), or it plus max_tokens, over max_model_len",
+    PROMPT_TOO_LONG = auto(), _INVALID, "messages", (
+        "the prompt (images included), or it plus max_tokens, over max_model_len"
     )
-    CONTINUATION_INVALID = (
-        auto(),
-        _INVALID,
-        "continuation.token_ids",
-        "a migration's continuation with no tokens, too many, an id outside the vocabulary "
-        "or a placeholder token, or text_chars past its text",
+    CONTINUATION_INVALID = auto(), _INVALID, "continuation.token_ids", (
+        "a migration's continuation with no tokens, too many, an id outside the vocabulary or"
+        " a placeholder token, or text_chars past its text"
     )
     ENGINE_REJECTED = auto(), _INVALID, "request", "vLLM refused the request"
     ENGINE_NOT_READY = auto(), _UNAVAILABLE, "", "the decoder's engine is not ready yet"
-    ENGINE_DEAD = (
-        auto(),
-        _UNAVAILABLE,
-        "",
-        "the decoder's vLLM engine died; the decoder restarts",
-    )
-    DECODER_DRAINING = (
-        auto(),
-        _UNAVAILABLE,
-        "",
-        "the decoder is stopping and hands its streams back (they move to another replica)",
+    ENGINE_DEAD = auto(), _UNAVAILABLE, "", "the decoder's vLLM engine died; the decoder restarts"
+    DECODER_DRAINING = auto(), _UNAVAILABLE, "", (
+        "the decoder is stopping and hands its streams back (they move to another replica)"
     )
     # -- the gateway's pipeline and its dependencies -----------------------------------------
-    PREPROCESS_BUSY = (
-        auto(),
-        _EXHAUSTED,
-        "images",
+    PREPROCESS_BUSY = auto(), _EXHAUSTED, "images", (
         "more requests preparing images than GATEWAY_PREPROCESS_THREADS + _QUEUE (with a "
-        "retry hint)",
+        "retry hint)"
     )
-    ENCODER_BAD_RESPONSE = (
-        auto(),
-        _UNAVAILABLE,
-        "dependency=encoder",
-        "the encoder answered another number of embeddings than images",
+    ENCODER_BAD_RESPONSE = auto(), _UNAVAILABLE, "dependency=encoder", (
+        "the encoder answered another number of embeddings than images"
     )
-    ENCODER_UNAVAILABLE = (
-        auto(),
-        _UNAVAILABLE,
-        "dependency=encoder",
-        "the encoder could not be reached (or failed) and sent no reason of its own",
+    ENCODER_UNAVAILABLE = auto(), _UNAVAILABLE, "dependency=encoder", (
+        "the encoder could not be reached (or failed) and sent no reason of its own"
     )
-    ENCODER_DEADLINE_EXCEEDED = (
-        auto(),
-        _DEADLINE,
-        "dependency=encoder",
-        "the encoder did not answer within the request's deadline",
+    ENCODER_DEADLINE_EXCEEDED = auto(), _DEADLINE, "dependency=encoder", (
+        "the encoder did not answer within the request's deadline"
     )
-    ENCODER_RESOURCE_EXHAUSTED = (
-        auto(),
-        _EXHAUSTED,
-        "dependency=encoder",
-        "gRPC refused a message to or from the encoder as over its size limit",
+    ENCODER_RESOURCE_EXHAUSTED = auto(), _EXHAUSTED, "dependency=encoder", (
+        "gRPC refused a message to or from the encoder as over its size limit"
     )
-    ENCODER_UNIMPLEMENTED = (
-        auto(),
-        _UNIMPLEMENTED,
-        "dependency=encoder",
-        "the encoder does not serve the method (another version)",
+    ENCODER_UNIMPLEMENTED = auto(), _UNIMPLEMENTED, "dependency=encoder", (
+        "the encoder does not serve the method (another version)"
     )
-    DECODER_UNAVAILABLE = (
-        auto(),
-        _UNAVAILABLE,
-        "dependency=decoder",
-        "no decoder is in service, or it could not be reached and sent no reason of its own",
+    DECODER_UNAVAILABLE = auto(), _UNAVAILABLE, "dependency=decoder", (
+        "no decoder is in service, or it could not be reached and sent no reason of its own"
     )
-    DECODER_DEADLINE_EXCEEDED = (
-        auto(),
-        _DEADLINE,
-        "dependency=decoder",
-        "the decoder did not answer within the request's deadline",
+    DECODER_DEADLINE_EXCEEDED = auto(), _DEADLINE, "dependency=decoder", (
+        "the decoder did not answer within the request's deadline"
     )
-    DECODER_RESOURCE_EXHAUSTED = (
-        auto(),
-        _EXHAUSTED,
-        "dependency=decoder",
-        "gRPC refused a message to or from the decoder as over its size limit",
+    DECODER_RESOURCE_EXHAUSTED = auto(), _EXHAUSTED, "dependency=decoder", (
+        "gRPC refused a message to or from the decoder as over its size limit"
     )
-    DECODER_UNIMPLEMENTED = (
-        auto(),
-        _UNIMPLEMENTED,
-        "dependency=decoder",
-        "the decoder does not serve the method (another version)",
+    DECODER_UNIMPLEMENTED = auto(), _UNIMPLEMENTED, "dependency=decoder", (
+        "the decoder does not serve the method (another version)"
     )
-    DECODER_LOST_MID_STREAM = (
-        auto(),
-        _UNAVAILABLE,
-        "dependency=decoder, endpoint",
-        "the decoder was lost after the first token and the answer could not move; retry",
+    DECODER_LOST_MID_STREAM = auto(), _UNAVAILABLE, "dependency=decoder, endpoint", (
+        "the decoder was lost after the first token and the answer could not move; retry"
     )
-    CONTINUATION_NOT_CONFIRMED = (
-        auto(),
-        _PRECONDITION,
-        "",
-        "a decoder did not confirm a migrated answer's continuation (never shown to clients)",
+    CONTINUATION_NOT_CONFIRMED = auto(), _PRECONDITION, "", (
+        "a decoder did not confirm a migrated answer's continuation (never shown to clients)"
     )
     INTERNAL = auto(), grpc.StatusCode.INTERNAL, "", "a bug; the service's log has the trace"
     # -- every service ----------------------------------------------------------------------
-    SERVICE_STARTING = (
-        auto(),
-        _UNAVAILABLE,
-        "service=<name>",
-        "the service is loading its engine; retry shortly",
+    SERVICE_STARTING = auto(), _UNAVAILABLE, "service=<name>", (
+        "the service is loading its engine; retry shortly"
     )
-    TOO_MANY_REQUESTS = (
-        auto(),
-        _EXHAUSTED,
-        "max_concurrent_rpcs",
-        "the service is at its concurrent-request limit (with a retry hint)",
+    TOO_MANY_REQUESTS = auto(), _EXHAUSTED, "max_concurrent_rpcs", (
+        "the service is at its concurrent-request limit (with a retry hint)"
     )
     DEADLINE_EXCEEDED = auto(), _DEADLINE, "", "the request's deadline passed"
-    CANCELLED = (
-        auto(),
-        grpc.StatusCode.CANCELLED,
-        "",
-        "the client went away or cancelled",
+    CANCELLED = auto(), grpc.StatusCode.CANCELLED, "", "the client went away or cancelled"
+    AUTH_TOKEN_MISSING = auto(), _UNAUTHENTICATED, "authorization", (
+        "no 'authorization: Bearer <token>' metadata on a server with GATEWAY_AUTH_TOKENS"
     )
-    AUTH_TOKEN_MISSING = (
-        auto(),
-        _UNAUTHENTICATED,
-        "authorization",
-        "no 'authorization: Bearer <token>' metadata on a server with GATEWAY_AUTH_TOKENS",
+    AUTH_TOKEN_INVALID = auto(), _UNAUTHENTICATED, "authorization", (
+        "a bearer token the server does not accept"
     )
-    AUTH_TOKEN_INVALID = (
-        auto(),
-        _UNAUTHENTICATED,
-        "authorization",
-        "a bearer token the server does not accept",
+    INTERNAL_TOKEN_MISSING = auto(), _UNAUTHENTICATED, "x-splitvl-internal-token", (
+        "a call to an internal service without the cluster's token"
     )
-    INTERNAL_TOKEN_MISSING = (
-        auto(),
-        _UNAUTHENTICATED,
-        "x-splitvl-internal-token",
-        "a call to an internal service without the cluster's token",
+    INTERNAL_TOKEN_INVALID = auto(), _UNAUTHENTICATED, "x-splitvl-internal-token", (
+        "a call to an internal service with another cluster's token"
     )
-    INTERNAL_TOKEN_INVALID = (
-        auto(),
-        _UNAUTHENTICATED,
-        "x-splitvl-internal-token",
-        "a call to an internal service with another cluster's token",
-    )
-
-
-#: The reasons of a dependency's status that came without ErrorInfo (the transport's own:
-#: unreachable, a local deadline, a message over the size limit, a method it lacks); any
-#: other such status is read as the dependency failing (UNAVAILABLE).
-DEPENDENCY_FAILURES: dict[str, dict[grpc.StatusCode, Refusal]] = {
-    "encoder": {
-        _UNAVAILABLE: Refusal.ENCODER_UNAVAILABLE,
-        _DEADLINE: Refusal.ENCODER_DEADLINE_EXCEEDED,
-        _EXHAUSTED: Refusal.ENCODER_RESOURCE_EXHAUSTED,
-        _UNIMPLEMENTED: Refusal.ENCODER_UNIMPLEMENTED,
-    },
-    "decoder": {
-        _UNAVAILABLE: Refusal.DECODER_UNAVAILABLE,
-        _DEADLINE: Refusal.DECODER_DEADLINE_EXCEEDED,
-        _EXHAUSTED: Refusal.DECODER_RESOURCE_EXHAUSTED,
-        _UNIMPLEMENTED: Refusal.DECODER_UNIMPLEMENTED,
-    },
-}
-
-
-def from_rpc_error(error: grpc.aio.AioRpcError, *, dependency: str) -> ServiceError:
-    """Re-raise a downstream failure with its own code, message and ErrorInfo.
-
-    Bad input found downstream stays INVALID_ARGUMENT; a dependency that cannot be
-    reached is UNAVAILABLE naming it; an INTERNAL error downstream is reported as
-    UNAVAILABLE of that dependency rather than as our own INTERNAL; a call the dependency
-    cancelled (a replica shutting down) is UNAVAILABLE of it, never CANCELLED, which the
-    caller would read as its own cancel. A status without ErrorInfo (the transport's own)
-    gets the registry's reason of ``dependency`` and that status
-    (:data:`DEPENDENCY_FAILURES`: ``ENCODER_UNAVAILABLE``,
-    ``DECODER_DEADLINE_EXCEEDED``, ...); one gRPC never produces by itself is read as the
-    dependency failing.
-
-    Args:
-        error: The dependency's failed call.
-        dependency: ``encoder`` or ``decoder`` (a key of ``DEPENDENCY_FAILURES``).
-    """
-    info = error_info(error)
-    code = error.code()
-    message = error.details() or code.name
-    fallbacks = DEPENDENCY_FAILURES[dependency]
-    if info is None and code not in fallbacks and code != grpc.StatusCode.CANCELLED:
-        code = grpc.StatusCode.INTERNAL  # read below as the dependency failing
-    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-        code = grpc.StatusCode.UNAVAILABLE
-        message = f"{dependency} failed: {message}"
-    elif code == grpc.StatusCode.UNAVAILABLE:
-        message = f"{dependency} unavailable: {message}"
-    elif code == grpc.StatusCode.CANCELLED:
-        # Our own cancel never comes back as a status: the dependency cancelled the call
-        # (a replica stopping). That is its unavailability, not the caller's cancel.
-        code = grpc.StatusCode.UNAVAILABLE
-        message = f"{dependency} cancelled the call (shutting down?): {message}"
-    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        message = f"{dependency} did not answer in time: {message}"
-    reason = info.reason if info is not None else fallbacks[code]
-    metadata = dict(info.metadata) if info is not None else {}
-    metadata.setdefault("dependency", dependency)
-    retry = retry_info(error)  # a full queue downstream keeps its retry hint
-    retry_ms = retry.retry_delay.ToMilliseconds() if retry is not None else None
-    return ServiceError(code, reason, message, metadata, retry_after_ms=retry_ms)
+    # fmt: on
 
 
 DOCS_START = (

@@ -18,7 +18,8 @@ from gateway.pipeline.types import release
 from vlcommon import handoff
 from vlcommon.deadline import Deadline
 from vlcommon.errors import ServiceError, error_info
-from vlcommon.refusals import Refusal, from_rpc_error
+from vlcommon.refusals import Refusal
+from vlcommon.relay import from_rpc_error
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from gateway.pipeline.types import (
 )
 from vlcommon import handoff, tensors
 from vlcommon.deadline import Deadline
-from vlcommon.refusals import Refusal, from_rpc_error
+from vlcommon.refusals import Refusal
+from vlcommon.relay import from_rpc_error
 
 tracer = trace.get_tracer("splitvl.gateway")
 
