@@ -133,6 +133,10 @@ async def test_bad_requests_get_invalid_argument_naming_the_field(encoder_stub, 
         (pb.EncodeRequest(images=[good, bad_plan]), "images[1].plan: resized size 300x"),
         (pb.EncodeRequest(images=[bad_pixels]), "images[0].pixels.data has"),
         (pb.EncodeRequest(images=[good] * 5), "the limit is 4"),
+        # The whole request is checked before any image is looked at: a bad output_dtype
+        # or readers beside a bad image (or none) names itself, not the image.
+        (pb.EncodeRequest(output_dtype=99), "output_dtype must be FP32 or BF16"),
+        (pb.EncodeRequest(images=[bad_pixels], readers=99), "readers is 99"),
     ]
     for request, message in cases:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
