@@ -79,6 +79,7 @@ def main(args: argparse.Namespace) -> int:
             decoders=args.decoders,
             seed=args.seed,
             log=log,
+            p95_ttft_ms=args.p95_ttft_ms,
         )
         result["command"] = " ".join(["splitvl", "plan", *sys.argv[2:]])
         result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -148,7 +149,7 @@ def _validation_table(result: dict[str, Any]) -> str:
     lines = [
         f"decoders: {result['decoders']}",
         "| utilisation | rate | TTFT p50 ms pred / meas | TTFT p95 ms pred / meas "
-        "| req/s pred / meas |",
+        "| req/s pred / meas (1.00 by construction) |",
         "|---:|---:|---:|---:|---:|",
     ]
     for row in result["runs"]:
@@ -161,7 +162,38 @@ def _validation_table(result: dict[str, Any]) -> str:
             )
             + " |"
         )
+    lines += ["", result["req_per_s_note"], "", "replica counts (p95 TTFT SLO):"]
+    for row in result["runs"]:
+        lines.append(f"  utilisation {row['utilisation']:.2f}: {_replicas_line(row['replicas'])}")
     return "\n".join(lines)
+
+
+def _replicas_line(check: dict[str, Any]) -> str:
+    """One line of :func:`splitvl_tools.plan_measure.check_replicas`'s answer."""
+
+    def name(r: dict[str, Any]) -> str:
+        return f"{r['encoder']}e/{r['decoder']}d/{r['cache']}c"
+
+    replayed = check["ran_replay"]
+    ran = (
+        f"ran {name(check['ran'])}: planner says "
+        f"{'meets' if check['planner_says_ran_meets'] else 'misses'}, measured "
+        f"{'meets' if check['ran_meets'] else 'misses'} "
+        f"({'agrees' if check['agrees'] else 'DISAGREES'}); replayed p95 "
+        f"{replayed['ttft_p95_ms']:g} ms, {replayed['req_per_s']:g} req/s "
+        f"({'matches' if check['search_matches_replay'] else 'DIFFERS FROM'} the search)"
+    )
+    if check["recommended"] is None:
+        return f"SLO {check['p95_ttft_ms']:g} ms: no configuration meets it; {ran}"
+    replay = ", ".join(
+        f"{name(r)} p95 {r['ttft_p95_ms']:g} ms {'meets' if r['meets'] else 'misses'}"
+        for r in check["replay"]
+    )
+    minimal = "minimal" if check["minimal"] else "NOT minimal"
+    return (
+        f"SLO {check['p95_ttft_ms']:g} ms: recommends {name(check['recommended'])}; "
+        f"on the run's arrivals {replay} ({minimal}); {ran}"
+    )
 
 
 def add_parser(sub: Any) -> None:
@@ -172,7 +204,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--calibrate", metavar="FILE", help="measure a fresh cluster, write FILE")
     p.add_argument("--validate", action="store_true", help="predicted vs measured open-loop runs")
     p.add_argument("--rate", type=_rate, help="arrivals, requests/s")
-    p.add_argument("--p95-ttft-ms", type=positive_float, help="the target, ms")
+    p.add_argument(
+        "--p95-ttft-ms",
+        type=positive_float,
+        help="the target, ms (--validate: the SLO of its replica check; default twice the "
+        "TTFT p50 predicted with no queueing)",
+    )
     p.add_argument(
         "--sides", type=_sides, default={128: 1.0}, help="image sides and weights: 128:3,256:1"
     )

@@ -25,13 +25,14 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from splitvl_tools.plan import (
     BURST_CONCURRENCY,
     BURST_REQUESTS,
     CALIBRATE_REQUESTS,
+    Arrival,
     Profile,
     Replicas,
     SideTimes,
@@ -47,6 +48,12 @@ Processes = Mapping[str, Sequence[int]] | None
 PREDICTION_SEEDS = 5
 #: Calls of each side before its measured ones (not recorded).
 WARMUP_REQUESTS = 24
+#: What the validation's req/s ratio is: the simulation replays the run's own arrival
+#: times, and below saturation both finish about when the arrivals stop.
+REQ_PER_S_NOTE = (
+    "req/s: the simulation replays the run's own arrivals, so below saturation its ratio is "
+    "1.00 by construction; it would fall only for a queue that grows (the run falling behind)"
+)
 
 
 @dataclass
@@ -464,10 +471,12 @@ def validate(
     decoders: int,
     seed: int,
     log: Callable[[str], None],
+    p95_ttft_ms: float | None = None,
 ) -> dict[str, Any]:
     """On a fresh cluster, for each target utilisation: calibrate, run the real workload
     open loop, and simulate that run's own arrivals: predicted against measured TTFT
-    p50/p95 and req/s.
+    p50/p95 and req/s (the last 1.00 by construction: :data:`REQ_PER_S_NOTE`); then the
+    planner's replica counts for that run's rate (:func:`check_replicas`).
 
     Args:
         model: Checkpoint (None: the tiny one).
@@ -478,12 +487,15 @@ def validate(
         duration_s: Seconds of arrivals per load.
         decoders: Decoder replicas (2: the gateway routes by image affinity).
         seed: Seed of the images and arrivals.
+        p95_ttft_ms: The SLO the replica counts are checked for, ms; None: twice the
+            TTFT p50 the profile predicts with no queueing (a latency SLO that lets
+            queueing double the idle time).
     """
     import os
 
     from splitvl.client import build_request
     from splitvl_tools.cluster import own_cluster
-    from splitvl_tools.plan import Arrival, simulate
+    from splitvl_tools.plan import simulate
     from splitvl_tools.workload import ImageFactory, make_workload
 
     rows = []
@@ -544,6 +556,15 @@ def validate(
                     for s in range(PREDICTION_SEEDS)
                 ]
             )
+            slo = p95_ttft_ms or 2 * idle_ttft_ms(profile, workload, replicas)
+            counts = check_replicas(
+                profile,
+                _at(workload, rate),
+                trace,
+                p95_ttft_ms=slo,
+                ran=replicas,
+                ran_p95_ms=real["ttft_p95_ms"],
+            )
             rows.append(
                 {
                     "utilisation": target,
@@ -555,12 +576,120 @@ def validate(
                         key: round(predicted[key] / real[key], 3) if real[key] else None
                         for key in ("ttft_p50_ms", "ttft_p95_ms", "req_per_s")
                     },
+                    "replicas": counts,
                 }
             )
             log(f"  predicted {predicted}")
             log(f"  measured  {real}")
+            log(f"  replicas  {counts}")
         own.ok = True
-    return {"profiles": profiles, "decoders": decoders, "runs": rows}
+    return {
+        "profiles": profiles,
+        "decoders": decoders,
+        "runs": rows,
+        "req_per_s_note": REQ_PER_S_NOTE,
+    }
+
+
+def idle_ttft_ms(profile: Profile, workload: Workload, replicas: Replicas) -> float:
+    """The TTFT p50 the profile predicts with no queueing (arrivals a minute apart), ms."""
+    from splitvl_tools.plan import simulate
+
+    return simulate(profile, _at(workload, 1 / 60), replicas, requests=200).ttft_p50_ms
+
+
+def check_replicas(
+    profile: Profile,
+    workload: Workload,
+    trace: Sequence[Arrival],
+    *,
+    p95_ttft_ms: float,
+    ran: Replicas,
+    ran_p95_ms: float | None,
+    max_replicas: int = 4,
+    requests: int = 2000,
+) -> dict[str, Any]:
+    """The replica counts the planner recommends for ``workload`` (its search,
+    :func:`splitvl_tools.plan.plan`, on Poisson draws at the rate, on ``ran``'s host),
+    checked two ways:
+
+    - on the run's own arrivals (``trace`` replayed, :data:`PREDICTION_SEEDS` draws of the
+      service times, medians): the recommended counts meet the SLO (p95 TTFT within
+      ``p95_ttft_ms``, req/s within 3% of the trace's arrival rate) and one fewer of any
+      service with more than one does not; so the answer neither falls short of nor
+      exceeds what those arrivals need;
+    - against the measurement: the one configuration that ran (``ran``) meets the SLO in
+      the planner's search exactly when its measured p95 did (``agrees``). One host runs
+      one configuration, so the counts the planner did not pick are not measured.
+
+    Returns:
+        ``recommended`` (replicas, or None when no configuration up to ``max_replicas``
+        meets the SLO), ``replay`` (p95 ms, req/s and meets, by configuration: the
+        recommended one and each one fewer), ``minimal`` (the recommended counts meet
+        in the replay and every one fewer does not), ``planner_says_ran_meets``,
+        ``ran_meets``, ``agrees``, and ``ran_replay`` with ``search_matches_replay``
+        (the configuration that ran, replayed, against the search's verdict on it).
+    """
+    from splitvl_tools.plan import answer, plan, simulate
+
+    candidates = plan(
+        profile,
+        workload,
+        p95_ttft_ms=p95_ttft_ms,
+        max_replicas=max_replicas,
+        requests=requests,
+        host_cores=ran.host_cores,
+    )
+    span_s = sum(a.after_ms for a in trace[1:]) / 1000
+    arrival_rate = (len(trace) - 1) / span_s if span_s > 0 else workload.rate
+
+    def counts(r: Replicas) -> dict[str, int]:
+        return {"encoder": r.encoder, "decoder": r.decoder, "cache": r.cache}
+
+    def replay(r: Replicas) -> dict[str, Any]:
+        runs = [
+            simulate(profile, workload, r, seed=s, trace=trace) for s in range(PREDICTION_SEEDS)
+        ]
+        p95 = statistics.median(p.ttft_p95_ms for p in runs)
+        rps = statistics.median(p.req_per_s for p in runs)
+        meets = p95 <= p95_ttft_ms and rps >= 0.97 * arrival_rate
+        return {
+            **counts(r),
+            "ttft_p95_ms": round(p95, 1),
+            "req_per_s": round(rps, 3),
+            "meets": meets,
+        }
+
+    ran_candidate = next((c for c in candidates if counts(c.replicas) == counts(ran)), None)
+    says = ran_candidate.meets if ran_candidate else None
+    met = None if ran_p95_ms is None else ran_p95_ms <= p95_ttft_ms
+    ran_replay = replay(ran)
+    out: dict[str, Any] = {
+        "p95_ttft_ms": round(p95_ttft_ms, 1),
+        "recommended": None,
+        "replay": [],
+        "minimal": None,
+        "ran": counts(ran),
+        "planner_says_ran_meets": says,
+        "ran_meets": met,
+        "agrees": None if says is None or met is None else says == met,
+        # The model on the run's own arrivals: where it differs from the search's verdict
+        # (Poisson draws), the search decided by its own arrival sample.
+        "ran_replay": ran_replay,
+        "search_matches_replay": None if says is None else says == ran_replay["meets"],
+    }
+    best = answer(candidates)
+    if best is None:
+        return out
+    r = best.replicas
+    out["recommended"] = counts(r)
+    out["replay"].append(replay(r))
+    for service in ("encoder", "decoder", "cache"):
+        if getattr(r, service) > 1:
+            out["replay"].append(replay(replace(r, **{service: getattr(r, service) - 1})))
+    verdicts = [row["meets"] for row in out["replay"]]
+    out["minimal"] = verdicts[0] and not any(verdicts[1:])
+    return out
 
 
 def _median_prediction(predictions: Sequence[Any]) -> dict[str, Any]:

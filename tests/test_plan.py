@@ -22,7 +22,6 @@ from splitvl_tools.plan import (
     answer,
     plan,
     simulate,
-    typical,
 )
 
 
@@ -168,8 +167,27 @@ def test_command_answers_from_a_profile(tmp_path: Path) -> None:
 
 
 def test_calibration_on_the_services(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The calibration measures every stage on the real services (each time it fits is
-    positive where the stage does work), and an open-loop run answers every call."""
+    """The calibration measures every stage on the real services, and the simulation of an
+    open-loop run's own arrivals predicts that run's TTFT.
+
+    At 3 requests/s the services are idle most of the time, so the predicted TTFT is the
+    sum of the stage times the calibration has just measured (preprocess, lookup, encode
+    for a miss, prefill, the client's share), drawn call by call, plus a little queueing.
+    The run differs from it by this shared host's drift between the two (docs/planner.md:
+    tens of percent within minutes) and by the noise of a median of 16 calls split
+    between hits (about 35 ms here) and misses (about 55 ms). On this 2-core host, busy
+    with other tests, 14 such runs gave predicted / measured p50 0.91-1.32 overall and
+    0.93-1.29 for the misses: hence 1.5x either way. That is no accuracy test (the runs of
+    docs/planner.md are); it fails a prediction of the wrong thing: a time in the wrong
+    unit, TTFT taken at the last of the 8 tokens (about 1.7x), queueing the run did not
+    have, repeats that do not hit as they did.
+    """
+    import os
+
+    from splitvl.client import build_request
+    from splitvl_tools.plan import Arrival
+    from splitvl_tools.workload import ImageFactory, make_workload
+
     monkeypatch.setattr(plan_measure, "CALIBRATE_REQUESTS", 10)
     monkeypatch.setattr(plan_measure, "BURST_REQUESTS", 12)
     address = cluster.ports.address("gateway")
@@ -184,33 +202,35 @@ def test_calibration_on_the_services(cluster: Any, monkeypatch: pytest.MonkeyPat
         processes=plan_measure.processes(cluster),
     )
     side = p.sides[96]
-    assert typical(side.preprocess_ms["miss"]) > 0
-    assert typical(side.lookup_ms["miss"]) > 0 and typical(side.lookup_ms["hit"]) > 0
-    assert side.encode_image_ms + p.encode_batch_ms > 0
-    assert typical(side.prefill_ms["miss"]) > 0
     # Every call's own time is kept (the simulation draws from them): 10 calls, 5 repeats.
     assert sum(len(side.lookup_ms[t]) for t in ("miss", "hit")) == 10  # type: ignore[arg-type]
-    assert p.step_ms + p.step_per_seq_ms > 0
-    assert p.relay_ms_per_token > 0  # the gateway's, decoder's and client's CPU per token
-    assert p.step_cores >= 1 and p.encode_cores >= 1
-    assert 0 < p.hit_of_repeats <= 1
-    assert p.conditions["burst_mean_batch_images"] >= 1
-    # Open loop on the same services, a few calls: every one answers, with a TTFT.
-    requests = plan_measure_requests(6)
-    gaps = plan_measure.poisson_gaps(6, 2.0, seed=1)
+    # Open loop on the same services right after: 16 calls, half of them repeats.
+    n, rate = 16, 3.0
+    work = make_workload(ImageFactory(side=96, seed=77), requests=n, repeat_fraction=0.5, seed=77)
+    requests = [build_request(r.images, r.prompt, max_tokens=8, ignore_eos=True) for r in work]
+    gaps = plan_measure.poisson_gaps(n, rate, seed=1)
     assert gaps[0] == 0 and all(g > 0 for g in gaps[1:])
     calls, elapsed = asyncio.run(plan_measure.run_calls(address, requests, gaps_s=gaps))
     real = plan_measure.measured(calls, elapsed)
-    assert real["answered"] == 6 and real["failed"] == 0
-    assert real["ttft_p50_ms"] is not None and real["ttft_p50_ms"] > 0
-    pred = simulate(p, Workload(2.0, {96: 1.0}, 0.5, 8), requests=200)
-    assert pred.ttft_p50_ms > 0 and pred.hit_rate > 0
-
-
-def plan_measure_requests(n: int) -> list[Any]:
-    from splitvl_tools.load import build_requests
-
-    return build_requests(n, side=96, repeat_fraction=0.5, max_tokens=8, seed=77)
+    assert real["answered"] == n and real["failed"] == 0
+    # The same arrivals and repeats simulated, as `splitvl plan --validate` does.
+    trace = [
+        Arrival(gap * 1000, 96, r.kinds[0], r.sources[0]) for gap, r in zip(gaps, work, strict=True)
+    ]
+    replicas = Replicas(host_cores=len(os.sched_getaffinity(0)))
+    pred = plan_measure._median_prediction(
+        [
+            simulate(p, Workload(rate, {96: 1.0}, 0.5, 8), replicas, seed=s, trace=trace)
+            for s in range(plan_measure.PREDICTION_SEEDS)
+        ]
+    )
+    # The repeats hit as often as in the calibration: within two calls of 16.
+    assert pred["hit_rate"] == pytest.approx(real["hit_rate"], abs=2 / n), (pred, real)
+    ratios = {
+        "p50": pred["ttft_p50_ms"] / real["ttft_p50_ms"],
+        "p50 miss": pred["ttft_p50_ms_by_tier"]["miss"] / real["ttft_p50_ms_by_tier"]["miss"],
+    }
+    assert all(1 / 1.5 <= r <= 1.5 for r in ratios.values()), (ratios, pred, real)
 
 
 @pytest.mark.parametrize(
@@ -339,3 +359,104 @@ def test_flags_out_of_range_are_refused(tmp_path: Path, flag: str, value: str, n
     args = {"--rate": "5", "--sides": "128", "--p95-ttft-ms": "500", flag: value}
     done = _splitvl("--profile", str(path), *(x for kv in args.items() for x in kv))
     assert done.returncode == 2 and named in done.stderr, done.stderr
+
+
+def _decoder_bound(rate: float, seed: int = 3) -> tuple[Profile, Workload, list[Any]]:
+    """One sequence at a time, 40 ms a request (8 tokens of 5 ms): a profile, a workload
+    at ``rate`` and 300 Poisson arrivals of it, each a new image."""
+    import random
+
+    from splitvl_tools.plan import Arrival
+
+    p = replace(profile(step_ms=5.0, lookup_ms={"miss": 1.0, "hit": 1.0}), max_num_seqs=1)
+    rng = random.Random(seed)
+    trace = [
+        Arrival(0.0 if i == 0 else rng.expovariate(rate) * 1000, 128, "unique", i)
+        for i in range(300)
+    ]
+    return p, Workload(rate, {128: 1.0}, 0.5, 8), trace
+
+
+#: A smaller search than the command's (up to 3 of each, 800 simulated requests each).
+SMALL: dict[str, Any] = {"max_replicas": 3, "requests": 800}
+
+
+def test_validate_checks_the_recommended_counts_on_the_runs_arrivals() -> None:
+    """At 60 requests/s of 40 ms each (2.4 decoders busy), a 200 ms p95 needs 3 decoders:
+    replayed on the run's arrivals, 3 meet it and 2 fall behind. Against the measurement:
+    the configuration that ran agrees when its measured p95 lands on the side of the SLO
+    the planner predicts, and the check says so when it does not."""
+    p, work, trace = _decoder_bound(60.0)
+    check = plan_measure.check_replicas(
+        p, work, trace, p95_ttft_ms=200.0, ran=Replicas(decoder=3), ran_p95_ms=150.0, **SMALL
+    )
+    assert check["recommended"] == {"encoder": 1, "decoder": 3, "cache": 1}
+    three, two = check["replay"]
+    assert (three["decoder"], three["meets"]) == (3, True) and three["ttft_p95_ms"] <= 200
+    assert (two["decoder"], two["meets"]) == (2, False)
+    assert two["req_per_s"] < 0.97 * 60  # 2 x 25/s served: the queue grows
+    assert check["minimal"] is True
+    assert (check["planner_says_ran_meets"], check["ran_meets"], check["agrees"]) == (
+        True,
+        True,
+        True,
+    )
+    assert check["ran_replay"] == three and check["search_matches_replay"] is True
+    # Measured 250 ms on 3 decoders: the planner said it would meet 200 ms; it did not.
+    missed = plan_measure.check_replicas(
+        p, work, trace, p95_ttft_ms=200.0, ran=Replicas(decoder=3), ran_p95_ms=250.0, **SMALL
+    )
+    assert (missed["ran_meets"], missed["agrees"]) == (False, False)
+    # Two decoders ran and missed: the planner agrees that two do not meet it.
+    two_ran = plan_measure.check_replicas(
+        p, work, trace, p95_ttft_ms=200.0, ran=Replicas(decoder=2), ran_p95_ms=900.0, **SMALL
+    )
+    assert (two_ran["planner_says_ran_meets"], two_ran["agrees"]) == (False, True)
+    # A target below one request's own time: no answer, nothing replayed.
+    none = plan_measure.check_replicas(
+        p, work, trace, p95_ttft_ms=3.0, ran=Replicas(), ran_p95_ms=45.0, **SMALL
+    )
+    assert (none["recommended"], none["replay"], none["minimal"]) == (None, [], None)
+
+
+def test_the_validation_report_says_req_per_s_matches_by_construction() -> None:
+    """The req/s ratio replays the run's own arrivals: the table's header and the note
+    under it say it is 1.00 by construction; each run's replica check is one line."""
+    from splitvl_tools.plan_cli import _validation_table
+
+    figures = {"ttft_p50_ms": 50.0, "ttft_p95_ms": 80.0, "req_per_s": 3.0}
+    counts = {"encoder": 1, "decoder": 1, "cache": 1}
+    result = {
+        "decoders": 1,
+        "req_per_s_note": plan_measure.REQ_PER_S_NOTE,
+        "runs": [
+            {
+                "utilisation": 0.35,
+                "rate": 3.0,
+                "predicted": figures,
+                "measured": figures,
+                "ratio": {k: 1.0 for k in figures},
+                "replicas": {
+                    "p95_ttft_ms": 90.0,
+                    "recommended": counts,
+                    "replay": [{**counts, "ttft_p95_ms": 80.0, "req_per_s": 3.0, "meets": True}],
+                    "minimal": True,
+                    "ran": counts,
+                    "planner_says_ran_meets": True,
+                    "ran_meets": False,
+                    "agrees": False,
+                    "ran_replay": {**counts, "ttft_p95_ms": 80.0, "req_per_s": 3.0, "meets": True},
+                    "search_matches_replay": True,
+                },
+            }
+        ],
+    }
+    table = _validation_table(result).splitlines()
+    assert table[1].endswith("| req/s pred / meas (1.00 by construction) |")
+    assert "1.00 by construction" in plan_measure.REQ_PER_S_NOTE
+    assert plan_measure.REQ_PER_S_NOTE in table
+    assert table[-1] == (
+        "  utilisation 0.35: SLO 90 ms: recommends 1e/1d/1c; on the run's arrivals "
+        "1e/1d/1c p95 80 ms meets (minimal); ran 1e/1d/1c: planner says meets, measured "
+        "misses (DISAGREES); replayed p95 80 ms, 3 req/s (matches the search)"
+    )

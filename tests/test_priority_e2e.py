@@ -6,12 +6,20 @@ One long request holds the engine; meanwhile A (class 5) arrives, then B (class 
 first come, first served A would start first; with priorities B does. A caller asking for
 a class below the default floor is raised to it (0): it then waits behind an earlier
 class-0 request, as first come, first served within the class.
+
+Each ordering holds only if A and B were both queued while the long request still ran:
+had it ended first, A would start on arrival and the order would say nothing about
+priorities. The decoder's own gauges show it: B is sent once the engine reports A
+waiting, and the test then requires one request running with two waiting, which with
+``--max-num-seqs 1`` and three requests can only be the long one running with A and B
+queued behind it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +63,7 @@ class _Stream(threading.Thread):
         super().__init__(daemon=True)
         self.address, self.request = address, request
         self.first_token: float | None = None
+        self.done = False
         self.tokens = 0
         self.error: Any = None
 
@@ -69,6 +78,32 @@ class _Stream(threading.Thread):
                     self.tokens += len(chunk.token_ids)
         except Exception as err:  # noqa: BLE001 - reported by the test
             self.error = err
+        self.done = True
+
+
+def _engine(cluster: Cluster) -> tuple[int, int]:
+    """(running, waiting) requests in the decoder's vLLM scheduler, from its own gauges
+    (set from vLLM's scheduler stats at every engine step)."""
+    url = f"http://127.0.0.1:{cluster.ports.metrics['decoder']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    value = {
+        name: int(float(ln.split()[1]))
+        for ln in lines
+        for name in ("running", "waiting")
+        if ln.startswith(f"splitvl_decoder_engine_{name}_requests ")
+    }
+    return value["running"], value["waiting"]
+
+
+def _until_waiting(cluster: Cluster, n: int, hold: _Stream) -> tuple[int, int]:
+    """Poll the engine until ``n`` requests wait, or the holding stream ends; the last
+    (running, waiting) seen."""
+    seen = _engine(cluster)
+    while seen[1] < n and not hold.done:
+        time.sleep(0.01)
+        seen = _engine(cluster)
+    return seen
 
 
 def _order(cluster: Cluster, first: gpb.GenerateRequest, second: gpb.GenerateRequest) -> str:
@@ -83,8 +118,12 @@ def _order(cluster: Cluster, first: gpb.GenerateRequest, second: gpb.GenerateReq
     assert hold.first_token is not None, hold.error
     a, b = _Stream(address, first), _Stream(address, second)
     a.start()
-    time.sleep(0.3)  # a reaches the engine's queue first
+    # a is queued in the engine before b is sent, and both while the long one runs.
+    queued = _until_waiting(cluster, 1, hold)
+    assert queued == (1, 1), f"(running, waiting) {queued}: the hold ended first ({a.error})"
     b.start()
+    queued = _until_waiting(cluster, 2, hold)
+    assert queued == (1, 2), f"(running, waiting) {queued}: the hold ended first ({b.error})"
     for t in (hold, a, b):
         t.join(timeout=300)
     assert not (hold.error or a.error or b.error), (hold.error, a.error, b.error)

@@ -1,7 +1,10 @@
 """``splitvl up --replicas ... --store redis``: the port layout, what the gateway and the
 caches are given, the refusal of unshared caches, and the local redis-server's life, on
 real processes and a real redis-server (Debian's ``redis-server``, installed by
-``make install``); the last test runs ``up`` itself with two decoders and two caches.
+``make install``); the last test runs ``up`` itself with two decoders and two caches, and
+reads each replica's own metrics: both decoders and both caches answered calls, and a
+repeat that reached the cache which had not put its image was an exact hit read from the
+shared redis-server.
 """
 
 from __future__ import annotations
@@ -750,6 +753,71 @@ def _same_images_through_two_gateways(gateways: list[str], encoders: list[psutil
     assert sum(_metric_sum(p, vit) for p in ports) - before == len(images)
 
 
+def _embedding_bytes(model: Path, tokens: int) -> int:
+    """The fewest bytes an image of ``tokens`` tokens' embeddings take (bf16): each token
+    is ``out_hidden_size`` wide per level, the merged one and each deepstack level."""
+    vision = json.loads((model / "config.json").read_text())["vision_config"]
+    width = vision["out_hidden_size"] * (1 + len(vision["deepstack_visual_indexes"]))
+    return tokens * width * 2
+
+
+def _a_repeat_is_read_from_the_store_by_the_cache_that_did_not_put_it(
+    gateway: str, caches: list[int], model: Path
+) -> None:
+    """One new image, then the same pixels in other PNG files (they differ in a text chunk
+    only). Each file is routed to the cache replica its digest hashes to, so the repeats
+    reach both replicas; the first that reaches the replica which did not put the image
+    is an exact hit it reads from the store: it has put nothing, and its reads from the
+    store grew by at least the image's embeddings (a replica's own copy is served with no
+    such read)."""
+    import io
+
+    from PIL import Image, PngImagePlugin
+
+    from splitvl.client import build_request, generate
+    from tests.conftest import rgb
+
+    image = rgb("motorcycle_left.png").resize((160, 120), Image.Resampling.BICUBIC)
+
+    def variant(i: int) -> bytes:
+        info = PngImagePlugin.PngInfo()
+        info.add_text("splitvl-test", f"copy {i}")
+        buf = io.BytesIO()
+        image.save(buf, format="PNG", pnginfo=info)
+        return buf.getvalue()
+
+    def ask(i: int) -> dict[str, object]:
+        request = build_request([variant(i)], "Describe.", max_tokens=2, ignore_eos=True)
+        return generate(gateway, request, timeout_s=120).images[0]
+
+    def counts(name: str) -> list[float]:
+        return [_metric_sum(p, name) for p in caches]
+
+    puts, exact = "splitvl_cache_puts_total", 'splitvl_cache_lookups_total{tier="exact"}'
+    read = 'splitvl_cache_store_bytes_total{direction="read"}'
+    puts0, exact0, read0 = counts(puts), counts(exact), counts(read)
+    first = ask(0)
+    assert first["tier"] == "miss", first
+    deadline = time.monotonic() + 30  # the put runs beside the decode
+    while sum(counts(puts)) == sum(puts0):
+        assert time.monotonic() < deadline, "the new image was never put"
+        time.sleep(0.1)
+    put = [a - b for a, b in zip(counts(puts), puts0, strict=True)]
+    assert sorted(put) == [0, 1], put
+    other = put.index(0)
+    for i in range(1, 17):  # each copy's replica is a coin toss: 2^-16 to miss it
+        again = ask(i)
+        assert (again["tier"], again["key"]) == ("exact", first["key"]), again
+        if counts(exact)[other] > exact0[other]:
+            break
+    else:
+        raise AssertionError("no copy reached the cache that did not put the image")
+    assert counts(puts)[other] == puts0[other]  # it put nothing: the entry came from redis
+    tokens = first["tokens"]
+    assert isinstance(tokens, int) and tokens > 0
+    assert counts(read)[other] - read0[other] >= _embedding_bytes(model, tokens)
+
+
 @pytest.mark.e2e
 def test_up_with_two_of_everything_and_caches_on_redis_serves_and_stops_everything(
     tiny_model: Path, tmp_path: Path
@@ -819,6 +887,13 @@ def test_up_with_two_of_everything_and_caches_on_redis_serves_and_stops_everythi
         # Each gateway through its own port: the claims hold across gateways.
         own = [f"127.0.0.1:{base + 4}", f"127.0.0.1:{base + 14}"]
         _same_images_through_two_gateways(own, encoders)
+        cache_metrics = [int(_flag(p, "--metrics-port")) for p in caches]
+        decoder_metrics = [
+            int(_flag(p, "--metrics-port")) for p in tree if "decoder_service" in p.cmdline()
+        ]
+        _a_repeat_is_read_from_the_store_by_the_cache_that_did_not_put_it(
+            own[0], cache_metrics, tiny_model
+        )
         # The shared ports: both gateways listen on the gRPC and the HTTP one ...
         gateways = sorted(
             (p for p in tree if "gateway" in p.cmdline()),
@@ -848,6 +923,19 @@ def test_up_with_two_of_everything_and_caches_on_redis_serves_and_stops_everythi
             time.sleep(0.5)
         counts = _calls_per_gateway(f"127.0.0.1:{base}", metrics, 16)
         assert sum(counts) == 16 and min(counts) >= 1, counts
+        # Every decoder and cache replica answered calls, by its own count.
+        served = {
+            "decoder": [
+                _metric_sum(port, 'splitvl_decoder_requests_total{code="OK",method="Generate"}')
+                for port in decoder_metrics
+            ],
+            "cache": [
+                _metric_sum(port, 'splitvl_cache_requests_total{code="OK",method="Lookup"}')
+                for port in cache_metrics
+            ],
+        }
+        assert [len(v) for v in served.values()] == [2, 2], served
+        assert all(n >= 1 for v in served.values() for n in v), served
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
     finally:
