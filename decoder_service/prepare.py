@@ -161,6 +161,19 @@ class Prepared:
     text: ContinuedText | None = None
 
 
+@dataclass(frozen=True)
+class _Rendered:
+    """What :meth:`Preparer.prepare` makes of a request while its embeddings are read
+    (the fields of :class:`Prepared` of the same names)."""
+
+    prompt: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: Any
+    continuation: list[int]
+    text: ContinuedText | None
+
+
 class Preparer:
     """Checks Generate requests and turns them into inputs of a :class:`DecoderEngine`,
     reading the embeddings sent by reference (``ImageEmbedding.ref``) with ``reader``."""
@@ -226,33 +239,87 @@ class Preparer:
         fetching = asyncio.ensure_future(self._fetch_all(request, checked, deadline, read))
         fetching.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            max_tokens = answer_max_tokens(request.sampling, checked.limits)
-            engine = self.engine
-            # The placeholder of a modality the request carries: vLLM binds media to it.
-            # Another (a <|video_pad|> the model wrote in an answer about an image) is text.
-            carried = {"image": bool(request.images), "video": bool(request.videos)}
-            placeholders = frozenset(
-                i for modality, i in engine.placeholder_ids.items() if carried.get(modality)
-            )
-            continuation = check_continuation(request, max_tokens, engine.vocab_size, placeholders)
-            params = sampling_params(request.sampling, checked.limits, len(continuation))
-            prompt, ids = self._render(checked.messages)
-            text = (
-                ContinuedText(
-                    engine.tokenizer,
-                    ids,
-                    continuation,
-                    request.continuation.text_chars,
-                    stop=list(request.sampling.stop),
-                )
-                if continuation
-                else None
-            )
+            rendered = self._prompt_and_params(request, checked)
         except BaseException:
             fetching.cancel()
             raise
         image_data, video_data = await fetching
-        spec = checked.spec
+        images, videos = self._check_payloads(request, checked, image_data, video_data)
+        received = count_received([*image_data.values(), *video_data.values()])
+        engine = self.engine
+        ids = rendered.prompt_ids
+        n_prompt = engine.prompt_length(ids, images) + engine.video_prompt_length(videos)
+        # The continuation's tokens are the answer's: they count against max_tokens
+        # (params asks vLLM for the rest) and take their room in the model length.
+        check_prompt_length(n_prompt, rendered.max_tokens, engine.max_model_len)
+        return Prepared(
+            rendered.prompt,
+            images,
+            videos,
+            rendered.params,
+            rendered.max_tokens,
+            n_prompt,
+            received,
+            request.priority,
+            prompt_ids=ids,
+            continuation=rendered.continuation,
+            text=rendered.text,
+        )
+
+    def _prompt_and_params(self, request: pb.GenerateRequest, checked: Checked) -> _Rendered:
+        """Everything :meth:`prepare` needs but the payloads, in this order: max_tokens,
+        the continuation, the sampling params, the prompt rendered and tokenised.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for max_tokens or sampling out of range, a
+                continuation that does not fit (``CONTINUATION_INVALID``), text that forms
+                a control token across parts.
+        """
+        max_tokens = answer_max_tokens(request.sampling, checked.limits)
+        engine = self.engine
+        # The placeholder of a modality the request carries: vLLM binds media to it.
+        # Another (a <|video_pad|> the model wrote in an answer about an image) is text.
+        carried = {"image": bool(request.images), "video": bool(request.videos)}
+        placeholders = frozenset(
+            i for modality, i in engine.placeholder_ids.items() if carried.get(modality)
+        )
+        continuation = check_continuation(request, max_tokens, engine.vocab_size, placeholders)
+        params = sampling_params(request.sampling, checked.limits, len(continuation))
+        prompt, ids = self._render(checked.messages)
+        text = (
+            ContinuedText(
+                engine.tokenizer,
+                ids,
+                continuation,
+                request.continuation.text_chars,
+                stop=list(request.sampling.stop),
+            )
+            if continuation
+            else None
+        )
+        return _Rendered(prompt, ids, max_tokens, params, continuation, text)
+
+    def _check_payloads(
+        self,
+        request: pb.GenerateRequest,
+        checked: Checked,
+        image_data: dict[int, Fetched],
+        video_data: dict[int, Fetched],
+    ) -> tuple[list[ImageInput], list[VideoInput]]:
+        """Each image's and video's payload checked against its grid, in prompt order.
+
+        Args:
+            image_data, video_data: The payloads by index into ``request.images`` and
+                ``request.videos`` (:meth:`_fetch_all`).
+
+        Returns:
+            (images, videos): the engine's inputs, in prompt order.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for a payload of the wrong size or holding NaN
+                or inf.
+        """
+        spec, engine = checked.spec, self.engine
         images = [
             check_image(
                 request.images[i], i, spec, engine.max_image_tokens, data=image_data[i].data
@@ -265,24 +332,7 @@ class Preparer:
             )
             for i in checked.video_order
         ]
-        received = count_received([*image_data.values(), *video_data.values()])
-        n_prompt = engine.prompt_length(ids, images) + engine.video_prompt_length(videos)
-        # The continuation's tokens are the answer's: they count against max_tokens
-        # (params asks vLLM for the rest) and take their room in the model length.
-        check_prompt_length(n_prompt, max_tokens, engine.max_model_len)
-        return Prepared(
-            prompt,
-            images,
-            videos,
-            params,
-            max_tokens,
-            n_prompt,
-            received,
-            request.priority,
-            prompt_ids=ids,
-            continuation=continuation,
-            text=text,
-        )
+        return images, videos
 
     def _render(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The prompt and its token ids, rendered and tokenised once; the same messages with

@@ -19,6 +19,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -108,6 +109,111 @@ async def serve(
     a second grpc server, bound and started once the service is SERVING; the instance
     port, bound without ``SO_REUSEPORT``, serves from the start.
     """
+    front = _front(service_name, service_full_names, settings, register, public, admission)
+    server, port = _first_server(front)
+    stop = _stop_on_signals(stop_event)
+    await front.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info(
+        "%s listening on %s:%d (%s%s)",
+        service_name,
+        settings.host,
+        port,
+        "plaintext" if front.credentials is None else "TLS",
+        "+mTLS" if settings.tls_client_ca_file else "",
+    )
+    if on_started is not None:
+        on_started(port)
+    try:
+        await _start_engine(startup, stop)
+        late: grpc.aio.Server | None = None
+        if not stop.is_set():
+            late = await _serve_until_stopped(front, port, stop)
+        if on_drain is not None:
+            on_drain()
+        servers = [server] if late is None else [late, server]
+        await drain(servers, front.health_servicer, front.admission, settings.grace_s, service_name)
+    finally:
+        try:
+            if shutdown is not None:
+                await shutdown()
+        finally:
+            telemetry.shutdown_tracing()
+            log.info("%s stopped", service_name)
+
+
+@dataclass(frozen=True)
+class _Front:
+    """What every grpc server of one service process is built with (:func:`_front`).
+
+    Attributes:
+        service_name, service_full_names, settings, register: :func:`serve`'s.
+        interceptors: Tracing first, then the project's own chain (:func:`_interceptors`).
+        readiness: The gate that refuses calls until the engine is ready.
+        admission: The admission control the drain waits on.
+        credentials: TLS credentials; None serves plaintext.
+        health_servicer: grpc.health.v1, one for every server of the process.
+        shared: The service port is shared with other processes (``SO_REUSEPORT`` with an
+            instance port): it gets a server of its own once the service is SERVING.
+    """
+
+    service_name: str
+    service_full_names: Sequence[str]
+    settings: ServerSettings
+    register: Callable[[grpc.aio.Server], None]
+    interceptors: list[Any]
+    readiness: ReadinessInterceptor
+    admission: AdmissionInterceptor
+    credentials: grpc.ServerCredentials | None
+    health_servicer: health.aio.HealthServicer
+    shared: bool
+
+    def new_server(self, reuse_port: bool) -> grpc.aio.Server:
+        """A server with the interceptors, limits, health, the servicers and reflection."""
+        server = grpc.aio.server(
+            # Tracing first, so the metrics interceptor's time and status sit inside the span.
+            interceptors=self.interceptors,
+            options=server_options(self.settings, reuse_port=reuse_port),
+            # Admission control is the interceptor (health exempt, RetryInfo hint); grpc's
+            # own limit sits above it as a backstop with room for probes.
+            maximum_concurrent_rpcs=self.settings.max_concurrent_rpcs + 64,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)
+        # Through the registrar, a request that does not parse gets INVALID_ARGUMENT, not
+        # UNKNOWN.
+        self.register(_Registrar(server))  # type: ignore[arg-type]
+        reflection.enable_server_reflection(
+            [*self.service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        return server
+
+    def bind(self, server: grpc.aio.Server, port: int) -> int:
+        """:func:`_bind` on this service's host with its credentials."""
+        return _bind(server, self.settings.host, port, self.credentials)
+
+    async def set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        """Set the health of the server as a whole ("") and of each of its services."""
+        for name in ("", *self.service_full_names):
+            await self.health_servicer.set(name, status)
+
+
+def _front(
+    service_name: str,
+    service_full_names: Sequence[str],
+    settings: ServerSettings,
+    register: Callable[[grpc.aio.Server], None],
+    public: bool,
+    admission: AdmissionInterceptor | None,
+) -> _Front:
+    """Set up what the servers are built with, from :func:`serve`'s arguments, in this
+    order: the tokens, tracing, the Prometheus endpoint, the interceptors, the TLS
+    credentials, the health servicer.
+
+    Raises:
+        ConfigError: auth that was asked for yields no token, or a token file cannot be
+            read (:func:`vlcommon.auth.auth_settings`).
+        ValueError: TLS settings that cannot be used (:func:`vlcommon.tls.server_credentials`).
+    """
     # Before anything listens: auth that was asked for but yields no token fails here.
     bearer_tokens, internal_token = auth_settings(settings, public=public)
     telemetry.setup_tracing(f"splitvl-{service_name}")
@@ -118,6 +224,41 @@ async def serve(
     if admission is None:
         admission = AdmissionInterceptor(settings.max_concurrent_rpcs, settings.retry_after_ms)
     readiness = ReadinessInterceptor(service_name)
+    interceptors = _interceptors(service_name, bearer_tokens, internal_token, readiness, admission)
+    credentials = tls_server_credentials(settings)
+    if not public and not internal_token and not settings.tls_client_ca_file:
+        _warn_if_reachable(service_name, settings.host)
+    health_servicer = health.aio.HealthServicer()
+    # A port shared with other processes (SO_REUSEPORT) gets its own server, made and
+    # bound only once this process is SERVING: grpc listens on a port as it binds it, the
+    # kernel hands every listener in the group its share of new connections, and a
+    # client's connection stays with the process it reached, so joining while the engine
+    # loads would pin callers to a process that cannot answer them. The instance port
+    # (this process alone, for its health probe) listens from the start.
+    shared = settings.reuse_port and bool(settings.instance_port)
+    return _Front(
+        service_name,
+        service_full_names,
+        settings,
+        register,
+        interceptors,
+        readiness,
+        admission,
+        credentials,
+        health_servicer,
+        shared,
+    )
+
+
+def _interceptors(
+    service_name: str,
+    bearer_tokens: Sequence[str],
+    internal_token: str,
+    readiness: ReadinessInterceptor,
+    admission: AdmissionInterceptor,
+) -> list[Any]:
+    """The server's interceptors, outermost first: tracing, then one chain of the
+    project's own (metrics, auth when tokens are set, readiness, admission, errors)."""
     chain: list[AroundInterceptor] = [MetricsInterceptor(service_name)]
     if bearer_tokens or internal_token:
         # Before admission: a caller without credentials never takes a slot.
@@ -126,52 +267,46 @@ async def serve(
     # error mapping sits innermost, next to the handlers (they raise ServiceError).
     chain += [readiness, admission, ErrorInterceptor()]
     # One interceptor for the project's own: one generator per streamed message, not five.
-    interceptors = [*telemetry.server_interceptors(), AroundChain(chain)]
-    credentials = tls_server_credentials(settings)
-    if not public and not internal_token and not settings.tls_client_ca_file:
-        if not is_loopback(settings.host):
-            log.warning(
-                "%s listens on %s with neither mTLS nor an internal token: anyone who can "
-                "reach it can call it directly (docs/security.md)",
-                service_name,
-                settings.host,
-            )
-    health_servicer = health.aio.HealthServicer()
+    return [*telemetry.server_interceptors(), AroundChain(chain)]
 
-    def new_server(reuse_port: bool) -> grpc.aio.Server:
-        server = grpc.aio.server(
-            # Tracing first, so the metrics interceptor's time and status sit inside the span.
-            interceptors=interceptors,
-            options=server_options(settings, reuse_port=reuse_port),
-            # Admission control is the interceptor (health exempt, RetryInfo hint); grpc's
-            # own limit sits above it as a backstop with room for probes.
-            maximum_concurrent_rpcs=settings.max_concurrent_rpcs + 64,
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        # Through the registrar, a request that does not parse gets INVALID_ARGUMENT, not
-        # UNKNOWN.
-        register(_Registrar(server))  # type: ignore[arg-type]
-        reflection.enable_server_reflection(
-            [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-        )
-        return server
 
-    # A port shared with other processes (SO_REUSEPORT) gets its own server, made and
-    # bound only once this process is SERVING: grpc listens on a port as it binds it, the
-    # kernel hands every listener in the group its share of new connections, and a
-    # client's connection stays with the process it reached, so joining while the engine
-    # loads would pin callers to a process that cannot answer them. The instance port
-    # (this process alone, for its health probe) listens from the start.
-    shared = settings.reuse_port and bool(settings.instance_port)
-    server = new_server(reuse_port=settings.reuse_port and not shared)
-    late: grpc.aio.Server | None = None
-    if shared:
-        port = settings.port
-        _bind(server, settings.host, settings.instance_port, credentials)
-    else:
-        port = _bind(server, settings.host, settings.port, credentials)
-        if settings.instance_port:
-            _bind(server, settings.host, settings.instance_port, credentials)
+def _warn_if_reachable(service_name: str, host: str) -> None:
+    """Warn that an internal service without mTLS or an internal token listens beyond
+    loopback."""
+    if not is_loopback(host):
+        log.warning(
+            "%s listens on %s with neither mTLS nor an internal token: anyone who can "
+            "reach it can call it directly (docs/security.md)",
+            service_name,
+            host,
+        )
+
+
+def _first_server(front: _Front) -> tuple[grpc.aio.Server, int]:
+    """The server that listens from the start, bound (not started): on the service port
+    and the instance port, or on the instance port alone when the service port is
+    ``shared`` (its server comes once the service is SERVING).
+
+    Returns:
+        (server, port): the server and the service port (the bound one when it was 0).
+
+    Raises:
+        ConfigError: a port cannot be bound.
+    """
+    settings = front.settings
+    server = front.new_server(reuse_port=settings.reuse_port and not front.shared)
+    if front.shared:
+        front.bind(server, settings.instance_port)
+        return server, settings.port
+    port = front.bind(server, settings.port)
+    if settings.instance_port:
+        front.bind(server, settings.instance_port)
+    return server, port
+
+
+def _stop_on_signals(stop_event: asyncio.Event | None) -> asyncio.Event:
+    """``stop_event`` (a new event when None), set by SIGTERM and SIGINT where this
+    thread can handle signals (the main thread's loop)."""
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -179,55 +314,56 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
-    for name in ("", *service_full_names):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
-    log.info(
-        "%s listening on %s:%d (%s%s)",
-        service_name,
-        settings.host,
-        port,
-        "plaintext" if credentials is None else "TLS",
-        "+mTLS" if settings.tls_client_ca_file else "",
-    )
-    if on_started is not None:
-        on_started(port)
-    try:
-        if startup is not None:
-            startup_task = asyncio.ensure_future(startup())
-            stop_task = asyncio.ensure_future(stop.wait())
-            done, _ = await asyncio.wait(
-                {startup_task, stop_task}, return_when=asyncio.FIRST_COMPLETED
-            )
-            if startup_task not in done:
-                startup_task.cancel()
-            else:
-                stop_task.cancel()
-                startup_task.result()  # re-raise a failed startup
-        if not stop.is_set():
-            readiness.set_ready()
-            if settings.gc_freeze:
-                freeze_startup_heap(service_name)
-            for name in ("", *service_full_names):
-                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-            if shared:
-                late = new_server(reuse_port=True)
-                _bind(late, settings.host, settings.port, credentials)
-                await late.start()
-                log.info("%s takes calls on the shared port %d too", service_name, port)
-            log.info("%s SERVING", service_name)
-            await stop.wait()
-        if on_drain is not None:
-            on_drain()
-        servers = [server] if late is None else [late, server]
-        await drain(servers, health_servicer, admission, settings.grace_s, service_name)
-    finally:
-        try:
-            if shutdown is not None:
-                await shutdown()
-        finally:
-            telemetry.shutdown_tracing()
-            log.info("%s stopped", service_name)
+    return stop
+
+
+async def _start_engine(startup: Callable[[], Awaitable[None]] | None, stop: asyncio.Event) -> None:
+    """Await ``startup`` unless ``stop`` is set first, which cancels it.
+
+    Raises:
+        Exception: whatever a failed ``startup`` raised.
+    """
+    if startup is None:
+        return
+    startup_task = asyncio.ensure_future(startup())
+    stop_task = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({startup_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if startup_task not in done:
+        startup_task.cancel()
+    else:
+        stop_task.cancel()
+        startup_task.result()  # re-raise a failed startup
+
+
+async def _serve_until_stopped(
+    front: _Front, port: int, stop: asyncio.Event
+) -> grpc.aio.Server | None:
+    """Take calls once the engine is ready, until ``stop`` is set: in this order the
+    readiness gate opens, the startup heap is frozen (``gc_freeze``), health turns SERVING,
+    and a ``shared`` service port gets its server, bound and started.
+
+    Args:
+        port: The service port, for the log.
+
+    Returns:
+        The shared port's server, to drain with the first one; None without one.
+
+    Raises:
+        ConfigError: the shared port cannot be bound.
+    """
+    front.readiness.set_ready()
+    if front.settings.gc_freeze:
+        freeze_startup_heap(front.service_name)
+    await front.set_health(health_pb2.HealthCheckResponse.SERVING)
+    late = None
+    if front.shared:
+        late = front.new_server(reuse_port=True)
+        front.bind(late, front.settings.port)
+        await late.start()
+        log.info("%s takes calls on the shared port %d too", front.service_name, port)
+    log.info("%s SERVING", front.service_name)
+    await stop.wait()
+    return late
 
 
 def _bind(

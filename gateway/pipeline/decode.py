@@ -103,6 +103,28 @@ def _check_continued(chunk: decoder_service_pb2.GenerateResponse, answer: _Answe
         )
 
 
+def _deadline_exceeded(err: ServiceError | RefsLost) -> bool:
+    """Whether ``err`` is the request's deadline passing (never a reason to move again)."""
+    return isinstance(err, ServiceError) and err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def _move_again_or_raise(err: ServiceError | RefsLost, moved: _Lost) -> None:
+    """The replica meant to continue an answer moved from ``moved`` failed before its
+    first chunk: return when the refs of the move were gone (a replica that refused the
+    call first had released them), so the answer moves again with fresh ones.
+
+    Raises:
+        ServiceError: ``moved.error`` (from ``err``) when that replica refused the
+            answer: the answer ends as it would have without a move (counted as
+            ``refused`` in ``splitvl_gateway_migration_failures_total``).
+    """
+    if isinstance(err, RefsLost):
+        return
+    metrics.MIGRATION_FAILURES.labels(reason="refused").inc()
+    log.warning("the answer from %s could not continue elsewhere: %s", moved.endpoint.address, err)
+    raise moved.error from err
+
+
 class _Replay(Exception):
     """A call failed before its first chunk in a way another replica may not (the
     replica was unreachable or died): try the next endpoint."""
@@ -188,12 +210,7 @@ class DecodeStage:
         moves = 0
         moved: _Lost | None = None
         while True:
-            endpoints, how = self.router.candidates(affinity)
-            if len(endpoints) == 1:
-                # One endpoint: a proxy in front of the replicas (GATEWAY_DECODER_ROUTING=
-                # proxy; HAProxy re-dispatches a call whose server is gone) or a channel
-                # over several addresses. A second try goes through it to another replica.
-                endpoints = endpoints * 2
+            endpoints, how = self._candidates(affinity)
             got = False  # a chunk of this call reached the caller
             try:
                 # aclosing: the caller closing this stream closes the call at once.
@@ -213,31 +230,50 @@ class DecodeStage:
                 self.router.mark_down(lost.endpoint)
                 moved = lost
             except (ServiceError, RefsLost) as err:
-                if moved is None or got:
+                # Only the call meant to continue a moved answer, failing before its first
+                # chunk, may move it again; any other failure is the caller's as it is.
+                if moved is None or got or _deadline_exceeded(err):
                     raise
-                if isinstance(err, ServiceError) and err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise
-                if not isinstance(err, RefsLost):
-                    # The replica meant to continue the answer refused it: the answer
-                    # ends as it would have without a move.
-                    metrics.MIGRATION_FAILURES.labels(reason="refused").inc()
-                    log.warning(
-                        "the answer from %s could not continue elsewhere: %s",
-                        moved.endpoint.address,
-                        err,
-                    )
-                    raise moved.error from err
-                # The refs of the move were gone when the next replica came to read them
-                # (a replica that refused the call first had released them): move again,
-                # with fresh ones.
-            why_not = self._why_not(moves, answer, renew)
-            if why_not:
-                metrics.MIGRATION_FAILURES.labels(reason=why_not).inc()
-                raise moved.error
-            assert renew is not None  # else _why_not said "off"
-            deadline.check(what="its answer moved to another decoder replica")
-            request = await self._continuation(renew, request, answer, moved)
+                _move_again_or_raise(err, moved)
+            request = await self._move(renew, request, deadline, answer, moved, moves)
             moves += 1
+
+    def _candidates(self, affinity: str | None) -> tuple[list[Endpoint], str]:
+        """The endpoints to try for one call, in order, and how they were chosen (the
+        ``splitvl_gateway_decoder_routes_total`` label of the first)."""
+        endpoints, how = self.router.candidates(affinity)
+        if len(endpoints) == 1:
+            # One endpoint: a proxy in front of the replicas (GATEWAY_DECODER_ROUTING=
+            # proxy; HAProxy re-dispatches a call whose server is gone) or a channel
+            # over several addresses. A second try goes through it to another replica.
+            endpoints = endpoints * 2
+        return endpoints, how
+
+    async def _move(
+        self,
+        renew: Renew | None,
+        request: decoder_service_pb2.GenerateRequest,
+        deadline: Deadline,
+        answer: _Answer,
+        moved: _Lost,
+        moves: int,
+    ) -> decoder_service_pb2.GenerateRequest:
+        """The request that continues ``answer`` on another replica, after its decoder
+        ``moved`` could not go on (``moves``: the answer's moves so far).
+
+        Raises:
+            ServiceError: ``moved.error`` (UNAVAILABLE ``DECODER_LOST_MID_STREAM``) when
+                the answer cannot move (counted in
+                ``splitvl_gateway_migration_failures_total`` by reason) or its refs cannot
+                be had again; DEADLINE_EXCEEDED when the request's deadline has passed.
+        """
+        why_not = self._why_not(moves, answer, renew)
+        if why_not:
+            metrics.MIGRATION_FAILURES.labels(reason=why_not).inc()
+            raise moved.error
+        assert renew is not None  # else _why_not said "off"
+        deadline.check(what="its answer moved to another decoder replica")
+        return await self._continuation(renew, request, answer, moved)
 
     def _why_not(self, moves: int, answer: _Answer, renew: Renew | None) -> str:
         """Why an answer cannot move (a ``splitvl_gateway_migration_failures_total``
