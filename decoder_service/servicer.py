@@ -208,8 +208,8 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Check the request, prepare its engine inputs and stream vLLM's output; a
-        client's cancel aborts the vLLM request.
+        """Check the request, prepare its engine inputs, stream vLLM's output; a cancel
+        aborts the vLLM request.
 
         Raises:
             ServiceError: INVALID_ARGUMENT for a request a check refuses; UNAVAILABLE when
@@ -226,8 +226,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 raise _draining()
             checked = self.preparer.check(request, self._ready_spec())
             prepared = await self.preparer.prepare(request, checked, Deadline.of(context), read)
-            # aclosing: a GeneratorExit at our yield closes _stream, and so aborts the vLLM
-            # request, at once.
+            # aclosing: a GeneratorExit at our yield closes _stream (aborting vLLM's) at once.
             async with contextlib.aclosing(self._stream(request_id, prepared)) as stream:
                 async for response in stream:
                     yield response
@@ -268,26 +267,9 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         response per delta. Closing this generator closes the engine stream at once, which
         aborts the vLLM request."""
         with tracer.start_as_current_span("decoder.generate") as span:
-            span.set_attribute("splitvl.request.model", str(self.engine.engine_args.model))
-            span.set_attribute("splitvl.request.id", request_id)
-            span.set_attribute("splitvl.request.images", len(prepared.images))
-            span.set_attribute("splitvl.request.max_tokens", prepared.max_tokens)
-            span.set_attribute("splitvl.usage.prompt_tokens", prepared.prompt_tokens)
-            span.set_attribute("splitvl.embedding.bytes", prepared.received_bytes)
-            span.set_attribute("splitvl.request.videos", len(prepared.videos))
-            span.set_attribute("splitvl.continuation.tokens", len(prepared.continuation))
+            self._describe(span, request_id, prepared)
             record = _StreamRecord(span)
-            stream = self.engine.generate(
-                request_id,
-                prepared.prompt,
-                prepared.images,
-                prepared.params,
-                prepared.videos,
-                priority=prepared.priority,
-                prompt_token_ids=(
-                    prepared.prompt_ids + prepared.continuation if prepared.continuation else None
-                ),
-            )
+            stream = self._submit(request_id, prepared)
             self._streams.add(request_id)
             try:
                 if self.handing_off:  # hand_off ran while this call was preparing
@@ -317,6 +299,32 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             finally:
                 self._streams.discard(request_id)
                 record.end()
+
+    def _submit(self, request_id: str, prepared: Prepared) -> AsyncGenerator[Delta, None]:
+        """vLLM's output stream of ``prepared`` (a continuation: the prompt's ids and the
+        answer so far as token ids)."""
+        return self.engine.generate(
+            request_id,
+            prepared.prompt,
+            prepared.images,
+            prepared.params,
+            prepared.videos,
+            priority=prepared.priority,
+            prompt_token_ids=(
+                prepared.prompt_ids + prepared.continuation if prepared.continuation else None
+            ),
+        )
+
+    def _describe(self, span: trace.Span, request_id: str, prepared: Prepared) -> None:
+        """The request on its ``decoder.generate`` span."""
+        span.set_attribute("splitvl.request.model", str(self.engine.engine_args.model))
+        span.set_attribute("splitvl.request.id", request_id)
+        span.set_attribute("splitvl.request.images", len(prepared.images))
+        span.set_attribute("splitvl.request.max_tokens", prepared.max_tokens)
+        span.set_attribute("splitvl.usage.prompt_tokens", prepared.prompt_tokens)
+        span.set_attribute("splitvl.embedding.bytes", prepared.received_bytes)
+        span.set_attribute("splitvl.request.videos", len(prepared.videos))
+        span.set_attribute("splitvl.continuation.tokens", len(prepared.continuation))
 
     async def _abort_on_engine_error(
         self, context: grpc.aio.ServicerContext, exc: Exception
