@@ -296,3 +296,27 @@ def grpc_gateway(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iter
     env = {"GATEWAY_EMBEDDING_TRANSPORT": "grpc"}
     with extra_service(cluster, "gateway", env, tmp_path_factory.mktemp("grpc-gw")) as ports:
         yield types.SimpleNamespace(ports=ports)
+
+
+# Where the time goes, by file (tests/suite_times.py): printed at the end of every run.
+_FILE_TIMES = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _FILE_TIMES
+    from tests.suite_times import FileTimes
+
+    _FILE_TIMES = FileTimes()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _FILE_TIMES is not None:
+        _FILE_TIMES.add(report.nodeid, report.when, report.duration, report.keywords)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _FILE_TIMES is None or not _FILE_TIMES.seconds:
+        return
+    for line in _FILE_TIMES.summary():
+        terminalreporter.write_line(line)
+    _FILE_TIMES.write()
