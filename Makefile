@@ -54,7 +54,11 @@ install: $(STAMP) $(NODE_DEPS) system-deps
 UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --extra tools --extra dev --quiet \
   --python-platform x86_64-manylinux_2_28 --index-strategy unsafe-best-match \
   --no-emit-find-links --custom-compile-command "make lock" $(if $(UPGRADE),--upgrade)
-lock: $(STAMP)
+# Not after $(STAMP): a bumped pin in pyproject.toml must not first install under the old
+# lock (pip would refuse it); only uv itself is needed.
+lock:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/uv || $(BIN)/python -m pip install --progress-bar off "uv>=0.5"
 	$(UV_COMPILE) --extra cpu --python-version 3.11 $(if $(wildcard /opt/wheels),--find-links /opt/wheels) -o requirements/cpu.txt
 	$(UV_COMPILE) --extra gpu --python-version 3.12 -o requirements/gpu.txt
 

@@ -388,10 +388,37 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     failed = [n for n in steps if "error" in report[n]]
-    equality = report["equality"]
-    ok = not failed and equality.get("all_equal", False) and equality.get("controls_differ", False)
+    ok = not failed and not verdict_failures(report)
+    for why in verdict_failures(report) if not failed else []:
+        print(f"FAILED: {why}", flush=True)
     print(f"gpu check {'passed' if ok else 'FAILED'}: {args.out}", flush=True)
     return 0 if ok else 1
+
+
+#: A packed batch may differ from one-at-a-time encodes by bf16 rounding only: at most
+#: this share of the largest embedding value (the dry run's bound, tests/test_gpu_check.py).
+BATCH_TOLERANCE = 0.05
+#: The similarity index must find the copied entry for nearly every query.
+MIN_RECALL_AT_1 = 0.99
+
+
+def verdict_failures(report: dict[str, Any]) -> list[str]:
+    """What makes the check fail beyond a step's error: tokens differing with the
+    encoder's embeddings, a batch that differs from one-at-a-time encodes beyond
+    :data:`BATCH_TOLERANCE`, or recall@1 under :data:`MIN_RECALL_AT_1`."""
+    out = []
+    equality = report.get("equality", {})
+    if not (equality.get("all_equal") and equality.get("controls_differ")):
+        out.append("the tokens with the encoder's embeddings differ from the model's own")
+    batching = report.get("encoder_batching", {})
+    if "max_abs_diff_alone_vs_batched" in batching:
+        bound = BATCH_TOLERANCE * batching["max_abs_embedding"]
+        if not batching["max_abs_diff_alone_vs_batched"] < bound:
+            out.append(f"a packed batch differs from one-at-a-time encodes by more than {bound}")
+    recall = report.get("similarity_index", {}).get("recall_at_1")
+    if recall is not None and recall < MIN_RECALL_AT_1:
+        out.append(f"recall@1 {recall} is under {MIN_RECALL_AT_1}")
+    return out
 
 
 if __name__ == "__main__":

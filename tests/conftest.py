@@ -314,9 +314,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _FILE_TIMES.add(report.nodeid, report.when, report.duration, report.keywords)
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     if _FILE_TIMES is None or not _FILE_TIMES.seconds:
         return
     for line in _FILE_TIMES.summary():
         terminalreporter.write_line(line)
-    _FILE_TIMES.write()
+    # Only whole files' times are kept: a -k, -m or --lf run, or an interrupted one,
+    # would replace a file's time with a part of it.
+    opt = config.option
+    partial = opt.keyword or opt.markexpr or getattr(opt, "lf", False)
+    if not partial and exitstatus != pytest.ExitCode.INTERRUPTED:
+        _FILE_TIMES.write()

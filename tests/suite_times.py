@@ -2,8 +2,9 @@
 
 In the spirit of SGLang's ``run_suite.py`` (each file with its estimated seconds): every
 run sums each file's setup, call and teardown time (a module's cluster start lands in its
-first test's setup) and prints the files by time at the end, with the total; a run writes
-them to ``.pytest-times.json`` at the root. ``tests/suite.toml`` lists every test file with
+first test's setup) and prints the files by time at the end, with the total; a run of
+whole files (no ``-k``, ``-m``, ``--lf``, not interrupted) writes them to
+``.pytest-times.json`` at the root. ``tests/suite.toml`` lists every test file with
 the seconds of the last full ``make test`` on 2 cores; ``tests/test_suite_file.py`` fails
 when a test file is missing from it (a new file must say what it costs). Refresh it after
 a full run::
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tomllib
 from collections import defaultdict
@@ -56,11 +58,18 @@ class FileTimes:
         return lines
 
     def write(self, path: Path = TIMES) -> None:
+        """Write the times (atomically: a reader never sees half a file); a folder that
+        cannot be written to only loses them, never fails the run."""
         out = {
             p: {"seconds": round(s, 1), "tests": self.tests[p], "e2e": p in self.e2e}
             for p, s in sorted(self.seconds.items())
         }
-        path.write_text(json.dumps(out, indent=1) + "\n")
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(out, indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError:
+            pass
 
 
 def read_suite(path: Path = SUITE) -> dict[str, dict[str, object]]:
@@ -89,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="rewrite tests/suite.toml")
     args = parser.parse_args(argv)
+    if not TIMES.exists():
+        parser.error(f"{TIMES.name} is missing: run the suite first (make test)")
     times = json.loads(TIMES.read_text())
     if SUITE.exists():
         # A partial run updates the files it ran; files that no longer exist drop out.

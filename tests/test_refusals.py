@@ -163,8 +163,21 @@ def test_a_registry_error_is_byte_identical_on_the_wire() -> None:
             grpc.StatusCode.DEADLINE_EXCEEDED,
         ),
         (grpc.StatusCode.INTERNAL, "DECODER_UNAVAILABLE", grpc.StatusCode.UNAVAILABLE),
-        # Not a status gRPC makes up by itself, and no splitvl service sends it bare.
-        (grpc.StatusCode.PERMISSION_DENIED, "DECODER_UNAVAILABLE", grpc.StatusCode.UNAVAILABLE),
+        # A proxy or mesh's authorization in front of the dependency: kept as it is (a
+        # configuration error, not one to retry), not read as the dependency down.
+        (
+            grpc.StatusCode.PERMISSION_DENIED,
+            "DECODER_PERMISSION_DENIED",
+            grpc.StatusCode.PERMISSION_DENIED,
+        ),
+        (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "DECODER_UNAUTHENTICATED",
+            grpc.StatusCode.UNAUTHENTICATED,
+        ),
+        # Not a status gRPC or a proxy makes up by itself, and no splitvl service sends it
+        # bare: the dependency failing.
+        (grpc.StatusCode.ABORTED, "DECODER_UNAVAILABLE", grpc.StatusCode.UNAVAILABLE),
     ],
 )
 def test_a_dependency_status_without_errorinfo_gets_a_registry_reason(

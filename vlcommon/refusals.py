@@ -42,6 +42,7 @@ _UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
+_DENIED = grpc.StatusCode.PERMISSION_DENIED
 #: An error of the OpenAI front's HTTP layer itself (a 404 path, a stalled body): it has no
 #: gRPC status; ``http_status`` is the answer's.
 _HTTP_ONLY = None
@@ -474,6 +475,12 @@ class Refusal(StrEnum):
     ENCODER_UNIMPLEMENTED = auto(), _UNIMPLEMENTED, "dependency=encoder", (
         "the encoder does not serve the method (another version)"
     )
+    ENCODER_PERMISSION_DENIED = auto(), _DENIED, "dependency=encoder", (
+        "a proxy or mesh in front of the encoder denied the call (its authorization policy)"
+    )
+    ENCODER_UNAUTHENTICATED = auto(), _UNAUTHENTICATED, "dependency=encoder", (
+        "a proxy or mesh in front of the encoder refused the call's credentials"
+    )
     DECODER_UNAVAILABLE = auto(), _UNAVAILABLE, "dependency=decoder", (
         "no decoder is in service, or it could not be reached and sent no reason of its own"
     )
@@ -485,6 +492,12 @@ class Refusal(StrEnum):
     )
     DECODER_UNIMPLEMENTED = auto(), _UNIMPLEMENTED, "dependency=decoder", (
         "the decoder does not serve the method (another version)"
+    )
+    DECODER_PERMISSION_DENIED = auto(), _DENIED, "dependency=decoder", (
+        "a proxy or mesh in front of the decoder denied the call (its authorization policy)"
+    )
+    DECODER_UNAUTHENTICATED = auto(), _UNAUTHENTICATED, "dependency=decoder", (
+        "a proxy or mesh in front of the decoder refused the call's credentials"
     )
     DECODER_LOST_MID_STREAM = auto(), _UNAVAILABLE, "dependency=decoder, endpoint", (
         "the decoder was lost after the first token and the answer could not move; retry"

@@ -17,10 +17,13 @@ _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
+_DENIED = grpc.StatusCode.PERMISSION_DENIED
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 
 #: The reasons of a dependency's status that came without ErrorInfo (the transport's own:
-#: unreachable, a local deadline, a message over the size limit, a method it lacks); any
+#: unreachable, a local deadline, a message over the size limit, a method it lacks; or a
+#: proxy's or mesh's authorization in front of it, kept as a configuration error); any
 #: other such status is read as the dependency failing (UNAVAILABLE).
 DEPENDENCY_FAILURES: dict[str, dict[grpc.StatusCode, Refusal]] = {
     "encoder": {
@@ -28,12 +31,16 @@ DEPENDENCY_FAILURES: dict[str, dict[grpc.StatusCode, Refusal]] = {
         _DEADLINE: Refusal.ENCODER_DEADLINE_EXCEEDED,
         _EXHAUSTED: Refusal.ENCODER_RESOURCE_EXHAUSTED,
         _UNIMPLEMENTED: Refusal.ENCODER_UNIMPLEMENTED,
+        _DENIED: Refusal.ENCODER_PERMISSION_DENIED,
+        _UNAUTHENTICATED: Refusal.ENCODER_UNAUTHENTICATED,
     },
     "decoder": {
         _UNAVAILABLE: Refusal.DECODER_UNAVAILABLE,
         _DEADLINE: Refusal.DECODER_DEADLINE_EXCEEDED,
         _EXHAUSTED: Refusal.DECODER_RESOURCE_EXHAUSTED,
         _UNIMPLEMENTED: Refusal.DECODER_UNIMPLEMENTED,
+        _DENIED: Refusal.DECODER_PERMISSION_DENIED,
+        _UNAUTHENTICATED: Refusal.DECODER_UNAUTHENTICATED,
     },
 }
 

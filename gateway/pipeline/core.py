@@ -324,18 +324,15 @@ class Pipeline:
         f.timings.encode_ms = (time.perf_counter() - t) * 1000
         # The put runs beside the decode: the decoder already has the embeddings, so
         # TTFT does not wait for the cache (its duration lands in timings.put_ms).
-        # The put lands the claims once the entries are stored (or it failed).
-        put = asyncio.create_task(self._put(f.misses, policy, f.timings, f.claims.hand_over()))
+        put = asyncio.create_task(self.cache.put(f.misses, policy, NO_DEADLINE, f.timings))
         self._background.add(put)
         put.add_done_callback(self._background.discard)
-
-    async def _put(
-        self, misses: list[PreparedImage], policy: int, timings: pb.StageTimings, claims: Claims
-    ) -> None:
-        try:
-            await self.cache.put(misses, policy, NO_DEADLINE, timings)
-        finally:
-            claims.land()
+        # The put lands the claims once the entries are stored (or it failed). A done
+        # callback, not the coroutine's finally: a task cancelled before its first step
+        # never runs its body, and a claim never landed would hold every later request for
+        # that file in its wait.
+        claims = f.claims.hand_over()
+        put.add_done_callback(lambda _: claims.land())
 
     async def _encode_again(self, f: _Flight, positions: list[int] | None = None) -> None:
         """After lost refs: every image and video encoded again, or those at ``positions``
