@@ -55,7 +55,7 @@ install: $(STAMP) $(NODE_DEPS) system-deps
 
 # The locks, from pyproject.toml's extras, keeping every pin that still resolves (uv
 # prefers the versions already in the output file; `make lock UPGRADE=1` takes the newest).
-# cpu: CPython 3.11 with the +cpu torch from the local wheel folder (../shared/FACTS.md);
+# cpu: CPython 3.11 with the +cpu torch from the local wheel folder (docs/install.md);
 # gpu: CPython 3.12 on x86_64 Linux, the GPU machines' Python. Both by metadata only.
 UV_COMPILE = $(BIN)/uv pip compile pyproject.toml --extra tools --extra dev --quiet \
   --python-platform x86_64-manylinux_2_28 --index-strategy unsafe-best-match \
