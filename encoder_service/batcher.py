@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer("splitvl.encoder")
 
 
-@dataclass
+# eq=False: items compare by identity. With the generated __eq__, "in" over a batch
+# compared two keyless items ("" == "") field by field down to their pixel tensors, which
+# raised and killed the batcher's loop: every later call hung (found 2026-12-07).
+@dataclass(eq=False)
 class _Item:
     key: str
     image: Preprocessed

@@ -131,6 +131,19 @@ async def test_a_cancelled_caller_leaves_the_batch_without_breaking_others() -> 
     assert len(encoded) == 2  # the cancelled image never reached the ViT
 
 
+async def test_images_without_keys_share_a_batch_and_the_batcher_lives_on() -> None:
+    """Two keyless images (key "": never shared) in one batch: each is encoded as its own,
+    and the batcher serves the next call. Items once compared field by field, down to
+    their pixel tensors, which raised and killed the loop: every later call hung."""
+    vit = FakeViT()
+    b = batcher(vit)
+    outs = await asyncio.wait_for(asyncio.gather(b.submit("", image(1)), b.submit("", image(2))), 5)
+    assert [float(o[0, 0]) for o in outs] == [1, 2] and vit.calls == [[16, 16]]
+    after = await asyncio.wait_for(b.submit("k", image(3)), 5)
+    await b.stop()
+    assert float(after[0, 0]) == 3
+
+
 async def test_out_of_memory_splits_the_batch_and_fails_only_what_cannot_fit() -> None:
     vit = FakeViT(oom_above_patches=40)
     b = batcher(vit, max_batch_images=8, max_batch_patches=10_000)
