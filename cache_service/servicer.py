@@ -57,6 +57,11 @@ __all__ = [
 ]
 
 
+def _claimed_keys(request: pb.PutRequest, limit: int) -> list[str]:
+    """The keys a refused Put may hold claims on: well-formed ones, at most ``limit``."""
+    return [e.key for e in request.entries[:limit] if 0 < len(e.key) <= MAX_KEY_CHARS]
+
+
 class CacheServicer(pb_grpc.CacheServiceServicer):
     """Serves Lookup, Put and GetStats over one store: the in-process
     :class:`cache_service.store.EmbeddingStore` or a shared
@@ -157,19 +162,26 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         (nothing stored). An entry a shared store could not take (down or slow) is dropped
         without an error: ``stored`` leaves it out.
         """
-        refs = check_ref_entries(
-            request,
-            max_entries=self.max_queries,
-            merge=self.merge,
-            capacity_bytes=self.store.capacity_bytes,
-        )
-        timeout = Deadline.of(context).left()
-        payloads = await read_refs(self.reader, refs, timeout) if refs else {}
-        # On a worker thread: the payload's copy out of the request and the finiteness
-        # check (~0.25 s together at the 256 MiB message limit) and the index add (slow at
-        # a million entries) should not hold health checks and lookups. The store takes
-        # its own lock.
-        return await asyncio.to_thread(self._put, request, payloads)
+        try:
+            refs = check_ref_entries(
+                request,
+                max_entries=self.max_queries,
+                merge=self.merge,
+                dim=self.store.dim,
+                capacity_bytes=self.store.capacity_bytes,
+            )
+            timeout = Deadline.of(context).left()
+            payloads = await read_refs(self.reader, refs, timeout) if refs else {}
+            # On a worker thread: the payload's copy out of the request and the finiteness
+            # check (~0.25 s together at the 256 MiB message limit) and the index add (slow
+            # at a million entries) should not hold health checks and lookups. The store
+            # takes its own lock.
+            return await asyncio.to_thread(self._put, request, payloads)
+        except BaseException:
+            # Refused, unreadable or cancelled: nobody is encoding these any more either,
+            # so waiters on their claims look again now, not at the claims' TTL.
+            self.claims.end(_claimed_keys(request, self.max_queries))
+            raise
 
     def _put(self, request: pb.PutRequest, payloads: dict[int, bytes]) -> pb.PutResponse:
         """Put's body, on a worker thread: check every entry, then store them."""

@@ -23,21 +23,14 @@ from qwenvl.cache.v1 import cache_service_pb2 as pb
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
 
 from cache_service import metrics
+from cache_service.validation_images import verification_image
 from vlcommon import tensors
 from vlcommon.by_reference import by_reference
 from vlcommon.handoff import Holder
 from vlcommon.refusals import Refusal
 from vlcommon.request_rules import CACHE_POLICIES, check_cache_policy, check_grid
 from vlcommon.tensors import EMBEDDING_DTYPES
-from vlcommon.verification import (
-    CHROMA_SCALE,
-    JPEG_MAX_CLIPPED_SHARE,
-    JPEG_MAX_SIDE,
-    MAX_VERIFICATION_BYTES,
-    JpegLuma,
-    VerificationImage,
-    chroma_shape,
-)
+from vlcommon.verification import VerificationImage
 
 POLICIES = CACHE_POLICIES
 OFF = generation_pb2.CACHE_POLICY_OFF
@@ -178,8 +171,8 @@ def parse_lookup(
             (``transport``), and per query (``queries[i]...``): ``VIDEO_NOT_EXACT``,
             ``KEY_MISSING`` / ``KEY_TOO_LONG`` (key or alias key), a grid's refusal,
             a descriptor's (not FP32 [dim]: ``DESCRIPTOR_SHAPE_INVALID``), a verification
-            image's (:func:`_verification`), ``TOO_MANY_REUSABLE_GRIDS`` (over
-            MAX_REUSABLE_GRIDS) or a reusable grid's.
+            image's (:func:`cache_service.validation_images.verification_image`),
+            ``TOO_MANY_REUSABLE_GRIDS`` (over MAX_REUSABLE_GRIDS) or a reusable grid's.
     """
     check_count(len(request.queries), "queries", max_queries)
     check_cache_policy(request.policy, "policy")
@@ -209,8 +202,8 @@ def _query(query: pb.LookupQuery, field: str, merge: int, dim: int) -> Query:
         _key(query.key, field),
         _grid(query.grid, f"{field}.grid", merge, video=query.video),
         _descriptor(query.descriptor, dim, f"{field}.descriptor"),
-        _verification(query, field),
-        query.revision,
+        verification_image(query, field),
+        _revision(query.revision, field),
         _key(query.alias_key, field, name="alias_key", optional=True),
         _reusable(query.reusable_grids, f"{field}.reusable_grids", merge),
         query.video,
@@ -218,27 +211,36 @@ def _query(query: pb.LookupQuery, field: str, merge: int, dim: int) -> Query:
 
 
 def check_ref_entries(
-    request: pb.PutRequest, *, max_entries: int, merge: int, capacity_bytes: int
+    request: pb.PutRequest, *, max_entries: int, merge: int, dim: int, capacity_bytes: int
 ) -> list[tuple[int, tensor_pb2.ImageEmbedding]]:
-    """The entries of a Put sent by reference, each checked before its bytes are read:
-    its grid, its rows against the grid, and its size against the byte budget (a forged
-    1 GiB ref for a 4-token grid was allocated in full, then refused).
+    """The entries of a Put sent by reference, checked before any byte is read: every
+    entry's fields that need no payload (:func:`parse_put` checks them again with the
+    payloads), then each ref's dtype, its rows against the grid, its size against the
+    byte budget (a forged 1 GiB ref for a 4-token grid was allocated in full, then
+    refused), and all refs' sizes together.
 
     Returns:
         (entry index, its embedding) of each entry sent by reference, in order.
 
     Raises:
-        ServiceError: INVALID_ARGUMENT ``TOO_MANY_ITEMS`` (``entries``), a grid's refusal
-            or ``EMBEDDING_SHAPE_MISMATCH`` naming the field; RESOURCE_EXHAUSTED
-            ``ENTRY_TOO_LARGE`` (``entries[i].embedding.ref``) over ``capacity_bytes``.
+        ServiceError: INVALID_ARGUMENT ``TOO_MANY_ITEMS`` (``entries``), any refusal of
+            :func:`parse_put` that needs no payload, ``TENSOR_DTYPE_UNSUPPORTED`` or
+            ``EMBEDDING_SHAPE_MISMATCH`` naming the field; RESOURCE_EXHAUSTED
+            ``ENTRY_TOO_LARGE`` (``entries[i].embedding.ref``) over ``capacity_bytes``,
+            ``PUT_TOO_LARGE`` (``entries``) when the refs together are.
     """
     refs = [(i, e.embedding) for i, e in enumerate(request.entries) if e.embedding.HasField("ref")]
     if not refs:
         return refs
     check_count(len(request.entries), "entries", max_entries)
+    # Every entry's checks that need no payload come first: a read spends the holder's
+    # copy (it releases it), so a request that is refused anyway reads nothing.
+    for i, entry in enumerate(request.entries):
+        _entry_fields(entry, f"entries[{i}]", merge, dim)
     for i, emb in refs:
         field = f"entries[{i}]"
         grid = _grid(emb.grid, f"{field}.embedding.grid", merge, video=request.entries[i].video)
+        _check_ref_dtype(emb.embeddings, f"{field}.embedding.embeddings")
         _check_rows(emb.embeddings, grid, merge, f"{field}.embedding.embeddings")
         if emb.ref.nbytes > capacity_bytes:
             metrics.PUTS_REFUSED.labels(reason="too_large").inc()
@@ -248,7 +250,29 @@ def check_ref_entries(
                 field=f"{field}.embedding.ref",
                 limit=capacity_bytes,
             )
+    # The reader allocates each ref's nbytes before it reads: a small request of many
+    # refs would otherwise ask for their sum at once (256 GiB at the defaults).
+    total = sum(emb.ref.nbytes for _, emb in refs)
+    if total > capacity_bytes:
+        metrics.PUTS_REFUSED.labels(reason="too_large").inc()
+        raise Refusal.PUT_TOO_LARGE.error(
+            f"the {len(refs)} entries sent by reference hold {total} bytes together; the "
+            f"cache's byte budget (capacity_bytes) is {capacity_bytes}: put them in smaller "
+            "requests",
+            field="entries",
+            limit=capacity_bytes,
+        )
     return refs
+
+
+def _check_ref_dtype(emb: tensor_pb2.Tensor, field: str) -> None:
+    """A ref's dtype, before its bytes are read (the reader names it in its messages)."""
+    if emb.dtype not in EMBEDDING_DTYPES:
+        allowed = ", ".join(tensors.dtype_name(d) for d in EMBEDDING_DTYPES)
+        raise Refusal.TENSOR_DTYPE_UNSUPPORTED.error(
+            f"{field}.dtype is {emb.dtype}; allowed: {allowed}",
+            field=f"{field}.dtype",
+        )
 
 
 def parse_put(
@@ -297,13 +321,7 @@ def _entry(
     dim: int,
     capacity_bytes: int,
 ) -> CheckedEntry:
-    key = _key(entry.key, field)
-    alias_key = _key(entry.alias_key, field, name="alias_key", optional=True)
-    if entry.video:
-        _check_video(entry, field)
-    grid = _grid(entry.embedding.grid, f"{field}.embedding.grid", merge, video=entry.video)
-    descriptor = _descriptor(entry.descriptor, dim, f"{field}.descriptor")
-    verification = _verification(entry, field)
+    key, alias_key, grid, descriptor, verification = _entry_fields(entry, field, merge, dim)
     emb = entry.embedding.embeddings
     emb_field = f"{field}.embedding.embeddings"
     data = tensors.validate(emb, field=emb_field, ndim=2, dtypes=EMBEDDING_DTYPES, data=payload)
@@ -327,8 +345,24 @@ def _entry(
         emb.dtype,
         tuple(emb.shape),
         data,
-        entry.revision,
+        _revision(entry.revision, field),
     )
+
+
+def _entry_fields(
+    entry: pb.PutEntry, field: str, merge: int, dim: int
+) -> tuple[str, str, tuple[int, int, int], np.ndarray | None, VerificationImage | None]:
+    """An entry's checks that need no payload: key, alias key, video rule, grid,
+    descriptor, verification image, revision."""
+    key = _key(entry.key, field)
+    alias_key = _key(entry.alias_key, field, name="alias_key", optional=True)
+    if entry.video:
+        _check_video(entry, field)
+    grid = _grid(entry.embedding.grid, f"{field}.embedding.grid", merge, video=entry.video)
+    descriptor = _descriptor(entry.descriptor, dim, f"{field}.descriptor")
+    verification = verification_image(entry, field)
+    _revision(entry.revision, field)
+    return key, alias_key, grid, descriptor, verification
 
 
 def _check_rows(emb: tensor_pb2.Tensor, grid: tuple[int, int, int], merge: int, field: str) -> None:
@@ -406,6 +440,21 @@ def _reusable(
 MAX_KEY_CHARS = 256
 
 
+# A model revision is a commit hash or a short name; the store keeps it beside each entry,
+# outside the byte budget, so it is bounded like a key (128 MiB revisions were stored).
+MAX_REVISION_CHARS = 256
+
+
+def _revision(revision: str, field: str) -> str:
+    if len(revision) > MAX_REVISION_CHARS:
+        raise Refusal.REVISION_TOO_LONG.error(
+            f"{field}.revision has {len(revision)} characters; at most {MAX_REVISION_CHARS}",
+            field=f"{field}.revision",
+            limit=MAX_REVISION_CHARS,
+        )
+    return revision
+
+
 def _key(key: str, field: str, *, name: str = "key", optional: bool = False) -> str:
     """A key (or, with ``name="alias_key"`` and ``optional``, an alias key; empty allowed)."""
     if not key and not optional:
@@ -432,128 +481,3 @@ def _descriptor(msg: tensor_pb2.Tensor, dim: int, field: str) -> np.ndarray | No
             expected=dim,
         )
     return tensors.to_numpy(msg, data)
-
-
-def _verification(msg: pb.LookupQuery | pb.PutEntry, prefix: str) -> VerificationImage | None:
-    """The verification image (vlcommon.verification) of a query or an entry from its
-    ``verification`` (luma, UINT8 [h, w]) and ``verification_chroma`` (UINT8 [ceil(h / 2),
-    ceil(w / 2), 2]), with its JPEG fields (:func:`_jpeg`); None when the luma is unset,
-    or sent without chroma (older gateways): then no similarity hit.
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT naming the field when a shape or dtype is wrong or
-            the luma holds more than MAX_VERIFICATION_BYTES; as :func:`_jpeg`.
-    """
-    luma, chroma = msg.verification, msg.verification_chroma
-    field, chroma_field = f"{prefix}.verification", f"{prefix}.verification_chroma"
-    jpeg_set = [
-        name
-        for name in (
-            "verification_jpeg_quantization",
-            "verification_jpeg_clipped_index",
-            "verification_jpeg_clipped_luma",
-        )
-        if len(getattr(msg, name))
-    ]
-    if jpeg_set and not (luma.shape or luma.data):
-        raise Refusal.VERIFICATION_JPEG_INVALID.error(
-            f"{prefix}.{jpeg_set[0]} is set without {field}: it describes the verification "
-            "image's JPEG",
-            field=f"{prefix}.{jpeg_set[0]}",
-        )
-    if not luma.shape and not luma.data:
-        return None
-    data = tensors.validate(luma, field=field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=2)
-    if min(luma.shape) <= 0 or len(data) > MAX_VERIFICATION_BYTES:
-        raise Refusal.VERIFICATION_SHAPE_INVALID.error(
-            f"{field}.shape is {list(luma.shape)}; both sides must be > 0 and the image at "
-            f"most {MAX_VERIFICATION_BYTES} bytes",
-            field=f"{field}.shape",
-            limit=MAX_VERIFICATION_BYTES,
-        )
-    jpeg = _jpeg(msg, prefix, (int(luma.shape[0]), int(luma.shape[1])))
-    if not chroma.shape and not chroma.data:
-        return None
-    expected = list(chroma_shape(*luma.shape))
-    chroma_data = tensors.validate(
-        chroma, field=chroma_field, dtypes=(tensor_pb2.DATA_TYPE_UINT8,), ndim=3
-    )
-    if list(chroma.shape) != expected:
-        raise Refusal.VERIFICATION_SHAPE_INVALID.error(
-            f"{chroma_field}.shape is {list(chroma.shape)}; for {field}.shape "
-            f"{list(luma.shape)} it must be {expected} (ceil(h / {CHROMA_SCALE}), "
-            f"ceil(w / {CHROMA_SCALE}), 2)",
-            field=f"{chroma_field}.shape",
-        )
-    return VerificationImage(
-        tensors.to_numpy(luma, data), tensors.to_numpy(chroma, chroma_data), jpeg
-    )
-
-
-def _jpeg(
-    msg: pb.LookupQuery | pb.PutEntry, prefix: str, shape: tuple[int, int]
-) -> JpegLuma | None:
-    """The verification image's JPEG fields (vlcommon.verification.JpegLuma):
-    ``verification_jpeg_quantization``, 64 values in 1..255 (on an image of at most
-    JPEG_MAX_SIDE pixels per side), and where the JPEG's Y channel
-    differs from the luma of ``shape`` [h, w], ``verification_jpeg_clipped_index`` (strictly
-    increasing flat indices below h * w, at most h * w * JPEG_MAX_CLIPPED_SHARE of them)
-    and ``verification_jpeg_clipped_luma`` (one byte each). None when none is set.
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT ``VERIFICATION_JPEG_INVALID`` naming the field and
-            the rule it breaks.
-    """
-    table = msg.verification_jpeg_quantization
-    index, values = msg.verification_jpeg_clipped_index, msg.verification_jpeg_clipped_luma
-    table_field = f"{prefix}.verification_jpeg_quantization"
-    index_field = f"{prefix}.verification_jpeg_clipped_index"
-    values_field = f"{prefix}.verification_jpeg_clipped_luma"
-    if not table:
-        if index or values:
-            name = index_field if index else values_field
-            raise Refusal.VERIFICATION_JPEG_INVALID.error(
-                f"{name} is set without {table_field} (64 values)", field=name
-            )
-        return None
-    if len(table) != 64 or min(table) < 1 or max(table) > 255:
-        raise Refusal.VERIFICATION_JPEG_INVALID.error(
-            f"{table_field} has {len(table)} values from {min(table)} to {max(table)}; it "
-            "must be a baseline JPEG luma table: 64 values in 1..255",
-            field=table_field,
-            limit=64,
-        )
-    if max(shape) > JPEG_MAX_SIDE:
-        raise Refusal.VERIFICATION_JPEG_INVALID.error(
-            f"{table_field} is set on {prefix}.verification of shape {list(shape)}; a JPEG "
-            f"is at most {JPEG_MAX_SIDE} pixels per side",
-            field=table_field,
-            limit=JPEG_MAX_SIDE,
-        )
-    pixels = shape[0] * shape[1]
-    limit = int(JPEG_MAX_CLIPPED_SHARE * pixels)
-    if len(index) > limit:
-        raise Refusal.VERIFICATION_JPEG_INVALID.error(
-            f"{index_field} has {len(index)} indices; at most {limit} "
-            f"({JPEG_MAX_CLIPPED_SHARE:g} of the {pixels} pixels of {prefix}.verification)",
-            field=index_field,
-            limit=limit,
-        )
-    if len(values) != len(index):
-        raise Refusal.VERIFICATION_JPEG_INVALID.error(
-            f"{values_field} has {len(values)} bytes; it must have one per index of "
-            f"{index_field} ({len(index)})",
-            field=values_field,
-        )
-    flat = np.asarray(index, dtype=np.int64)
-    if flat.size and (flat[-1] >= pixels or (flat.size > 1 and np.any(np.diff(flat) <= 0))):
-        raise Refusal.VERIFICATION_JPEG_INVALID.error(
-            f"{index_field} must be strictly increasing flat indices below {pixels} "
-            f"(h * w of {prefix}.verification)",
-            field=index_field,
-        )
-    return JpegLuma(
-        np.asarray(table, dtype=np.uint16),
-        flat.astype(np.uint32),
-        np.frombuffer(values, dtype=np.uint8).copy(),
-    )

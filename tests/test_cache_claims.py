@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from qwenvl.cache.v1 import cache_service_pb2 as pb
 from qwenvl.cache.v1 import cache_service_pb2_grpc as pb_grpc
 from qwenvl.common.v1 import generation_pb2, tensor_pb2
@@ -28,6 +29,7 @@ from cache_service.store import EmbeddingStore
 from tests.conftest import in_process_server
 from tests.test_cache_store_redis import DIM, RedisServer, payload, redis_server, replica, unit
 from vlcommon import tensors
+from vlcommon.errors import error_info
 
 CACHE = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 OWNED, ELSEWHERE = pb.CLAIM_STATE_OWNED, pb.CLAIM_STATE_ELSEWHERE
@@ -120,6 +122,79 @@ async def test_a_claimant_that_never_puts_costs_its_waiter_the_claim_ttl() -> No
         got = (await stub.Lookup(lookup("k3", wait_ms=60_000), timeout=0.3)).results[0]
         assert (got.tier, got.claim) == (MISS, ELSEWHERE)
         assert 0.15 < time.monotonic() - t0 < 0.3
+
+
+def ref_put(key: str, **ref: object) -> pb.PutRequest:
+    """A Put of one entry by reference to a holder that is not there."""
+    request = put(key)
+    emb = request.entries[0].embedding
+    emb.embeddings.data = b""
+    emb.ref.CopyFrom(
+        tensor_pb2.EmbeddingRef(holder="127.0.0.1:9", ticket="ab" * 16, nbytes=64, **ref)
+    )
+    return request
+
+
+async def test_a_refused_put_ends_its_claim_at_once() -> None:
+    """A Put the cache refuses (its ref unreadable: the encoder restarted; or its payload
+    bad) ends the claim, so a waiter looks again now instead of at the claim's TTL."""
+    async with in_process_server(add, servicer(memory_store(), ttl_s=30.0), CACHE) as channel:
+        stub = pb_grpc.CacheServiceStub(channel)
+        for key, bad in (
+            ("k1", ref_put("k1", transport=tensor_pb2.TRANSPORT_GRPC)),
+            ("k2", put("k2")),
+        ):
+            assert (await stub.Lookup(lookup(key))).results[0].claim == OWNED
+            if key == "k2":  # a NaN in the payload
+                data = bytearray(bad.entries[0].embedding.embeddings.data)
+                data[:4] = np.float32(np.nan).tobytes()
+                bad.entries[0].embedding.embeddings.data = bytes(data)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Put(bad)
+            assert refused.value.code() in (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+            t0 = time.monotonic()
+            got = (await stub.Lookup(lookup(key, wait_ms=10_000))).results[0]
+            assert got.claim == OWNED and time.monotonic() - t0 < 1.0  # the waiter's turn
+
+
+async def test_a_put_of_refs_is_checked_whole_before_any_read() -> None:
+    """Refs are refused before the reader allocates or reads a byte: a bad field beside
+    them, an unknown dtype, a revision over its limit, refs over the budget together."""
+    store = EmbeddingStore(descriptor_dim=DIM, capacity_bytes=100)
+    async with in_process_server(add, servicer(store), CACHE) as channel:
+        stub = pb_grpc.CacheServiceStub(channel)
+        bad_key = ref_put("")
+        bad_dtype = ref_put("k")
+        bad_dtype.entries[0].embedding.embeddings.dtype = 99
+        long_revision = ref_put("k")
+        long_revision.entries[0].revision = "r" * 257
+        two = ref_put("k")
+        two.entries.append(ref_put("k2").entries[0])  # 2 x 64 bytes over a 100-byte budget
+        cases = [
+            (bad_key, grpc.StatusCode.INVALID_ARGUMENT, "KEY_MISSING", "entries[0].key"),
+            (
+                bad_dtype,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "TENSOR_DTYPE_UNSUPPORTED",
+                "entries[0].embedding.embeddings.dtype",
+            ),
+            (
+                long_revision,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "REVISION_TOO_LONG",
+                "entries[0].revision",
+            ),
+            (two, grpc.StatusCode.RESOURCE_EXHAUSTED, "PUT_TOO_LARGE", "entries"),
+        ]
+        for request, code, reason, field in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Put(request)
+            info = error_info(refused.value)
+            assert refused.value.code() == code, refused.value.details()
+            assert info is not None and (info.reason, info.metadata["field"]) == (reason, field)
 
 
 @contextlib.asynccontextmanager

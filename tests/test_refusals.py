@@ -223,3 +223,19 @@ def test_the_wire_reason_of_a_served_error_is_the_plain_string() -> None:
     info = error_info(err)
     assert info is not None and info.reason == "IMAGE_DECODE_FAILED"
     assert type(info.reason) is str
+
+
+def test_a_dependency_status_with_unreadable_details_gets_a_registry_reason() -> None:
+    """A proxy's corrupt grpc-status-details-bin (or an ErrorInfo without a reason) reads
+    as no ErrorInfo: the registry's reason, never a DecodeError turned INTERNAL."""
+    from google.rpc import error_details_pb2, status_pb2
+
+    empty = status_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0], message="x")
+    empty.details.add().Pack(error_details_pb2.ErrorInfo(reason=""))
+    for details in (b"\xff\xff\xff", empty.SerializeToString()):
+        trailing = Metadata(("grpc-status-details-bin", details))
+        err = from_rpc_error(
+            AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), trailing, details="x"),
+            dependency="encoder",
+        )
+        assert (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "ENCODER_UNAVAILABLE")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import NoReturn, TypeVar
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -176,19 +176,23 @@ def _detail(error: grpc.aio.AioRpcError | grpc.RpcError, message_type: type[_D])
     """The first ``message_type`` detail in a failed call's google.rpc.Status, or None.
 
     A status whose code disagrees with the call's (grpcio-status raises ValueError: e.g. a
-    local deadline fired over a server's detailed error) carries no trustworthy detail.
+    local deadline fired over a server's detailed error) carries no trustworthy detail, nor
+    does one whose bytes do not parse (a misbehaving proxy: protobuf's DecodeError), nor an
+    ErrorInfo without a reason.
     """
     try:
         status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    except ValueError:
+        if status is None:
+            return None
+        for detail in status.details:
+            if detail.Is(message_type.DESCRIPTOR):
+                info = message_type()
+                detail.Unpack(info)
+                if isinstance(info, error_details_pb2.ErrorInfo) and not info.reason:
+                    return None
+                return info
+    except (ValueError, message.DecodeError):
         return None
-    if status is None:
-        return None
-    for detail in status.details:
-        if detail.Is(message_type.DESCRIPTOR):
-            info = message_type()
-            detail.Unpack(info)
-            return info
     return None
 
 

@@ -361,6 +361,9 @@ class Refusal(StrEnum):
     # -- the cache --------------------------------------------------------------------------
     KEY_MISSING = auto(), _INVALID, "queries[i].key", "an empty key"
     KEY_TOO_LONG = auto(), _INVALID, "queries[i].key", "a key over the key length limit"
+    REVISION_TOO_LONG = auto(), _INVALID, "entries[i].revision", (
+        "a model revision over the revision length limit (it is stored beside the entry)"
+    )
     KEY_GRID_CONFLICT = auto(), _INVALID, "entries[i].embedding.grid", (
         "an entry whose key is already stored with another grid"
     )
@@ -388,6 +391,9 @@ class Refusal(StrEnum):
     )
     ENTRY_TOO_LARGE = auto(), _EXHAUSTED, "entries[i].embedding", (
         "an entry larger than the cache's whole byte budget"
+    )
+    PUT_TOO_LARGE = auto(), _EXHAUSTED, "entries", (
+        "a Put whose entries sent by reference hold more than the cache's byte budget together"
     )
     CACHE_FULL_LEASED = auto(), _EXHAUSTED, "entries[i]", (
         "no room: the cache's bytes are leased to lookups in flight (with a retry hint)"
