@@ -72,7 +72,12 @@ def test_the_venv_runs_its_lock() -> None:
     """What the tests run on is what the installed extra's lock says (make install installs
     under requirements/cpu.txt or gpu.txt), so a pass here vouches for the lock a fresh
     machine gets."""
-    installed = {_canonical(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    # The first distribution of a name on sys.path is the one imported (as metadata.version
+    # finds it); later ones are copies vendored by others (setuptools' _vendor joins
+    # sys.path once it is imported: packaging 24.2 there beside the venv's own).
+    installed: dict[str, str] = {}
+    for d in metadata.distributions():
+        installed.setdefault(_canonical(d.metadata["Name"]), d.version)
     extra = _installed_extra()
     lock = _lock(extra)
     off = {
