@@ -58,17 +58,20 @@ class FileTimes:
         return lines
 
     def write(self, path: Path = TIMES) -> None:
-        """Write the times (atomically: a reader never sees half a file); a folder that
-        cannot be written to only loses them, never fails the run."""
+        """Write the times, this run's files over those already there (a run of some
+        files updates theirs), atomically (a reader never sees half a file); a folder
+        that cannot be written to only loses them, never fails the run."""
         out = {
             p: {"seconds": round(s, 1), "tests": self.tests[p], "e2e": p in self.e2e}
             for p, s in sorted(self.seconds.items())
         }
         try:
+            if path.exists():
+                out = dict(sorted({**json.loads(path.read_text()), **out}.items()))
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(out, indent=1) + "\n")
             os.replace(tmp, path)
-        except OSError:
+        except (OSError, ValueError):
             pass
 
 
