@@ -35,6 +35,7 @@ from cache_service.validation import (
     MAX_KEY_CHARS,
     MAX_REUSABLE_GRIDS,
     POLICIES,
+    EntryFields,
     _grid,
     _reusable,
     check_ref_entries,
@@ -163,7 +164,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         without an error: ``stored`` leaves it out.
         """
         try:
-            refs = check_ref_entries(
+            # On a worker thread, as the rest of the checks: verification images are
+            # copied out of the request (up to 4 MiB each).
+            refs, fields = await asyncio.to_thread(
+                check_ref_entries,
                 request,
                 max_entries=self.max_queries,
                 merge=self.merge,
@@ -176,15 +180,21 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             # check (~0.25 s together at the 256 MiB message limit) and the index add (slow
             # at a million entries) should not hold health checks and lookups. The store
             # takes its own lock.
-            return await asyncio.to_thread(self._put, request, payloads)
+            return await asyncio.to_thread(self._put, request, payloads, fields)
         except BaseException:
             # Refused, unreadable or cancelled: nobody is encoding these any more either,
             # so waiters on their claims look again now, not at the claims' TTL.
             self.claims.end(_claimed_keys(request, self.max_queries))
             raise
 
-    def _put(self, request: pb.PutRequest, payloads: dict[int, bytes]) -> pb.PutResponse:
-        """Put's body, on a worker thread: check every entry, then store them."""
+    def _put(
+        self,
+        request: pb.PutRequest,
+        payloads: dict[int, bytes],
+        fields: list[EntryFields] | None,
+    ) -> pb.PutResponse:
+        """Put's body, on a worker thread: check every entry (``fields``: those
+        :func:`check_ref_entries` checked already), then store them."""
         put = parse_put(
             request,
             payloads,
@@ -192,6 +202,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             merge=self.merge,
             dim=self.store.dim,
             capacity_bytes=self.store.capacity_bytes,
+            fields=fields,
         )
         try:
             stored, evicted, dropped = store_all(self.store, put.entries)

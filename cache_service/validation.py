@@ -210,9 +210,14 @@ def _query(query: pb.LookupQuery, field: str, merge: int, dim: int) -> Query:
     )
 
 
+#: An entry's checked fields that need no payload: key, alias key, grid, descriptor,
+#: verification image (:func:`_entry_fields`).
+EntryFields = tuple[str, str, tuple[int, int, int], np.ndarray | None, VerificationImage | None]
+
+
 def check_ref_entries(
     request: pb.PutRequest, *, max_entries: int, merge: int, dim: int, capacity_bytes: int
-) -> list[tuple[int, tensor_pb2.ImageEmbedding]]:
+) -> tuple[list[tuple[int, tensor_pb2.ImageEmbedding]], list[EntryFields] | None]:
     """The entries of a Put sent by reference, checked before any byte is read: every
     entry's fields that need no payload (:func:`parse_put` checks them again with the
     payloads), then each ref's dtype, its rows against the grid, its size against the
@@ -220,7 +225,9 @@ def check_ref_entries(
     refused), and all refs' sizes together.
 
     Returns:
-        (entry index, its embedding) of each entry sent by reference, in order.
+        (entry index, its embedding) of each entry sent by reference, in order; and, when
+        there are any, every entry's checked fields, for :func:`parse_put` to take as they
+        are (None without refs: nothing was checked yet).
 
     Raises:
         ServiceError: INVALID_ARGUMENT ``TOO_MANY_ITEMS`` (``entries``), any refusal of
@@ -231,12 +238,11 @@ def check_ref_entries(
     """
     refs = [(i, e.embedding) for i, e in enumerate(request.entries) if e.embedding.HasField("ref")]
     if not refs:
-        return refs
+        return refs, None
     check_count(len(request.entries), "entries", max_entries)
     # Every entry's checks that need no payload come first: a read spends the holder's
     # copy (it releases it), so a request that is refused anyway reads nothing.
-    for i, entry in enumerate(request.entries):
-        _entry_fields(entry, f"entries[{i}]", merge, dim)
+    fields = [_entry_fields(e, f"entries[{i}]", merge, dim) for i, e in enumerate(request.entries)]
     for i, emb in refs:
         field = f"entries[{i}]"
         grid = _grid(emb.grid, f"{field}.embedding.grid", merge, video=request.entries[i].video)
@@ -262,7 +268,7 @@ def check_ref_entries(
             field="entries",
             limit=capacity_bytes,
         )
-    return refs
+    return refs, fields
 
 
 def _check_ref_dtype(emb: tensor_pb2.Tensor, field: str) -> None:
@@ -283,6 +289,7 @@ def parse_put(
     merge: int,
     dim: int,
     capacity_bytes: int,
+    fields: Sequence[EntryFields] | None = None,
 ) -> PutInput:
     """Check a whole PutRequest, every entry's payload included (its copy out of the
     request and its finiteness check: ~0.25 s together at the 256 MiB message limit, so
@@ -290,6 +297,8 @@ def parse_put(
 
     Args:
         payloads: The bytes of entries sent by reference, by entry index, already read.
+        fields: Every entry's fields as :func:`check_ref_entries` checked them (not
+            checked again), or None.
         max_entries: Entries per request.
         merge: The model's spatial_merge_size.
         dim: The descriptors' dimension.
@@ -307,7 +316,14 @@ def parse_put(
     check_count(len(request.entries), "entries", max_entries)
     return PutInput(
         tuple(
-            _entry(entry, f"entries[{i}]", payloads.get(i), merge, dim, capacity_bytes)
+            _entry(
+                entry,
+                f"entries[{i}]",
+                payloads.get(i),
+                merge,
+                capacity_bytes,
+                fields[i] if fields else _entry_fields(entry, f"entries[{i}]", merge, dim),
+            )
             for i, entry in enumerate(request.entries)
         )
     )
@@ -318,10 +334,10 @@ def _entry(
     field: str,
     payload: bytes | None,
     merge: int,
-    dim: int,
     capacity_bytes: int,
+    fields: EntryFields,
 ) -> CheckedEntry:
-    key, alias_key, grid, descriptor, verification = _entry_fields(entry, field, merge, dim)
+    key, alias_key, grid, descriptor, verification = fields
     emb = entry.embedding.embeddings
     emb_field = f"{field}.embedding.embeddings"
     data = tensors.validate(emb, field=emb_field, ndim=2, dtypes=EMBEDDING_DTYPES, data=payload)
@@ -345,13 +361,11 @@ def _entry(
         emb.dtype,
         tuple(emb.shape),
         data,
-        _revision(entry.revision, field),
+        entry.revision,
     )
 
 
-def _entry_fields(
-    entry: pb.PutEntry, field: str, merge: int, dim: int
-) -> tuple[str, str, tuple[int, int, int], np.ndarray | None, VerificationImage | None]:
+def _entry_fields(entry: pb.PutEntry, field: str, merge: int, dim: int) -> EntryFields:
     """An entry's checks that need no payload: key, alias key, video rule, grid,
     descriptor, verification image, revision."""
     key = _key(entry.key, field)
