@@ -143,7 +143,8 @@ class ReasoningParser:
         ``</tool_call>``) and special tokens (the end-of-turn token is never reasoning);
         all of them, less the same, when the reasoning never ended. vLLM counts the tokens
         of the grammar's reasoning chunks, which with token ids (markers recognised by id)
-        is this count; ``tests/test_reasoning.py`` checks it against vLLM's at every cut of
+        is this count; ``tests/unit/gateway/test_reasoning.py`` checks it against vLLM's at every
+        cut of
         the stream. One difference: vLLM's streaming count leaves out tokens of a step
         without text (a byte of a character split over tokens, in Chinese or an emoji) and
         so differs from its own non-streaming count; this is the non-streaming one, for

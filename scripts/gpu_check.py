@@ -25,7 +25,7 @@ tree. This script uses only that (plus two small pure-Python wheels that
    ``vlcommon.imaging.DESCRIPTOR_DIM``), to compare with the CPU HNSW figures.
 
 ``--dry-run`` runs the same steps on the CPU with the tiny checkpoint and small counts:
-``tests/test_gpu_check.py`` runs it, so the script is known to work before a GPU is lent.
+``tests/unit/tools/test_gpu_check.py`` runs it, so the script is known to work before a GPU is lent.
 
 Usage:
     python scripts/gpu_check.py --out OUT/gpu-check.json [--dry-run] [--model DIR]
@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: A packed batch may differ from one-at-a-time encodes by bf16 rounding only: at most
-#: this share of the largest embedding value (the dry run's bound, tests/test_gpu_check.py).
+#: this share of the largest embedding value (the dry run's bound,
+#: tests/unit/tools/test_gpu_check.py).
 BATCH_TOLERANCE = 0.05
 #: The similarity index must find the copied entry for nearly every query.
 MIN_RECALL_AT_1 = 0.99

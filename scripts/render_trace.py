@@ -6,7 +6,7 @@ Usage::
     # OTLP/gRPC in process, and draw them:
     .venv/bin/python scripts/render_trace.py --live --out docs/img/trace.png
 
-    # or draw spans saved as JSON (e.g. SPLITVL_TRACE_JSON=spans.json by tests/test_traces.py):
+    # or draw spans saved as JSON (e.g. SPLITVL_TRACE_JSON=spans.json by tests/e2e/test_traces.py):
     .venv/bin/python scripts/render_trace.py --spans spans.json --out trace.png
 
 A span is a dict with ``service``, ``name``, ``trace_id``, ``span_id``, ``parent``,

@@ -477,7 +477,7 @@ MOE_TEXT: dict[str, Any] = {
 # No scaling of the router's weights (an earlier plan, to keep tokens away from routing
 # ties): a tie is decided by the top-k margin against the noise of the logits, and both
 # scale with the weights, so it changes nothing there. What holds ties off is measured
-# instead: tests/test_moe.py checks the smallest margin on its photos against float32
+# instead: tests/e2e/test_moe.py checks the smallest margin on its photos against float32
 # noise (docs/usage.md, "MoE checkpoints").
 
 #: ``make-tiny-model --like NAME``: (config overrides, processor budget, torch dtype).

@@ -41,7 +41,7 @@ Usage::
     splitvl faults                      # 60 s windows, 16 concurrent, the tiny checkpoint
     splitvl faults --window 15 --json
 
-The test (tests/test_replica_faults.py) runs the same drill with 15 s windows and rolls
+The test (tests/e2e/test_replica_faults.py) runs the same drill with 15 s windows and rolls
 only the replicas the earlier steps did not restart (cache-2, encoder-2, decoder-2): under
 load on CI's 2 cores a decoder takes about 2 minutes to start and an encoder about 1.5.
 """

@@ -5,7 +5,8 @@ run sums each file's setup, call and teardown time (a module's cluster start lan
 first test's setup) and prints the files by time at the end, with the total; a run of
 whole files (no ``-k``, ``-m``, ``--lf``, not interrupted) writes them to
 ``.pytest-times.json`` at the root. ``tests/suite.toml`` lists every test file with
-the seconds of the last full ``make test`` on 2 cores; ``tests/test_suite_file.py`` fails
+the seconds of the last full ``make test`` on 2 cores; ``tests/unit/project/test_suite_file.py``
+fails
 when a test file is missing from it (a new file must say what it costs). Refresh it after
 a full run::
 
@@ -86,7 +87,7 @@ def render_suite(times: dict[str, dict[str, object]]) -> str:
         "# Every test file with the seconds it took in the last full `make test` (2 cores),",
         "# setup (its cluster) included; kind e2e: starts services. Written by",
         "# `.venv/bin/python -m tests.suite_times --write` from .pytest-times.json;",
-        "# tests/test_suite_file.py fails when a test file is missing here.",
+        "# tests/unit/project/test_suite_file.py fails when a test file is missing here.",
         f"# Total: {total:.0f} s ({total / 60:.1f} min); budget {BUDGET_S // 60} min.",
         "",
         "[files]",

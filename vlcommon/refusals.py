@@ -18,7 +18,7 @@ keeps its reason under the status its own caller should see
 read with FAILED_PRECONDITION).
 
 The table of ``docs/api.md``'s "Errors" section is generated from here
-(``tests/test_refusals.py`` fails when it drifts)::
+(``tests/unit/vlcommon/test_refusals.py`` fails when it drifts)::
 
     python -m vlcommon.refusals --write-docs docs/api.md
 """

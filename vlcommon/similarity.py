@@ -116,7 +116,7 @@ def similarity_descriptor(image: Image.Image, resized: np.ndarray | None = None)
             photo's descriptor costs one pass over 1.3 MP instead of one over 12 MP
             (issue 19). A cell of the thumbnail averages ~1,200 resized pixels either
             way; the cosine between the two versions of one photo is >= 0.999
-            (tests/test_imaging.py).
+            (tests/unit/vlcommon/test_imaging.py).
 
     Returns:
         float32 [DESCRIPTOR_DIM] (3,072), unit L2 norm, or all zeros.

@@ -121,7 +121,8 @@ VERIFY_REDUCE = 2
 VERIFY_BLOCK = 4
 # Largest mean |luma difference| of one 4x4 block of the 2x2-reduced images (8x8 pixels),
 # at half-block stride, 8-bit levels, after photometric and sharpness matching. Calibrated
-# with `splitvl cache-eval` and the digit scans of tests/test_similarity_adversarial.py
+# with `splitvl cache-eval` and the digit scans of
+# tests/unit/cache_service/test_similarity_adversarial.py
 # (docs/cache.md).
 LUMA_TOLERANCE = 6.0
 # The same for DETAIL_BLOCK windows (8x8 pixels) at the compared resolution itself (no
@@ -145,7 +146,7 @@ MAX_SHARPNESS = 0.5
 # Chroma (at 1/CHROMA_SCALE of the luma's resolution per side) is compared in blocks of
 # CHROMA_BLOCK x CHROMA_BLOCK chroma pixels (8x8 pixels, the luma's block). At 1/4 per
 # side, compared per 16x16 pixels, a 12 px status dot or a 2 px line turned from red to
-# green at equal luma passed (tests/test_similarity_adversarial.py).
+# green at equal luma passed (tests/unit/cache_service/test_similarity_adversarial.py).
 CHROMA_BLOCK = 4
 # Largest mean |Cb or Cr difference| of one chroma block, 8-bit levels (calibrated with
 # `splitvl cache-eval`, docs/cache.md).

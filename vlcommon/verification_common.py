@@ -32,7 +32,8 @@ CHROMA_SCALE = 2
 # duplicates change contrast by a few percent (cache-eval: +-5%); without a bound, a query
 # with a tenth of the contrast (a faint, blurred copy of another page) is predicted from any
 # stored image of a similar layout within a tenth of the stored image's differences, so
-# its residual stays under the tolerance whatever the detail (tests/test_similarity_adversarial.py).
+# its residual stays under the tolerance whatever the detail
+# (tests/unit/cache_service/test_similarity_adversarial.py).
 MAX_PHOTOMETRIC_GAIN = 1.5
 # A JPEG whose Y channel differs from its verification luma (clipped by the conversion to
 # RGB) in more than this share of the pixels gets no JpegLuma: its differences are kept

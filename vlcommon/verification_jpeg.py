@@ -77,7 +77,7 @@ from vlcommon.verification_common import (
 # bit-identically (measured 2026-12-03: 0.98-1.00 for Pillow's encoder with an edit of one
 # digit or none, 0.02-0.33 for ffmpeg's encoder and for a float DCT); then no 8x8 window
 # (half-block stride) may differ by more than JPEG_TOLERANCE levels on average (0 for a
-# re-encode; 4.5-9 for the faint edits of tests/test_similarity_adversarial.py).
+# re-encode; 4.5-9 for the faint edits of tests/unit/cache_service/test_similarity_adversarial.py).
 JPEG_TEXTURE = 8
 JPEG_MATCHED_SHARE = 0.6
 JPEG_TOLERANCE = 1.0
@@ -86,7 +86,8 @@ JPEG_BLOCK = 8
 # verification image over it has no JPEG view (and the round trip could not encode it).
 JPEG_MAX_SIDE = 65_500
 # Coefficient-interval check (module docstring). Measured 2026-12-03 over scikit-image's
-# photos and a third of cache-eval's distinct images (tests/test_similarity_adversarial.py):
+# photos and a third of cache-eval's distinct images
+# (tests/unit/cache_service/test_similarity_adversarial.py):
 # block gaps 0-2.2 levels for a JPEG of the other picture by Pillow or ffmpeg (qscale
 # 2-12), shifted one level or dithered +-1 before it; 3.7-29 for one digit of 11 px
 # grey-on-grey type changed under ffmpeg qscale 2-3 or Pillow q80-90 with a shift or a
