@@ -471,26 +471,30 @@ class Cluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, grace_s: float = 20.0) -> dict[str, int | None]:
-        """SIGTERM each instance (gateway first) and wait; SIGKILL its group past the grace;
-        then the store server, after the caches that use it (its code as ``redis``)."""
+        """SIGTERM the gateways and wait for them (no new calls reach the rest), then the
+        other instances all at once (each drains on its own: vLLM's shutdown alone takes
+        seconds, so one after the other added them up), SIGKILL of each group past the
+        grace; then the store server, after the caches that use it (its code as
+        ``redis``)."""
         codes: dict[str, int | None] = {}
-        for name in self.instances("gateway", "decoder", "encoder", "cache"):
-            proc = self.procs.get(name)
-            if proc is None:
-                continue
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-            # vLLM's engine-core children live in the decoder's session: kill the group.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-            codes[name] = proc.returncode
+        for wave in (self.instances("gateway"), self.instances("decoder", "encoder", "cache")):
+            procs = {n: self.procs[n] for n in wave if n in self.procs}
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for name, proc in procs.items():
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                # vLLM's engine-core children live in the decoder's session: kill the group.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
+                codes[name] = proc.returncode
         self.procs.clear()
         if self.store_server is not None and (code := self.store_server.stop()) is not None:
             codes["redis"] = code
