@@ -39,11 +39,12 @@ exact hit after the store returned (caching resumed, no restart).
 Usage::
 
     splitvl faults                      # 60 s windows, 16 concurrent, the tiny checkpoint
-    splitvl faults --window 15 --json
+    splitvl faults --window 15 --rate 8 --json   # paced: 8 calls started per second
 
-The test (tests/e2e/test_replica_faults.py) runs the same drill with 15 s windows and rolls
-only the replicas the earlier steps did not restart (cache-2, encoder-2, decoder-2): under
-load on CI's 2 cores a decoder takes about 2 minutes to start and an encoder about 1.5.
+The test (tests/e2e/replicated/test_replica_faults.py) runs the same drill with 10 s windows,
+paced to 8 calls/s, and rolls only the replicas the earlier steps did not restart (cache-2,
+encoder-2, decoder-2): under a closed loop on CI's 2 cores a decoder takes about 2 minutes
+to start again and an encoder about 1.5.
 """
 
 from __future__ import annotations
@@ -100,7 +101,10 @@ class Drill:
     Args:
         cluster: Two replicas of encoder, cache and decoder, caches on ``store_server``.
         window_s: Seconds of load after each step.
-        concurrency: Calls in flight.
+        concurrency: Calls in flight (workers, each calling in a loop).
+        rate: Calls started per second over all workers, at most (None: each worker
+            calls again as soon as its call ends, a closed loop that keeps every core
+            busy). A paced load leaves the restarts CPU: the test uses it on 2 cores.
         deadline_s: Each call's gRPC deadline.
         slack_s: Past deadline + slack a call is ``HUNG``.
         log: Progress lines.
@@ -114,6 +118,7 @@ class Drill:
     slack_s: float = 10.0
     log: Callable[[str], None] = print
     rolling: Sequence[str] | None = None
+    rate: float | None = None
     step: str = "baseline"
     calls: list[Call] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
@@ -247,14 +252,19 @@ class Drill:
         async def worker(w: int) -> None:
             nonlocal turn
             pool = uncached if w % 2 else requests
+            # Paced: each worker starts a call every `period` seconds at most, the workers
+            # spread over the first period.
+            period = self.concurrency / self.rate if self.rate else 0.0
+            await asyncio.sleep(period * w / self.concurrency)
             while not stop.is_set():
                 request = pool[turn % len(pool)]
                 turn += 1
-                started = self.step
+                started, t0 = self.step, time.monotonic()
                 result = await one_call(stubs[w % 4], request, self.deadline_s, self.slack_s)
                 self.calls.append(Call(started, self.step, result))
                 if result.code != "OK":
                     await asyncio.sleep(0.2)  # a failing call ends fast: do not spin
+                await asyncio.sleep(max(0.0, period - (time.monotonic() - t0)))
 
         workers = [asyncio.ensure_future(worker(w)) for w in range(self.concurrency)]
         try:
@@ -284,6 +294,7 @@ class Drill:
         report = {
             "window_s": self.window_s,
             "concurrency": self.concurrency,
+            "rate": self.rate,
             "deadline_s": self.deadline_s,
             "calls": len(self.calls),
             "ok": len(ok),
@@ -356,10 +367,12 @@ def run_drill(
     deadline_s: float = 60.0,
     log: Callable[[str], None] = print,
     rolling: Sequence[str] | None = None,
+    rate: float | None = None,
 ) -> dict[str, Any]:
     """Run the drill on ``cluster`` (left running, every replica restarted); the report.
 
-    ``rolling``: the replicas the last step restarts (None: all six; see :class:`Drill`).
+    ``rolling``: the replicas the last step restarts (None: all six); ``rate``: calls
+    started per second at most (None: a closed loop); see :class:`Drill`.
     """
     from splitvl.client import build_request
     from splitvl_tools.workload import ImageFactory, png
@@ -367,7 +380,7 @@ def run_drill(
     requests = build_requests(pool, side=96, repeat_fraction=0.5, max_tokens=8, seed=37)
     probe_image = png(ImageFactory(side=96, seed=997).make())
     probe = build_request([probe_image], "Describe this image.", max_tokens=4, ignore_eos=True)
-    drill = Drill(cluster, window_s, concurrency, deadline_s, log=log, rolling=rolling)
+    drill = Drill(cluster, window_s, concurrency, deadline_s, log=log, rolling=rolling, rate=rate)
     asyncio.run(drill.run(requests, probe))
     return drill.report()
 
@@ -415,6 +428,7 @@ def main(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             deadline_s=args.deadline,
             log=log,
+            rate=args.rate,
         )
         run.ok = all(report["verdicts"].values())
     if args.json:
@@ -432,6 +446,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--log-dir", help="service logs (default: a temp dir, removed after a pass)")
     p.add_argument("--window", type=positive_float, default=60.0, help="seconds of load per step")
     p.add_argument("--concurrency", type=positive_int, default=16, help="calls in flight")
+    p.add_argument(
+        "--rate",
+        type=positive_float,
+        help="calls started per second at most (default: a closed loop, every core busy)",
+    )
     p.add_argument("--deadline", type=positive_float, default=60.0, help="deadline of each call, s")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
