@@ -102,6 +102,7 @@ SERVICE_FIXTURES = {
     "up",
     "wide_cluster",
     "grpc_gateway",
+    "replicated",
 }
 # Modules whose tests start services without one of those fixtures.
 SERVICE_MODULES = {"test_c12_exporter", "test_multihost"}

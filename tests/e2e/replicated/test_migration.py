@@ -1,7 +1,8 @@
 """Request migration: a decoder lost mid-answer, or drained, costs the client nothing.
 
-Its own cluster (decoders die here): two decoder replicas behind one gateway, greedy
-answers with an image. Each test first runs the request undisturbed, then again with the
+The package's cluster (tests/e2e/replicated/conftest.py: two replicas of each service
+behind one gateway, decoders die here, shared with test_replica_faults), greedy answers
+with an image. Each test first runs the request undisturbed, then again with the
 decoder serving it killed (SIGKILL) or stopped (SIGTERM, its streams handed back) after the
 client has received its 5th token: the second stream must be the first, token for token,
 with usage counting every token once. The killed decoder is started again after each test
@@ -40,22 +41,10 @@ DECODERS = ("decoder-1", "decoder-2")
 
 
 @pytest.fixture(scope="module")
-def pair(
-    tiny_model: Path, otlp_receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
-    log_dir = tmp_path_factory.mktemp("migration")
-    env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_receiver.port}",
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_BSP_SCHEDULE_DELAY": "200",
-        # A drained decoder hands its streams back 0.3 s into the drain (not at the end
-        # of its 10 s grace), while the 600-token answers are still running.
-        "DECODER_HANDOFF_S": "0.3",
-    }
-    with Cluster(
-        model=str(tiny_model), ports=Ports.free({"decoder": 2}), log_dir=log_dir, env=env
-    ) as c:
-        yield c
+def pair(replicated: Cluster) -> Cluster:
+    """The package's cluster (tests/e2e/replicated/conftest.py): two decoders, each of
+    which these tests kill or drain, with DECODER_HANDOFF_S 0.3 s."""
+    return replicated
 
 
 @pytest.fixture(autouse=True)
