@@ -40,7 +40,7 @@ async def test_drain_ends_when_streams_end_not_at_the_grace_period() -> None:
 
     from cache_service.__main__ import build_servicer
     from cache_service.settings import CacheSettings
-    from tests.e2e.test_security import CACHE
+    from tests.unit.vlcommon.test_security import CACHE
     from vlcommon.server import serve
 
     grace = 60.0
@@ -115,7 +115,7 @@ async def test_serving_begins_with_the_startup_heap_frozen() -> None:
     from cache_service.__main__ import build_servicer
     from cache_service.settings import CacheSettings
     from tests.conftest import in_process_server
-    from tests.e2e.test_security import CACHE
+    from tests.unit.vlcommon.test_security import CACHE
 
     async def frozen_when_serving(settings: CacheSettings) -> tuple[int, int]:
         gc.unfreeze()

@@ -9,7 +9,7 @@ vector leaves the index; the eviction policy is read from INFO (noeviction refus
 full store's refused Puts are dropped while reads go on; a store that is down or hung
 answers from the replica's own copies within its timeouts, a Put through the servicer is
 dropped without an error, and caching resumes when the store returns.
-tests/e2e/test_cache_store_redis_replicas.py covers several replicas.
+tests/unit/cache_service/test_cache_store_redis_replicas.py covers several replicas.
 """
 
 from __future__ import annotations

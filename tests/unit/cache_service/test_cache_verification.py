@@ -28,8 +28,8 @@ from cache_service.store import EmbeddingStore
 from gateway.pipeline.types import verification_fields
 from splitvl_tools import cache_eval
 from tests.conftest import in_process_server, photo
-from tests.e2e.test_bytes_key import gateway_and_cache  # noqa: F401  (a fixture)
-from tests.e2e.test_bytes_key import prepare as gateway_prepare
+from tests.unit.gateway.test_bytes_key import gateway_and_cache  # noqa: F401  (a fixture)
+from tests.unit.gateway.test_bytes_key import prepare as gateway_prepare
 from vlcommon import tensors
 from vlcommon.grid_reuse import reusable_grids
 from vlcommon.imaging import (

@@ -385,7 +385,7 @@ def test_a_stopped_server_moves_only_its_own_keys(proxy: Proxy, backends: list[B
 CHILD = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
-from test_haproxy_affinity import Backend
+from tests.unit.deploy.test_haproxy_affinity import Backend
 backend = Backend(sys.argv[1])
 backend.start()
 print(backend.port, flush=True)
@@ -406,7 +406,7 @@ def test_a_decoder_killed_mid_stream_ends_the_call_at_once(tmp_path: Path) -> No
     try:
         for name in NAMES:
             process = subprocess.Popen(
-                [sys.executable, "-c", CHILD, name, str(ROOT / "tests")],
+                [sys.executable, "-c", CHILD, name, str(ROOT)],
                 stdout=subprocess.PIPE,
                 text=True,
             )

@@ -122,7 +122,7 @@ def test_the_key_is_the_resized_pixels_digest(gateway) -> None:  # type: ignore[
 
 def test_the_descriptor_from_resized_pixels_matches_the_full_image() -> None:
     spec_budget = 200_704  # the bench checkpoint's: the strongest downscale used
-    from tests.e2e.test_bytes_key import SPEC
+    from tests.unit.gateway.test_bytes_key import SPEC
 
     for name in ("astronaut.png", "chelsea.png", "coffee.png", "hubble_deep_field.jpg"):
         image = rgb(name)

@@ -10,8 +10,8 @@ from qwenvl.gateway.v1 import gateway_service_pb2 as gpb
 from gateway.fetch import UrlFetcher
 from gateway.settings import GatewaySettings
 from splitvl.video_clips import pan_clip
-from tests.e2e.test_url_fetch import ImageServer
 from tests.unit.gateway.test_intake import gateway, request, status, text
+from tests.unit.gateway.test_url_fetch import ImageServer
 from vlcommon.errors import ServiceError
 
 
