@@ -471,11 +471,13 @@ class Cluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, grace_s: float = 20.0) -> dict[str, int | None]:
-        """SIGTERM the gateways and wait for them (no new calls reach the rest), then the
-        other instances all at once (each drains on its own: vLLM's shutdown alone takes
-        seconds, so one after the other added them up), SIGKILL of each group past the
-        grace; then the store server, after the caches that use it (its code as
-        ``redis``)."""
+        """SIGTERM the gateways and wait for them, then the other instances all at once
+        (each drains on its own: vLLM's shutdown alone takes seconds, so one after the
+        other added them up), SIGKILL of each group past the grace; then the store server,
+        after the caches that use it (its code as ``redis``). A gateway's drain waits for
+        its calls' answers, so the backends are idle when they stop (a decoder that
+        gateways of other hosts call is not: run such a host's backends under their own
+        orchestrator, which drains them one by one)."""
         codes: dict[str, int | None] = {}
         for wave in (self.instances("gateway"), self.instances("decoder", "encoder", "cache")):
             procs = {n: self.procs[n] for n in wave if n in self.procs}

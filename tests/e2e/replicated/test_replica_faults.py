@@ -31,6 +31,11 @@ ROLLING = ("cache-2", "encoder-2", "decoder-2")
 @pytest.mark.e2e
 @pytest.mark.timeout(1800)
 def test_replicas_and_the_store_killed_and_restarted_under_load(replicated: Cluster) -> None:
+    # The package's cluster, after test_migration: each replica SERVING before the drill
+    # (a decoder test_migration could not restart would fail the drill's asserts, not here).
+    for name in replicated.instances("encoder", "cache", "decoder"):
+        if not replicated.serving(name):
+            replicated.restart(name)
     pids_before = replicated.pids()
     report = run_drill(
         replicated,
@@ -41,8 +46,10 @@ def test_replicas_and_the_store_killed_and_restarted_under_load(replicated: Clus
         rolling=ROLLING,
     )
     print(report)
-    # Every call answered in every step: answers in progress on the killed decoder-1, or
-    # on a decoder drained by the rolling restart, moved to the other replica.
+    # Every call answered in every step: a call on the killed decoder-1 before its first
+    # token is replayed, an answer in progress there or on a decoder drained by the rolling
+    # restart (DECODER_HANDOFF_S 0.3 s here) moves to the other replica. At 8 calls/s few
+    # 8-token answers are in progress at the kill: test_migration shows the moves.
     for step, codes in report["statuses_by_step"].items():
         assert set(codes) == {"OK"}, (step, codes, report["error_examples"])
     assert report["max_e2e_s"] <= 70.0

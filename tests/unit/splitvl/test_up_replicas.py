@@ -418,7 +418,7 @@ def test_the_redis_server_ends_with_a_sigkilled_launcher(tmp_path: Path) -> None
         [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
     )
     assert launcher.stdout is not None
     pid, port = (int(x) for x in launcher.stdout.readline().split())
