@@ -61,7 +61,10 @@ async def in_process_server(
 ) -> AsyncIterator[grpc.aio.Channel]:
     """Serve ``servicer`` on 127.0.0.1:0 through the real bootstrap; yield a channel to it.
 
-    ``settings``: a ServerSettings (port 0) to serve with instead of the defaults.
+    ``settings``: a ServerSettings (port 0) to serve with instead of the defaults, which
+    are the service's but for no grace: the test's calls are over (or meant to be cut)
+    when it stops the server, and the drain's notice to health watchers (0.5 s) was most
+    of many unit tests' time. A test of the drain passes its own settings.
     ``on_port``: called with the bound port before the channel opens.
     """
     from vlcommon.server import serve
@@ -73,7 +76,7 @@ async def in_process_server(
         serve(
             service_name="test",
             service_full_names=[service_full_name],
-            settings=settings or ServerSettings(port=0),
+            settings=settings or ServerSettings(port=0, grace_s=0.0),
             stop_event=stop,
             on_started=started.set_result,
             register=lambda s: add_to_server(servicer, s),
