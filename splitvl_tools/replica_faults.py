@@ -253,9 +253,9 @@ class Drill:
             nonlocal turn
             pool = uncached if w % 2 else requests
             # Paced: each worker starts a call every `period` seconds at most, the workers
-            # spread over the first period.
+            # spread over the first period (worker w starts at w / rate).
             period = self.concurrency / self.rate if self.rate else 0.0
-            await asyncio.sleep(period * w / self.concurrency)
+            await asyncio.sleep(w / self.rate if self.rate else 0.0)
             while not stop.is_set():
                 request = pool[turn % len(pool)]
                 turn += 1

@@ -193,12 +193,21 @@ class OtlpReceiver:
 
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)
+        self.host = host
         self.port = self.server.add_insecure_port(f"{host}:0")
         self.server.start()
 
     def snapshot(self) -> list[dict[str, object]]:
         with self.lock:
             return list(self.spans)
+
+    def env(self) -> dict[str, str]:
+        """What a service needs to export its spans here, within 0.2 s of ending them."""
+        return {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{self.host}:{self.port}",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        }
 
     def stop(self) -> None:
         self.server.stop(0)
@@ -223,9 +232,7 @@ def cluster(
         ports=Ports.free(),
         log_dir=tmp_path_factory.mktemp("logs"),
         env={
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_receiver.port}",
-            "OTEL_EXPORTER_OTLP_INSECURE": "true",
-            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            **otlp_receiver.env(),
             # Room for a stream long enough that a cancel always lands mid-generation (the
             # tiny model decodes thousands of tokens in seconds): see the C09 test.
             "GATEWAY_MAX_TOKENS_LIMIT": str(LONG_STREAM_TOKENS),

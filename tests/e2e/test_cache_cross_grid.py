@@ -48,11 +48,7 @@ def qwen_budget_cluster(
         model=str(model),
         ports=Ports.free(),
         log_dir=tmp_path_factory.mktemp("logs"),
-        env={
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_receiver.port}",
-            "OTEL_EXPORTER_OTLP_INSECURE": "true",
-            "OTEL_BSP_SCHEDULE_DELAY": "200",
-        },
+        env=otlp_receiver.env(),
         decoder_args=["--max-model-len", "32768", "--max-num-batched-tokens", "4096"],
     )
     with cluster:

@@ -29,9 +29,7 @@ def replicated(
     ports = Ports.free(REPLICAS)
     server = RedisServer.create(log_dir / "redis", avoid=[p for p, _, _ in ports.bindings()])
     env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_receiver.port}",
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        **otlp_receiver.env(),
         # A drained decoder hands its streams back 0.3 s into the drain (not at the end
         # of its 10 s grace), while test_migration's 600-token answers are still running.
         "DECODER_HANDOFF_S": "0.3",

@@ -40,20 +40,13 @@ KILL_AFTER = 5  # tokens the client has received when its decoder goes
 DECODERS = ("decoder-1", "decoder-2")
 
 
-@pytest.fixture(scope="module")
-def pair(replicated: Cluster) -> Cluster:
-    """The package's cluster (tests/e2e/replicated/conftest.py): two decoders, each of
-    which these tests kill or drain, with DECODER_HANDOFF_S 0.3 s."""
-    return replicated
-
-
 @pytest.fixture(autouse=True)
-def _decoders_back(pair: Cluster) -> Iterator[None]:
+def _decoders_back(replicated: Cluster) -> Iterator[None]:
     """Each test kills or stops a decoder: it is started again after the test."""
     yield
     for name in DECODERS:
-        if not pair.serving(name):
-            pair.restart(name)
+        if not replicated.serving(name):
+            replicated.restart(name)
 
 
 def _serving_decoder(c: Cluster) -> str:
@@ -116,25 +109,25 @@ def _migrations(c: Cluster, reason: str) -> float:
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_a_decoder_killed_mid_answer_costs_the_grpc_client_nothing(
-    pair: Cluster, otlp_receiver: OtlpReceiver
+    replicated: Cluster, otlp_receiver: OtlpReceiver
 ) -> None:
-    address = pair.ports.gateway_address()
+    address = replicated.ports.gateway_address()
     undisturbed = _grpc_answer(address)
     assert len(undisturbed.token_ids) == MAX_TOKENS
-    before = _migrations(pair, "lost")
-    moved = _grpc_answer(address, disturb=pair.kill, c=pair)
+    before = _migrations(replicated, "lost")
+    moved = _grpc_answer(address, disturb=replicated.kill, c=replicated)
     assert moved.disturbed and moved.tokens_before < MAX_TOKENS
     assert moved.token_ids == undisturbed.token_ids
     assert moved.text == undisturbed.text
     assert moved.usage == undisturbed.usage == (undisturbed.usage[0], MAX_TOKENS)
-    assert _migrations(pair, "lost") == before + 1
+    assert _migrations(replicated, "lost") == before + 1
     # The trace says where it went: both replicas and the tokens moved.
-    lost = str(pair.ports.grpc[moved.disturbed])
+    lost = str(replicated.ports.grpc[moved.disturbed])
     other = next(n for n in DECODERS if n != moved.disturbed)
     events = _migration_events(otlp_receiver)
     assert any(
         lost in e["splitvl.migration.from"].string_value
-        and str(pair.ports.grpc[other]) in e["splitvl.migration.to"].string_value
+        and str(replicated.ports.grpc[other]) in e["splitvl.migration.to"].string_value
         and e["splitvl.migration.reason"].string_value == "lost"
         and e["splitvl.migration.tokens"].int_value >= KILL_AFTER
         for e in events
@@ -158,22 +151,22 @@ def _migration_events(receiver: OtlpReceiver) -> list[dict[str, Any]]:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
-def test_a_drained_decoder_hands_its_answers_to_the_other(pair: Cluster) -> None:
-    address = pair.ports.gateway_address()
+def test_a_drained_decoder_hands_its_answers_to_the_other(replicated: Cluster) -> None:
+    address = replicated.ports.gateway_address()
     undisturbed = _grpc_answer(address)
-    before = _migrations(pair, "draining")
+    before = _migrations(replicated, "draining")
     codes: dict[str, int | None] = {}
 
     def drain(name: str) -> None:
         # SIGTERM as a rolling restart sends it; the answer keeps streaming meanwhile.
-        thread = threading.Thread(target=lambda: codes.update({name: pair.terminate(name)}))
+        thread = threading.Thread(target=lambda: codes.update({name: replicated.terminate(name)}))
         thread.start()
 
-    moved = _grpc_answer(address, disturb=drain, c=pair)
+    moved = _grpc_answer(address, disturb=drain, c=replicated)
     assert moved.token_ids == undisturbed.token_ids
     assert moved.text == undisturbed.text
     assert moved.usage == undisturbed.usage
-    assert _migrations(pair, "draining") == before + 1
+    assert _migrations(replicated, "draining") == before + 1
     deadline = time.monotonic() + 60
     while moved.disturbed not in codes and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -182,11 +175,11 @@ def test_a_drained_decoder_hands_its_answers_to_the_other(pair: Cluster) -> None
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
-def test_a_decoder_killed_mid_answer_costs_the_openai_client_nothing(pair: Cluster) -> None:
+def test_a_decoder_killed_mid_answer_costs_the_openai_client_nothing(replicated: Cluster) -> None:
     import openai
 
     client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{pair.ports.http}/v1",
+        base_url=f"http://127.0.0.1:{replicated.ports.http}/v1",
         api_key="none",
         max_retries=0,
         timeout=120,
@@ -205,7 +198,7 @@ def test_a_decoder_killed_mid_answer_costs_the_openai_client_nothing(pair: Clust
     def stream(disturb: bool) -> tuple[str, tuple[int, int], str]:
         text, usage, killed, chunks = "", (0, 0), "", 0
         for event in client.chat.completions.create(
-            model=pair.model,
+            model=replicated.model,
             messages=messages,  # type: ignore[arg-type]
             max_tokens=MAX_TOKENS,
             temperature=0,
@@ -219,8 +212,8 @@ def test_a_decoder_killed_mid_answer_costs_the_openai_client_nothing(pair: Clust
                 text += event.choices[0].delta.content
                 chunks += 1
                 if disturb and not killed and chunks >= KILL_AFTER:
-                    killed = _serving_decoder(pair)
-                    pair.kill(killed)
+                    killed = _serving_decoder(replicated)
+                    replicated.kill(killed)
         return text, usage, killed
 
     text, usage, _ = stream(disturb=False)
@@ -233,12 +226,12 @@ def test_a_decoder_killed_mid_answer_costs_the_openai_client_nothing(pair: Clust
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_with_migration_off_a_lost_decoder_ends_the_answer_as_before(
-    pair: Cluster, tmp_path: Path
+    replicated: Cluster, tmp_path: Path
 ) -> None:
     env = {"GATEWAY_MIGRATION_LIMIT": "0"}
-    with extra_service(pair, "gateway", env, tmp_path) as ports:
+    with extra_service(replicated, "gateway", env, tmp_path) as ports:
         with pytest.raises(grpc.RpcError) as err:
-            _grpc_answer(ports.address("gateway"), disturb=pair.kill, c=pair)
+            _grpc_answer(ports.address("gateway"), disturb=replicated.kill, c=replicated)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         info = error_info(err.value)
         assert info is not None and info.reason == "DECODER_LOST_MID_STREAM"
@@ -254,7 +247,7 @@ def _generate_ok(c: Cluster, name: str) -> float:
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (make system-deps)")
 def test_through_haproxy_a_replay_and_a_migration_reach_the_other_decoder(
-    pair: Cluster, tmp_path: Path
+    replicated: Cluster, tmp_path: Path
 ) -> None:
     """The shipped deploy/haproxy/haproxy.cfg between a gateway (GATEWAY_DECODER_ROUTING=
     proxy) and the two real decoders: an answer whose decoder is killed mid-stream
@@ -262,31 +255,31 @@ def test_through_haproxy_a_replay_and_a_migration_reach_the_other_decoder(
     call whose decoder dies before its first token is answered by the other, both through
     the one proxy endpoint, which sends the second try to the live decoder (a call with no byte
     of its answer back HAProxy re-dispatches itself)."""
-    backends = [types.SimpleNamespace(port=pair.ports.grpc[n]) for n in DECODERS]
+    backends = [types.SimpleNamespace(port=replicated.ports.grpc[n]) for n in DECODERS]
     proxy = Proxy(backends, tmp_path)
     env = {"GATEWAY_DECODER_ROUTING": "proxy"}
     try:
         with extra_service(
-            pair, "gateway", env, tmp_path, decoder=f"127.0.0.1:{proxy.port}"
+            replicated, "gateway", env, tmp_path, decoder=f"127.0.0.1:{proxy.port}"
         ) as ports:
             address = ports.address("gateway")
             undisturbed = _grpc_answer(address)
-            moved = _grpc_answer(address, disturb=pair.kill, c=pair)
+            moved = _grpc_answer(address, disturb=replicated.kill, c=replicated)
             assert (moved.token_ids, moved.text, moved.usage) == (
                 undisturbed.token_ids,
                 undisturbed.text,
                 undisturbed.usage,
             )
             assert _metric(ports, "gateway", 'splitvl_gateway_migrations_total{reason="lost"}') == 1
-            pair.restart(moved.disturbed)
+            replicated.restart(moved.disturbed)
             proxy.wait_for(dict.fromkeys(proxy.servers[:2], "UP"))
 
             # Which decoder HAProxy sends this image to, then that one frozen (SIGSTOP:
             # the call reaches it and waits) and killed before its first token.
-            before = {n: _generate_ok(pair, n) for n in DECODERS}
+            before = {n: _generate_ok(replicated, n) for n in DECODERS}
             _grpc_answer(address)
-            [home] = [n for n in DECODERS if _generate_ok(pair, n) > before[n]]
-            pid = pair.pids()[home]
+            [home] = [n for n in DECODERS if _generate_ok(replicated, n) > before[n]]
+            pid = replicated.pids()[home]
             os.killpg(pid, signal.SIGSTOP)
             result: dict[str, Any] = {}
 
@@ -297,12 +290,12 @@ def test_through_haproxy_a_replay_and_a_migration_reach_the_other_decoder(
                     result["error"] = err
 
             other = next(n for n in DECODERS if n != home)
-            served = _generate_ok(pair, other)
+            served = _generate_ok(replicated, other)
             thread = threading.Thread(target=call)
             thread.start()
             time.sleep(1.0)
             assert "answer" not in result  # held by the frozen decoder
-            pair.kill(home)
+            replicated.kill(home)
             thread.join(120)
             assert "error" not in result, result
             replayed = result["answer"]
@@ -313,6 +306,6 @@ def test_through_haproxy_a_replay_and_a_migration_reach_the_other_decoder(
             )
             # HAProxy itself sent it on (retry-on empty-response: no byte of an answer had
             # come back), or the gateway's second try through it did.
-            assert _generate_ok(pair, other) == served + 1
+            assert _generate_ok(replicated, other) == served + 1
     finally:
         proxy.close()
